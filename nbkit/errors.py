@@ -1,0 +1,35 @@
+"""The exceptions nbkit raises on purpose.
+
+Each is a small subclass of a built-in type, so callers who do not know nbkit can still catch
+``ValueError`` or ``LookupError``. Messages name the thing, what was expected, and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "StaleCacheError",
+    "CorruptCacheError",
+    "MissingSampleError",
+    "NondeterministicSourceError",
+    "UnsafeArchiveError",
+]
+
+
+class StaleCacheError(ValueError):
+    """The cache at a path was built from a different source than the one given now."""
+
+
+class CorruptCacheError(ValueError):
+    """Stored bytes fail their checksum, or a cache file is damaged, and nothing can recompute them."""
+
+
+class MissingSampleError(LookupError):
+    """A cache opened without its source was asked for a sample it never stored."""
+
+
+class NondeterministicSourceError(ValueError):
+    """The source dataset returns different samples for the same index."""
+
+
+class UnsafeArchiveError(ValueError):
+    """An archive holds a member that could write outside its target (absolute path, ``..``, link, device)."""

@@ -1,0 +1,98 @@
+"""Offline stand-ins for datasets that are normally downloaded.
+
+Tests, the demo and the notebooks (when the real download is impossible) use
+:func:`write_mnist` to create MNIST-format IDX files that torchvision's ``MNIST``,
+``FashionMNIST``, ``KMNIST`` and ``EMNIST`` classes load with ``download=False``. The images are
+not real digits, but each class has its own pattern plus noise and a random shift, so a small
+model can learn them and a loss curve goes down.
+
+Example:
+    >>> import tempfile
+    >>> from nbkit.offline import write_mnist
+    >>> root = tempfile.mkdtemp()
+    >>> raw = write_mnist(root, n_train=100, n_test=20)
+    >>> sorted(p.name for p in raw.iterdir())[:2]
+    ['t10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte']
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["write_mnist", "mnist_raw_folder"]
+
+# torchvision looks for raw files under root/<folder>/raw; EMNIST uses a split-specific naming
+# scheme of its own, which we do not emulate.
+_FOLDERS = {"MNIST": "MNIST", "FashionMNIST": "FashionMNIST", "KMNIST": "KMNIST"}
+
+
+def mnist_raw_folder(root, name: str = "MNIST") -> Path:
+    """Where torchvision's ``name`` class expects its raw IDX files under ``root``."""
+    if name not in _FOLDERS:
+        raise ValueError(f"no offline layout for {name!r}; choose one of {sorted(_FOLDERS)}")
+    return Path(root) / _FOLDERS[name] / "raw"
+
+
+def _class_templates(rng: np.random.Generator, n_classes: int = 10) -> np.ndarray:
+    # A few random strokes per class, blurred a little: distinct, learnable, digit-sized.
+    templates = np.zeros((n_classes, 28, 28), np.float32)
+    yy, xx = np.mgrid[0:28, 0:28]
+    for c in range(n_classes):
+        for _ in range(3):
+            x0, y0, x1, y1 = rng.uniform(6, 22, size=4)
+            for t in np.linspace(0, 1, 24):
+                cx, cy = x0 + t * (x1 - x0), y0 + t * (y1 - y0)
+                templates[c] += np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / 3.0)
+        templates[c] /= templates[c].max()
+    return templates
+
+
+def _images(rng, templates, labels) -> np.ndarray:
+    n = len(labels)
+    out = np.empty((n, 28, 28), np.uint8)
+    step = 8192
+    for s in range(0, n, step):
+        lab = labels[s : s + step]
+        img = templates[lab] * rng.uniform(0.7, 1.0, size=(len(lab), 1, 1)).astype(np.float32)
+        img += rng.normal(0, 0.08, size=img.shape).astype(np.float32)
+        shift = rng.integers(-2, 3, size=2)
+        img = np.roll(img, tuple(int(v) for v in shift), axis=(1, 2))
+        out[s : s + step] = np.clip(img * 255, 0, 255).astype(np.uint8)
+    return out
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    magic = 0x0800 | array.ndim  # 0x08 = unsigned byte, then the number of dimensions
+    header = struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+    os.replace(tmp, path)
+
+
+def write_mnist(root, *, name: str = "MNIST", n_train: int = 60000, n_test: int = 10000, seed: int = 0) -> Path:
+    """Write MNIST-format IDX files that ``torchvision.datasets.<name>(root, download=False)`` loads.
+
+    Args:
+        root: the ``root`` you will pass to torchvision.
+        name: ``"MNIST"``, ``"FashionMNIST"`` or ``"KMNIST"`` (decides the folder name).
+        n_train, n_test: number of images in each split.
+        seed: the files are a pure function of the arguments.
+
+    Returns:
+        The raw folder the files were written to.
+    """
+    raw = mnist_raw_folder(root, name)
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    templates = _class_templates(rng)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = rng.integers(0, 10, size=n).astype(np.uint8)
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", _images(rng, templates, labels))
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    return raw

@@ -1,0 +1,18 @@
+"""Shared test fixtures. Per-topic fixtures live in tests/fixtures_*.py and are imported by the
+test modules that use them."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+@pytest.fixture(scope="session")
+def mnist_root(tmp_path_factory):
+    """An offline MNIST-format root (2,000 train / 500 test images) for torchvision.datasets.MNIST."""
+    from nbkit.offline import write_mnist
+
+    root = tmp_path_factory.mktemp("mnist")
+    write_mnist(root, n_train=2000, n_test=500)
+    return root
