@@ -1,0 +1,46 @@
+"""nbkit: persistent, fast sample caches for PyTorch datasets in notebooks.
+
+Example:
+    >>> import torch, tempfile, nbkit
+    >>> src = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.arange(64))
+    >>> ds = nbkit.CachedDataset(src, tempfile.mkdtemp())
+    >>> _ = ds.warmup()
+    >>> loader = torch.utils.data.DataLoader(ds, batch_size=16, collate_fn=nbkit.collate)
+    >>> [x.shape for x, y in loader][0]
+    torch.Size([16, 4])
+"""
+
+from .collate import collate
+from .dataset import CachedDataset
+from .errors import CorruptCacheError, MissingSampleError, NondeterministicSourceError, StaleCacheError
+from .progress import Callback, TextProgress
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CachedDataset",
+    "collate",
+    "Callback",
+    "TextProgress",
+    "StaleCacheError",
+    "CorruptCacheError",
+    "MissingSampleError",
+    "NondeterministicSourceError",
+    "export_tar",
+    "import_tar",
+    "push",
+    "pull",
+]
+
+
+def __getattr__(name):
+    # Transfer functions live in their own modules; import them on first use.
+    if name in ("export_tar", "import_tar"):
+        from . import archive
+
+        return getattr(archive, name)
+    if name in ("push", "pull"):
+        from . import transfer
+
+        return getattr(transfer, name)
+    raise AttributeError(f"module 'nbkit' has no attribute {name!r}")

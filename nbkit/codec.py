@@ -1,0 +1,640 @@
+"""How one sample becomes bytes and back, without pickle unless asked.
+
+A sample is any nesting of tuples, lists and dicts (string keys) whose leaves are tensors, numpy
+arrays or scalars, Python numbers, strings, bytes or ``None``. :func:`flatten` splits a sample
+into a *structure* (hashable, JSON-able) and a list of leaves. A :class:`Schema`, inferred from a
+few samples, decides per leaf how it is stored:
+
+* ``col`` — same dtype and shape in every sample: one row of a fixed-size column file, so a
+  batch read is one vectorised gather;
+* ``var`` — strings, bytes, arrays whose shape varies: packed into a per-sample blob;
+* ``const`` — ``None``: nothing stored.
+
+A sample that does not fit the schema (other structure, dtype or shape) is stored whole as a
+self-describing *free-form* blob: slower, but it always works. Decoding only ever uses JSON and
+``numpy.frombuffer``; pickle is used only for leaves of other types, and only when the writer and
+the reader both pass ``allow_pickle=True``.
+
+Example:
+    >>> import torch
+    >>> from nbkit.codec import encode_freeform, decode_freeform
+    >>> sample = (torch.arange(3), {"label": 7, "name": "seven"})
+    >>> decode_freeform(encode_freeform(sample, allow_pickle=False), allow_pickle=False)
+    (tensor([0, 1, 2]), {'label': 7, 'name': 'seven'})
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from .errors import CorruptCacheError
+
+__all__ = ["Schema", "flatten", "unflatten", "encode_freeform", "decode_freeform", "infer_schema"]
+
+# ---------------------------------------------------------------------------------------------
+# structure
+
+
+def flatten(sample, leaves: list, where: str = "sample"):
+    """Append the leaves of ``sample`` to ``leaves`` and return its structure.
+
+    The structure is a nested tuple: ``("T", children)`` for a tuple, ``("L", children)`` for a
+    list, ``("D", keys, children)`` for a dict and ``"*"`` for a leaf.
+    """
+    if isinstance(sample, tuple):
+        return ("T", tuple(flatten(x, leaves, f"{where}[{i}]") for i, x in enumerate(sample)))
+    if isinstance(sample, list):
+        return ("L", tuple(flatten(x, leaves, f"{where}[{i}]") for i, x in enumerate(sample)))
+    if isinstance(sample, dict):
+        keys = tuple(sample.keys())
+        for k in keys:
+            if not isinstance(k, str):
+                raise TypeError(
+                    f"{where} is a dict with key {k!r} of type {type(k).__name__}; nbkit stores dicts "
+                    "with string keys only. Convert the keys to str in your dataset."
+                )
+        return ("D", keys, tuple(flatten(sample[k], leaves, f"{where}[{k!r}]") for k in keys))
+    leaves.append(sample)
+    return "*"
+
+
+def unflatten(structure, leaves_iter):
+    """Rebuild one sample from its structure and an iterator over its leaves."""
+    if structure == "*":
+        return next(leaves_iter)
+    tag = structure[0]
+    if tag == "T":
+        return tuple(unflatten(s, leaves_iter) for s in structure[1])
+    if tag == "L":
+        return [unflatten(s, leaves_iter) for s in structure[1]]
+    if tag == "D":
+        return {k: unflatten(s, leaves_iter) for k, s in zip(structure[1], structure[2])}
+    raise CorruptCacheError(f"unknown structure tag {tag!r} in cache metadata")
+
+
+def unflatten_columns(structure, columns_iter, n: int):
+    """Rebuild ``n`` samples at once from per-leaf lists of ``n`` values (C-level ``zip``)."""
+    if structure == "*":
+        return next(columns_iter)
+    tag = structure[0]
+    children = [unflatten_columns(s, columns_iter, n) for s in structure[1 if tag != "D" else 2]]
+    if not children:
+        empty = {"T": tuple, "L": list, "D": dict}[tag]
+        return [empty() for _ in range(n)]
+    if tag == "T":
+        return list(zip(*children))
+    if tag == "L":
+        return [list(t) for t in zip(*children)]
+    keys = structure[1]
+    return [dict(zip(keys, t)) for t in zip(*children)]
+
+
+def structure_to_json(structure):
+    if structure == "*":
+        return "*"
+    if structure[0] == "D":
+        return ["D", list(structure[1]), [structure_to_json(s) for s in structure[2]]]
+    return [structure[0], [structure_to_json(s) for s in structure[1]]]
+
+
+def structure_from_json(obj):
+    if obj == "*":
+        return "*"
+    if not isinstance(obj, list) or not obj or obj[0] not in ("T", "L", "D"):
+        raise CorruptCacheError(f"malformed sample structure in cache metadata: {obj!r}")
+    if obj[0] == "D":
+        return ("D", tuple(str(k) for k in obj[1]), tuple(structure_from_json(s) for s in obj[2]))
+    return (obj[0], tuple(structure_from_json(s) for s in obj[1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# leaves
+
+_TORCH_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    )
+}
+_NP_KINDS = set("biufcSU")  # never "O" (objects) or "V" (void/structured)
+
+
+def _torch_storage_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype whose bytes hold a tensor of ``dtype`` (bfloat16 travels as int16)."""
+    if dtype == torch.bfloat16:
+        return np.dtype("<i2")
+    return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype).newbyteorder("<")
+
+
+def leaf_kind(value, where: str, allow_pickle: bool) -> str:
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in _NP_KINDS:
+            if allow_pickle:
+                return "pickle"
+            raise TypeError(
+                f"{where} is a numpy array of dtype {value.dtype}, which nbkit cannot store without pickle. "
+                "Convert it to a numeric array in your dataset, or pass allow_pickle=True (openers must then "
+                "pass allow_pickle=True too)."
+            )
+        return "ndarray"
+    if isinstance(value, np.generic):
+        return "npscalar" if np.dtype(type(value)).kind in _NP_KINDS else ("pickle" if allow_pickle else _refuse(value, where))
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int" if -(2**63) <= value < 2**63 else ("pickle" if allow_pickle else _refuse(value, where))
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, complex):
+        return "complex"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "bytes"
+    if value is None:
+        return "none"
+    if allow_pickle:
+        return "pickle"
+    return _refuse(value, where)
+
+
+def _refuse(value, where: str):
+    hint = ""
+    if type(value).__module__.startswith("PIL"):
+        hint = " For PIL images add transforms.PILToTensor() or ToTensor() to the source dataset."
+    raise TypeError(
+        f"{where} has type {type(value).__module__}.{type(value).__qualname__}, which nbkit can only store "
+        f"with pickle.{hint} Convert it to a tensor, numpy array, number, str or bytes in your dataset, or "
+        "pass allow_pickle=True (anyone opening the cache must then pass allow_pickle=True too, because "
+        "unpickling can run code)."
+    )
+
+
+def leaf_to_array(kind: str, value) -> np.ndarray:
+    """The numpy array whose bytes store a leaf of ``kind`` (col and var leaves)."""
+    if kind == "tensor":
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.layout != torch.strided:
+            raise TypeError(f"nbkit stores dense tensors only, got layout {t.layout}; call .to_dense() in your dataset")
+        t = t.resolve_conj().resolve_neg().contiguous()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        return t.numpy()
+    if kind == "ndarray":
+        return np.ascontiguousarray(value)
+    if kind == "npscalar":
+        return np.asarray(value)
+    if kind == "int":
+        return np.asarray(value, dtype="<i8")
+    if kind == "float":
+        return np.asarray(value, dtype="<f8")
+    if kind == "bool":
+        return np.asarray(value, dtype="|b1")
+    if kind == "complex":
+        return np.asarray(value, dtype="<c16")
+    raise AssertionError(kind)
+
+
+def leaf_dtype_shape(kind: str, value):
+    """``(dtype_name, shape)`` describing an array-like leaf, as stored in the schema."""
+    if kind == "tensor":
+        return str(value.dtype).removeprefix("torch."), tuple(value.shape)
+    if kind == "ndarray":
+        return value.dtype.str, tuple(value.shape)
+    if kind == "npscalar":
+        return np.dtype(type(value)).str, ()
+    return {"int": "<i8", "float": "<f8", "bool": "|b1", "complex": "<c16"}[kind], ()
+
+
+def storage_dtype(kind: str, dtype_name: str) -> np.dtype:
+    """The numpy dtype of the stored bytes for a leaf described by ``(kind, dtype_name)``."""
+    if kind == "tensor":
+        d = _TORCH_DTYPES.get(dtype_name)
+        if d is None:
+            raise CorruptCacheError(f"unsupported tensor dtype {dtype_name!r} in cache metadata")
+        return _torch_storage_dtype(d)
+    try:
+        dt = np.dtype(dtype_name)
+    except TypeError as e:
+        raise CorruptCacheError(f"unsupported array dtype {dtype_name!r} in cache metadata") from e
+    if dt.kind not in _NP_KINDS:
+        raise CorruptCacheError(f"refusing array dtype {dtype_name!r} in cache metadata (objects are never loaded)")
+    return dt
+
+
+def array_to_leaf(kind: str, dtype_name: str, arr: np.ndarray):
+    """Turn stored bytes (as an array of the storage dtype) back into a leaf of ``kind``."""
+    if kind == "tensor":
+        t = torch.from_numpy(arr)
+        if dtype_name == "bfloat16":
+            t = t.view(torch.bfloat16)
+        return t
+    if kind == "ndarray":
+        return arr
+    if kind == "npscalar":
+        return arr[()]
+    return arr.item()
+
+
+def batch_leaf_values(kind: str, dtype_name: str, col: np.ndarray) -> list:
+    """Per-sample leaf values from a gathered column of shape ``(n, *shape)``."""
+    if kind == "tensor":
+        t = torch.from_numpy(col)
+        if dtype_name == "bfloat16":
+            t = t.view(torch.bfloat16)
+        return list(torch.unbind(t))
+    if kind == "ndarray" or kind == "npscalar":
+        return list(col)
+    return col.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# free-form blobs: a JSON header, then raw payloads
+
+_FREEFORM_MAGIC = b"NBKF"
+
+
+def _leaf_header_and_payload(value, where: str, allow_pickle: bool):
+    kind = leaf_kind(value, where, allow_pickle)
+    if kind in ("int", "float", "bool", "none"):
+        if kind == "float" and value != value:  # NaN: JSON would lose nothing, but keep it explicit
+            return {"k": "float", "v": "nan"}, b""
+        return {"k": kind, "v": value}, b""
+    if kind == "complex":
+        return {"k": "complex", "v": [value.real, value.imag]}, b""
+    if kind == "str":
+        data = value.encode("utf-8", "surrogatepass")
+        return {"k": "str", "n": len(data)}, data
+    if kind == "bytes":
+        data = bytes(value)
+        return {"k": "bytes", "n": len(data)}, data
+    if kind == "pickle":
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        return {"k": "pickle", "n": len(data)}, data
+    arr = leaf_to_array(kind, value)
+    dtype_name, shape = leaf_dtype_shape(kind, value)
+    data = arr.tobytes()
+    return {"k": kind, "d": dtype_name, "s": list(shape), "n": len(data)}, data
+
+
+def encode_freeform(sample, *, allow_pickle: bool, where: str = "sample") -> bytes:
+    """A self-describing blob holding any supported sample."""
+    leaves: list = []
+    structure = flatten(sample, leaves, where)
+    headers, payloads = [], []
+    for j, leaf in enumerate(leaves):
+        h, p = _leaf_header_and_payload(leaf, f"{where} leaf {j}", allow_pickle)
+        headers.append(h)
+        payloads.append(p)
+    header = json.dumps({"s": structure_to_json(structure), "l": headers}, separators=(",", ":")).encode()
+    return b"".join([_FREEFORM_MAGIC, struct.pack("<I", len(header)), header, *payloads])
+
+
+def decode_freeform(blob, *, allow_pickle: bool, where: str = "sample"):
+    """Inverse of :func:`encode_freeform`. Never unpickles unless ``allow_pickle``."""
+    mv = memoryview(blob)
+    if len(mv) < 8 or bytes(mv[:4]) != _FREEFORM_MAGIC:
+        raise CorruptCacheError(f"{where}: stored blob is not an nbkit sample")
+    (hlen,) = struct.unpack_from("<I", mv, 4)
+    try:
+        header = json.loads(bytes(mv[8 : 8 + hlen]))
+        structure = structure_from_json(header["s"])
+        descs = header["l"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCacheError(f"{where}: stored sample header is malformed ({e})") from e
+    pos = 8 + hlen
+    leaves = []
+    for h in descs:
+        k = h.get("k")
+        if k in ("int", "bool", "none"):
+            leaves.append(h["v"])
+            continue
+        if k == "float":
+            leaves.append(float(h["v"]))
+            continue
+        if k == "complex":
+            leaves.append(complex(*h["v"]))
+            continue
+        n = int(h["n"])
+        if n < 0 or pos + n > len(mv):
+            raise CorruptCacheError(f"{where}: stored sample is truncated")
+        data = mv[pos : pos + n]
+        pos += n
+        if k == "str":
+            leaves.append(bytes(data).decode("utf-8", "surrogatepass"))
+        elif k == "bytes":
+            leaves.append(bytes(data))
+        elif k == "pickle":
+            if not allow_pickle:
+                raise pickle_refused(where)
+            leaves.append(pickle.loads(data))
+        elif k in ("tensor", "ndarray", "npscalar"):
+            dt = storage_dtype(k, h["d"])
+            shape = tuple(int(x) for x in h["s"])
+            if int(np.prod(shape, dtype=np.int64)) * dt.itemsize != n:
+                raise CorruptCacheError(f"{where}: stored array size does not match its shape")
+            arr = np.frombuffer(data, dtype=dt).reshape(shape).copy()
+            leaves.append(array_to_leaf(k, h["d"], arr))
+        else:
+            raise CorruptCacheError(f"{where}: unknown leaf kind {k!r}")
+    return unflatten(structure, iter(leaves))
+
+
+def pickle_refused(where: str) -> Exception:
+    return PermissionError(
+        f"{where} holds a pickled object; unpickling data from a cache can run arbitrary code. If you trust "
+        "where this cache came from, open it with allow_pickle=True."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# schema
+
+
+@dataclass(frozen=True)
+class Leaf:
+    kind: str  # tensor ndarray npscalar int float bool complex str bytes none pickle
+    store: str  # col | var | const
+    dtype: str = ""  # for array-like leaves
+    shape: tuple = ()  # for col leaves
+    column: int = -1  # column index for col leaves
+
+    def to_json(self):
+        return {"kind": self.kind, "store": self.store, "dtype": self.dtype, "shape": list(self.shape), "column": self.column}
+
+    @classmethod
+    def from_json(cls, obj):
+        return cls(obj["kind"], obj["store"], obj.get("dtype", ""), tuple(int(x) for x in obj.get("shape", ())), int(obj.get("column", -1)))
+
+
+@dataclass(frozen=True)
+class Schema:
+    """How the leaves of a conforming sample are stored. ``structure is None`` means every sample is free-form."""
+
+    structure: object
+    leaves: tuple
+
+    @property
+    def columns(self) -> list:
+        return [leaf for leaf in self.leaves if leaf.store == "col"]
+
+    @property
+    def has_var(self) -> bool:
+        return any(leaf.store == "var" for leaf in self.leaves)
+
+    def column_dtype(self, leaf: Leaf) -> np.dtype:
+        return storage_dtype(leaf.kind, leaf.dtype)
+
+    def row_bytes(self, leaf: Leaf) -> int:
+        return int(np.prod(leaf.shape, dtype=np.int64)) * self.column_dtype(leaf).itemsize
+
+    def to_json(self):
+        if self.structure is None:
+            return None
+        return {"structure": structure_to_json(self.structure), "leaves": [leaf.to_json() for leaf in self.leaves]}
+
+    @classmethod
+    def from_json(cls, obj):
+        if obj is None:
+            return cls(None, ())
+        try:
+            leaves = tuple(Leaf.from_json(x) for x in obj["leaves"])
+            schema = cls(structure_from_json(obj["structure"]), leaves)
+            for leaf in schema.columns:
+                schema.column_dtype(leaf)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCacheError(f"malformed schema in cache metadata ({e})") from e
+        return schema
+
+    # -- encoding conforming samples -------------------------------------------------------
+
+    @cached_property
+    def _plan(self):
+        """A compiled splitter: ``(structure_check, leaf_handlers)``, built once per schema."""
+        return _compile_structure(self.structure), [_leaf_handler(leaf) for leaf in self.leaves]
+
+    def split(self, sample, where: str, allow_pickle: bool):
+        """``(col_values, var_blob)`` for a sample that fits the schema, or ``None`` if it does not.
+
+        ``col_values[k]`` is an array (or a Python scalar) for column ``k``; stack them with
+        :meth:`stack`.
+        """
+        if self.structure is None:
+            return None
+        check, handlers = self._plan
+        leaves: list = []
+        if not check(sample, leaves):
+            return None
+        cols, var_parts = [], []
+        for leaf, handler, value in zip(self.leaves, handlers, leaves):
+            if leaf.store == "col":
+                out = handler(value)
+                if out is None:
+                    return None
+                cols.append(out)
+                continue
+            if leaf.store == "const":
+                if value is not None:
+                    return None
+                continue
+            kind = leaf_kind(value, where, allow_pickle)
+            if kind != leaf.kind:
+                return None
+            if kind in ("tensor", "ndarray"):
+                dtype_name, shape = leaf_dtype_shape(kind, value)
+                if dtype_name != leaf.dtype:
+                    return None
+                arr = leaf_to_array(kind, value)
+                var_parts.append(struct.pack(f"<I{len(shape)}q", len(shape), *shape) + arr.tobytes())
+            elif kind == "str":
+                var_parts.append(value.encode("utf-8", "surrogatepass"))
+            elif kind == "bytes":
+                var_parts.append(bytes(value))
+            else:  # pickle
+                var_parts.append(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        blob = b""
+        if var_parts:
+            blob = struct.pack(f"<I{len(var_parts)}Q", len(var_parts), *(len(p) for p in var_parts)) + b"".join(var_parts)
+        return cols, blob
+
+    def stack(self, k: int, values: list) -> np.ndarray:
+        """Rows for column ``k`` from the ``col_values[k]`` of several samples."""
+        leaf = self.columns[k]
+        if leaf.kind in ("tensor", "ndarray", "npscalar"):
+            return np.stack(values)
+        return np.array(values, dtype=self.column_dtype(leaf))
+
+    def var_values(self, blob, where: str, allow_pickle: bool) -> list:
+        """Decode the var leaves of one conforming sample from its blob."""
+        mv = memoryview(blob)
+        var_leaves = [leaf for leaf in self.leaves if leaf.store == "var"]
+        try:
+            (n,) = struct.unpack_from("<I", mv, 0)
+            if n != len(var_leaves):
+                raise CorruptCacheError(f"{where}: stored blob has {n} fields, schema expects {len(var_leaves)}")
+            lengths = struct.unpack_from(f"<{n}Q", mv, 4)
+        except struct.error as e:
+            raise CorruptCacheError(f"{where}: stored blob is truncated") from e
+        pos = 4 + 8 * n
+        out = []
+        for leaf, length in zip(var_leaves, lengths):
+            if pos + length > len(mv):
+                raise CorruptCacheError(f"{where}: stored blob is truncated")
+            data = mv[pos : pos + length]
+            pos += length
+            if leaf.kind in ("tensor", "ndarray"):
+                try:
+                    (ndim,) = struct.unpack_from("<I", data, 0)
+                    shape = struct.unpack_from(f"<{ndim}q", data, 4)
+                except struct.error as e:
+                    raise CorruptCacheError(f"{where}: stored array header is truncated") from e
+                dt = storage_dtype(leaf.kind, leaf.dtype)
+                raw = data[4 + 8 * ndim :]
+                if int(np.prod(shape, dtype=np.int64)) * dt.itemsize != len(raw) or min(shape, default=0) < 0:
+                    raise CorruptCacheError(f"{where}: stored array size does not match its shape")
+                out.append(array_to_leaf(leaf.kind, leaf.dtype, np.frombuffer(raw, dtype=dt).reshape(shape).copy()))
+            elif leaf.kind == "str":
+                out.append(bytes(data).decode("utf-8", "surrogatepass"))
+            elif leaf.kind == "bytes":
+                out.append(bytes(data))
+            elif leaf.kind == "pickle":
+                if not allow_pickle:
+                    raise pickle_refused(where)
+                out.append(pickle.loads(data))
+            else:
+                raise CorruptCacheError(f"{where}: unexpected var leaf kind {leaf.kind!r}")
+        return out
+
+
+def infer_schema(samples: list, *, allow_pickle: bool) -> Schema:
+    """The schema that stores ``samples`` (a few probes of the source) most efficiently.
+
+    Leaves whose dtype and shape agree across the probes become columns; array leaves whose
+    shape differs become variable-length; if the probes disagree in structure or leaf kinds,
+    every sample is stored free-form.
+    """
+    flats = []
+    for j, s in enumerate(samples):
+        leaves: list = []
+        structure = flatten(s, leaves, f"probe sample {j}")
+        kinds = [leaf_kind(v, f"probe sample {j}", allow_pickle) for v in leaves]
+        flats.append((structure, leaves, kinds))
+    structure, first_leaves, kinds = flats[0]
+    if any(f[0] != structure or f[2] != kinds for f in flats[1:]):
+        return Schema(None, ())
+    out = []
+    n_cols = 0
+    for j, kind in enumerate(kinds):
+        if kind == "none":
+            out.append(Leaf(kind, "const"))
+        elif kind in ("str", "bytes", "pickle"):
+            out.append(Leaf(kind, "var"))
+        else:
+            descs = {leaf_dtype_shape(kind, f[1][j]) for f in flats}
+            dtypes = {d for d, _ in descs}
+            if len(dtypes) != 1:
+                return Schema(None, ())
+            if len(descs) == 1:
+                dtype_name, shape = descs.pop()
+                out.append(Leaf(kind, "col", dtype_name, shape, n_cols))
+                n_cols += 1
+            elif kind in ("tensor", "ndarray"):
+                out.append(Leaf(kind, "var", dtypes.pop()))
+            else:
+                return Schema(None, ())
+    return Schema(structure, tuple(out))
+
+
+def _compile_structure(structure):
+    """A function ``check(sample, out) -> bool`` that appends the leaves of a sample with this structure."""
+    if structure == "*":
+        def leaf(s, out):
+            out.append(s)
+            return True
+        return leaf
+    tag = structure[0]
+    if tag in ("T", "L"):
+        typ = tuple if tag == "T" else list
+        children = structure[1]
+        n = len(children)
+        if all(c == "*" for c in children):
+            def flat(s, out):
+                if not isinstance(s, typ) or len(s) != n:
+                    return False
+                out.extend(s)
+                return True
+            return flat
+        subs = [_compile_structure(c) for c in children]
+
+        def seq(s, out):
+            if not isinstance(s, typ) or len(s) != n:
+                return False
+            return all(sub(x, out) for sub, x in zip(subs, s))
+        return seq
+    keys = structure[1]
+    subs = [_compile_structure(c) for c in structure[2]]
+
+    def mapping(s, out):
+        if not isinstance(s, dict) or tuple(s) != keys:
+            return False
+        return all(sub(s[k], out) for sub, k in zip(subs, keys))
+    return mapping
+
+
+def _leaf_handler(leaf: Leaf):
+    """For a col leaf: ``value -> array or scalar`` if it matches the leaf exactly, else ``None``."""
+    if leaf.store != "col":
+        return None
+    kind = leaf.kind
+    if kind == "tensor":
+        tdtype = _TORCH_DTYPES[leaf.dtype]
+        shape = torch.Size(leaf.shape)
+        plain = tdtype != torch.bfloat16
+
+        def tensor(v):
+            if not isinstance(v, torch.Tensor) or v.dtype != tdtype or v.shape != shape:
+                return None
+            if plain and not v.requires_grad and v.device.type == "cpu" and v.layout == torch.strided \
+                    and v.is_contiguous() and not v.is_conj() and not v.is_neg():
+                return v.numpy()
+            return leaf_to_array("tensor", v)
+        return tensor
+    if kind == "ndarray":
+        dtype, shape = np.dtype(leaf.dtype), leaf.shape
+
+        def ndarray(v):
+            if not isinstance(v, np.ndarray) or v.dtype != dtype or v.shape != shape:
+                return None
+            return v
+        return ndarray
+    if kind == "npscalar":
+        dtype = np.dtype(leaf.dtype)
+
+        def npscalar(v):
+            if not isinstance(v, np.generic) or v.dtype != dtype:
+                return None
+            return v
+        return npscalar
+    pytype = {"int": int, "float": float, "bool": bool, "complex": complex}[kind]
+
+    def scalar(v):
+        if type(v) is not pytype:
+            if kind == "int" and isinstance(v, int) and not isinstance(v, bool):
+                return int(v)
+            return None
+        if kind == "int" and not -(2**63) <= v < 2**63:
+            return None
+        return v
+    return scalar

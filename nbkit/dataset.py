@@ -1,0 +1,485 @@
+"""``CachedDataset``: a persistent sample cache around any map-style PyTorch dataset.
+
+The first read of a sample computes it from the source and stores it; every later read, in this
+session or the next, on this host or another, comes from the cache. Fixed-shape fields live in
+memory-mapped column files, so a batch is one vectorised gather at close to memory speed.
+
+Example:
+    >>> import torch, tempfile
+    >>> from torch.utils.data import TensorDataset
+    >>> import nbkit
+    >>> path = tempfile.mkdtemp()
+    >>> ds = nbkit.CachedDataset(TensorDataset(torch.randn(100, 8), torch.arange(100)), path)
+    >>> report = ds.warmup()
+    >>> ds.stats.cached, len(ds)
+    (100, 100)
+    >>> again = nbkit.CachedDataset.open(path)      # no source needed any more
+    >>> int(again[42][1])
+    42
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from . import format as fmt
+from . import storage
+from .codec import decode_freeform, encode_freeform, infer_schema
+from .collate import SampleBatch, TensorBatch
+from .errors import CorruptCacheError, MissingSampleError
+from .fingerprint import fingerprint
+from .stats import SharedCounters, Stats
+
+__all__ = ["CachedDataset"]
+
+_NOT_GIVEN = object()
+
+
+class CachedDataset(Dataset):
+    """A map-style dataset whose samples are computed once and then read from a persistent cache.
+
+    Args:
+        dataset: the source (any object with ``__len__`` and ``__getitem__``), or ``None`` to open an
+            existing cache without it (same as :meth:`open`).
+        path: where the cache lives: a local directory or an fsspec URL (``gs://bucket/prefix`` …).
+        transform: applied to each sample *after* it is read from the cache, e.g. random augmentation on
+            top of cached deterministic preprocessing.
+        overwrite: discard an existing cache at ``path`` built from a different source.
+        allow_pickle: store leaves of types nbkit does not know by pickling them, and allow reading
+            such leaves back. Off by default: a cache received from someone else must not run code.
+        fingerprint_samples: how many probe samples identify the source (content hash, determinism
+            check); ``0`` skips both.
+        storage_options: passed to fsspec for remote URLs (e.g. ``{"token": ...}`` for gcsfs).
+
+    Raises:
+        StaleCacheError: the cache at ``path`` was built from a different source.
+        NondeterministicSourceError: the source returns different data for the same index.
+        TypeError: a sample holds a type that needs pickle and ``allow_pickle`` is off.
+    """
+
+    def __init__(self, dataset, path, *, transform=None, overwrite: bool = False, allow_pickle: bool = False,
+                 fingerprint_samples: int = 3, storage_options: dict | None = None):
+        self._source = dataset
+        self.transform = transform
+        self.allow_pickle = allow_pickle
+        self._location = storage.resolve(path, storage_options)
+        self.path = self._location.url
+        self.root = self._location.root
+        self._location.prepare()
+        if dataset is None:
+            self._meta = fmt.read_meta(self.root)
+        else:
+            self._meta = self._create_or_check(dataset, overwrite, fingerprint_samples)
+        self._length = int(self._meta["length"])
+        self._files_obj = None
+        self._files_pid = None
+        self._counters = SharedCounters.create()
+        self._verified = None
+
+    @classmethod
+    def open(cls, path, *, transform=None, allow_pickle: bool = False, storage_options: dict | None = None) -> "CachedDataset":
+        """Open an existing cache without its source; samples never stored raise :class:`MissingSampleError`.
+
+        Example:
+            >>> import nbkit, pytest
+            >>> with pytest.raises(FileNotFoundError):
+            ...     nbkit.CachedDataset.open("/nonexistent/cache")
+        """
+        return cls(None, path, transform=transform, allow_pickle=allow_pickle, storage_options=storage_options)
+
+    # -- creation --------------------------------------------------------------------------------
+
+    def _create_or_check(self, dataset, overwrite: bool, n_probes: int) -> dict:
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                f"CachedDataset needs a map-style dataset (with __len__ and __getitem__), got {type(dataset).__name__}. "
+                "Iterable datasets cannot be cached by index."
+            )
+        length = len(dataset)
+        if length == 0:
+            raise ValueError(f"the source dataset {type(dataset).__name__} is empty; there is nothing to cache")
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise NotADirectoryError(f"cache path {self.root} exists and is not a directory; choose a directory path")
+        fp, probes = fingerprint(dataset, n_probes=n_probes, allow_pickle=self.allow_pickle)
+        probe_samples = list(probes.values()) or [dataset[0]]
+        schema = infer_schema(probe_samples, allow_pickle=self.allow_pickle)
+        columns = [{"file": fmt.column_file(leaf.column), "dtype": schema.column_dtype(leaf).str, "shape": list(leaf.shape)}
+                   for leaf in schema.columns]
+        wanted = {
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.VERSION,
+            "length": length,
+            "schema": schema.to_json(),
+            "columns": columns,
+            "fingerprint": fp,
+            "allow_pickle": self.allow_pickle,
+        }
+        meta_path = os.path.join(self.root, fmt.META)
+        if overwrite and os.path.exists(meta_path):
+            _remove_cache_files(self.root)
+        os.makedirs(self.root, exist_ok=True)
+        if os.path.exists(meta_path):
+            existing = fmt.read_meta(self.root)
+            fmt.check_compatible(self.root, existing, wanted)
+            return existing
+        # Size the data files before publishing the metadata, so whoever sees the metadata finds them.
+        fmt.CacheFiles(self.root, wanted, writable=True).close()
+        meta = fmt.publish_meta(self.root, wanted)
+        fmt.check_compatible(self.root, meta, wanted)
+        return meta
+
+    # -- per-process state -------------------------------------------------------------------------
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_files_obj"] = None
+        state["_files_pid"] = None
+        state["_verified"] = None
+        return state
+
+    @property
+    def _files(self) -> fmt.CacheFiles:
+        pid = os.getpid()
+        if self._files_obj is None or self._files_pid != pid:
+            # Each process maps the files itself (after fork too: never share fds or locks).
+            self._files_obj = fmt.CacheFiles(self.root, self._meta, writable=self._source is not None)
+            self._files_pid = pid
+            self._verified = np.zeros(self._length, dtype=bool)
+        return self._files_obj
+
+    @property
+    def source(self):
+        """The source dataset, or ``None`` for a cache opened without it."""
+        return self._source
+
+    @property
+    def schema(self):
+        return self._files.schema
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __repr__(self) -> str:
+        src = type(self._source).__name__ if self._source is not None else "no source"
+        return f"CachedDataset({src}, {self.path!r}, {len(self)} samples)"
+
+    # -- reads -----------------------------------------------------------------------------------------
+
+    def _index_array(self, indices) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size:
+            lo, hi = idx.min(), idx.max()
+            if lo < 0 or hi >= self._length:
+                if lo >= -self._length and hi < self._length:
+                    idx = np.where(idx < 0, idx + self._length, idx)
+                else:
+                    bad = int(lo if (lo < -self._length) else hi)
+                    raise IndexError(f"index {bad} is out of range for a cache of {self._length} samples")
+        return idx
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._length))]
+        if isinstance(index, torch.Tensor):
+            index = index.item()
+        return self._fetch(self._index_array([index]), single=True)
+
+    def __getitems__(self, indices):
+        """Fetch a batch: one vectorised gather per fixed-shape field (used by DataLoader)."""
+        return self._fetch(self._index_array(indices), single=False)
+
+    def _fetch(self, idx: np.ndarray, single: bool):
+        f = self._files
+        state = f.state[idx]
+        misses = 0
+        if not state.all():
+            missing = np.unique(idx[state == fmt.EMPTY])
+            misses = int(np.count_nonzero(state == fmt.EMPTY))
+            self._compute_and_store(missing, reason="read")
+        hits = len(idx) - misses
+        self._counters.add(hits=hits, misses=misses)
+
+        flags = f.flags[idx]
+        schema = f.schema
+        if schema.structure is None or (flags & fmt.FLAG_FREEFORM).any():
+            samples = [self._read_one(int(i)) for i in idx]
+            return self._finish(samples, single)
+
+        columns = [c[idx] for c in f.columns]
+        var_values = None
+        unverified = ~self._verified[idx]
+        if schema.has_var:
+            blobs = [f.read_blob(int(i)) for i in idx]
+            var_leaves = sum(1 for leaf in schema.leaves if leaf.store == "var")
+            per_sample = [schema.var_values(b, f"sample {int(i)} of {self.path}", self.allow_pickle) for i, b in zip(idx, blobs)]
+            var_values = [list(v) for v in zip(*per_sample)] if per_sample else [[] for _ in range(var_leaves)]
+        else:
+            blobs = None
+        if unverified.any():
+            bad = []
+            for j in np.flatnonzero(unverified):
+                i = int(idx[j])
+                crc = f.row_crc([c[j] for c in columns], blobs[j] if blobs else b"")
+                if crc != int(f.crc[i]):
+                    bad.append(j)
+                else:
+                    self._verified[i] = True
+            if bad:
+                return self._repair_and_refetch(idx, [int(idx[j]) for j in bad], single)
+        if self.transform is not None:
+            batch = SampleBatch(schema, idx, columns, var_values)
+            return self._finish(batch.samples(), single)
+        if schema.structure == "*" and not schema.has_var and schema.leaves[0].kind == "tensor":
+            batch = TensorBatch(torch.from_numpy(columns[0]) if schema.leaves[0].dtype != "bfloat16"
+                                else torch.from_numpy(columns[0]).view(torch.bfloat16))
+            return batch[0] if single else batch
+        batch = SampleBatch(schema, idx, columns, var_values)
+        return batch[0] if single else batch
+
+    def _finish(self, samples: list, single: bool):
+        if self.transform is not None:
+            samples = [self.transform(s) for s in samples]
+        return samples[0] if single else samples
+
+    def _read_one(self, i: int):
+        """Read one stored sample the slow, general way (free-form or variable-length fields)."""
+        f = self._files
+        schema = f.schema
+        where = f"sample {i} of {self.path}"
+        blob = f.read_blob(i) if (f.flags[i] & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR)) else b""
+        if f.flags[i] & fmt.FLAG_FREEFORM:
+            rows = []
+        else:
+            rows = [c[i] for c in f.columns]
+        if not self._verified[i]:
+            if f.row_crc([np.ascontiguousarray(r) for r in rows], blob) != int(f.crc[i]):
+                self._repair(i)
+                return self._read_one(i)
+            self._verified[i] = True
+        if f.flags[i] & fmt.FLAG_FREEFORM:
+            return decode_freeform(blob, allow_pickle=self.allow_pickle, where=where)
+        batch = SampleBatch(schema, np.array([i]), [np.array(r)[None] for r in rows],
+                            [[v] for v in schema.var_values(blob, where, self.allow_pickle)] if blob else None)
+        return batch[0]
+
+    def _repair(self, i: int) -> None:
+        path = self.path
+        if self._source is None:
+            raise CorruptCacheError(
+                f"sample {i} in the cache at {path} fails its checksum: the stored bytes were damaged or modified. "
+                "Open the cache with its source (nbkit.CachedDataset(source, path)) to recompute it, or pull / "
+                "import the cache again."
+            )
+        self._counters.add(recomputed=1)
+        self._compute_and_store(np.array([i]), reason="repair")
+
+    def _repair_and_refetch(self, idx, bad: list, single: bool):
+        for i in bad:
+            self._repair(i)
+        return self._fetch(idx, single)
+
+    # -- writes ----------------------------------------------------------------------------------------
+
+    def _compute_and_store(self, indices: np.ndarray, reason: str = "warmup") -> int:
+        """Compute ``indices`` from the source and store them; return how many were stored."""
+        if self._source is None:
+            f = self._files
+            stored = int(np.count_nonzero(f.state == fmt.STORED))
+            i = int(indices[0])
+            raise MissingSampleError(
+                f"sample {i} is not in the cache at {self.path} (it holds {stored} of {self._length} samples) and "
+                "the cache was opened without its source. Open it with the source to compute missing samples "
+                "(nbkit.CachedDataset(source, path)), or warm it up completely before sharing it."
+            )
+        samples = []
+        for i in indices:
+            i = int(i)
+            try:
+                samples.append(self._source[i])
+            except Exception as e:
+                if hasattr(e, "add_note"):
+                    e.add_note(f"(raised by the source dataset while nbkit cached sample {i} into {self.path})")
+                raise
+        self._store(indices, samples)
+        return len(samples)
+
+    def _store(self, indices: np.ndarray, samples: list) -> None:
+        f = self._files
+        if not f.writable:
+            raise PermissionError(f"the cache at {self.path} is open read-only")
+        schema = f.schema
+        n = len(indices)
+        col_rows = [[] for _ in f.columns]
+        conforming_pos, blobs_pos, blobs = [], [], []
+        flags = np.zeros(n, np.uint8)
+        for j, (i, s) in enumerate(zip(indices, samples)):
+            where = f"sample {int(i)} of {type(self._source).__name__}"
+            parts = schema.split(s, where, self.allow_pickle)
+            if parts is None:
+                flags[j] = fmt.FLAG_FREEFORM
+                blobs_pos.append(j)
+                blobs.append(encode_freeform(s, allow_pickle=self.allow_pickle, where=where))
+                continue
+            cols, blob = parts
+            conforming_pos.append(j)
+            for k, a in enumerate(cols):
+                col_rows[k].append(a)
+            if blob:
+                flags[j] = fmt.FLAG_VAR
+                blobs_pos.append(j)
+                blobs.append(blob)
+        # A sample being replaced (repair) must not look stored while its bytes change.
+        idx = np.asarray(indices, dtype=np.int64)
+        was = f.state[idx] != fmt.EMPTY
+        if was.any():
+            f.state[idx[was]] = fmt.EMPTY
+        crc = np.zeros(n, np.uint32)
+        blob_of = dict(zip(blobs_pos, blobs))
+        if conforming_pos:
+            cpos = np.asarray(conforming_pos)
+            stacked = [schema.stack(k, rows) for k, rows in enumerate(col_rows)]
+            rows_idx = idx[cpos]
+            if len(rows_idx) > 1 and rows_idx[-1] - rows_idx[0] == len(rows_idx) - 1 and (np.diff(rows_idx) == 1).all():
+                sl = slice(int(rows_idx[0]), int(rows_idx[-1]) + 1)  # contiguous: a plain copy
+                for col, rows in zip(f.columns, stacked):
+                    col[sl] = rows
+            else:
+                for col, rows in zip(f.columns, stacked):
+                    col[rows_idx] = rows
+            row_crc = f.row_crc
+            for m, j in enumerate(conforming_pos):
+                crc[j] = row_crc([rows[m] for rows in stacked], blob_of.get(j, b""))
+        for j in blobs_pos:
+            if flags[j] == fmt.FLAG_FREEFORM:
+                crc[j] = f.row_crc([], blob_of[j])
+        if blobs:
+            offsets = f.append_blobs(blobs)
+            bpos = np.asarray(blobs_pos)
+            f.off[idx[bpos]] = offsets
+            f.len[idx[bpos]] = [len(b) for b in blobs]
+        f.flags[idx] = flags
+        f.crc[idx] = crc
+        f.state[idx] = fmt.STORED  # last: only now may readers trust the sample
+        self._verified[idx] = True
+        self._counters.add(stored=n)
+
+    # -- bulk operations -------------------------------------------------------------------------------
+
+    def missing(self) -> np.ndarray:
+        """Indices of the samples not stored yet."""
+        return np.flatnonzero(self._files.state != fmt.STORED)
+
+    def warmup(self, num_workers: int = 0, callback=None, *, shard: tuple[int, int] | None = None,
+               chunk_size: int = 256, multiprocessing_context=None):
+        """Compute and store every missing sample; resumable and stoppable.
+
+        Args:
+            num_workers: ``0`` fills in this process; ``k > 0`` fills in ``k`` worker processes.
+            callback: an :class:`nbkit.progress.Callback` (or any fsspec callback) for progress;
+                setting its ``stop_requested`` stops the warmup after the current chunk.
+            shard: ``(rank, world)``: fill only the missing indices ``i`` with ``i % world == rank``
+                (several processes sharing one cache each fill their part, no sample twice).
+            chunk_size: samples per unit of work (and per progress update).
+            multiprocessing_context: start method for the workers (default: the DataLoader default).
+
+        Returns:
+            A :class:`nbkit.warmup.WarmupReport`.
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
+            >>> ds.warmup().computed
+            10
+        """
+        from .warmup import run_warmup
+
+        report = run_warmup(self, num_workers=num_workers, callback=callback, shard=shard, chunk_size=chunk_size,
+                            multiprocessing_context=multiprocessing_context)
+        if not report.stopped and self._location.is_remote:
+            self._location.publish(callback=callback)
+        return report
+
+    def sync(self, callback=None) -> None:
+        """Push the local working copy of a remote cache (``gs://…``) to its URL; no-op for local paths."""
+        self._location.publish(callback=callback)
+
+    def verify(self, callback=None) -> int:
+        """Check every stored sample against its checksum; return how many were checked.
+
+        Raises:
+            CorruptCacheError: listing the first damaged samples.
+        """
+        from .progress import as_callback
+
+        cb = as_callback(callback)
+        f = self._files
+        stored = np.flatnonzero(f.state == fmt.STORED)
+        cb.set_size(len(stored))
+        bad = []
+        for start in range(0, len(stored), 1024):
+            chunk = stored[start : start + 1024]
+            cols = [c[chunk] for c in f.columns]
+            for m, i in enumerate(chunk):
+                i = int(i)
+                flag = f.flags[i]
+                try:
+                    blob = f.read_blob(i) if flag & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR) else b""
+                except CorruptCacheError:
+                    bad.append(i)
+                    continue
+                rows = [] if flag & fmt.FLAG_FREEFORM else [c[m] for c in cols]
+                if f.row_crc(rows, blob) != int(f.crc[i]):
+                    bad.append(i)
+                else:
+                    self._verified[i] = True
+            cb.relative_update(len(chunk))
+        if bad:
+            shown = ", ".join(map(str, bad[:10])) + (" …" if len(bad) > 10 else "")
+            raise CorruptCacheError(
+                f"{len(bad)} sample(s) in the cache at {self.path} fail their checksum (indices {shown}). "
+                "Re-create them by opening the cache with its source, or pull / import the cache again."
+            )
+        return len(stored)
+
+    # -- stats -----------------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> Stats:
+        """Counters summed over every process reading this dataset (DataLoader workers included)."""
+        f = self._files
+        t = self._counters.totals()
+        return Stats(
+            hits=t["hits"], misses=t["misses"], recomputed=t["recomputed"], stored=t["stored"],
+            cached=int(np.count_nonzero(f.state == fmt.STORED)), total=self._length, bytes=f.stored_bytes(),
+        )
+
+    def reset_stats(self) -> None:
+        """Start hits/misses/recomputed/stored from zero (``cached`` is a fact about the disk and stays)."""
+        self._counters.reset()
+
+    @property
+    def is_complete(self) -> bool:
+        return bool((self._files.state == fmt.STORED).all())
+
+
+def _remove_cache_files(root: str) -> None:
+    """Delete an old cache's files (metadata first, so nobody sees a cache with half its data)."""
+    meta_path = os.path.join(root, fmt.META)
+    try:
+        meta = fmt.read_meta(root)
+        names = fmt.list_cache_files(root, meta)
+    except (CorruptCacheError, FileNotFoundError):
+        names = [n for n in os.listdir(root) if n in (fmt.INDEX, fmt.HEAP) or n.startswith("col-")]
+    if os.path.exists(meta_path):
+        os.unlink(meta_path)
+    for name in names + [fmt.LOCK]:
+        p = os.path.join(root, name)
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        elif os.path.exists(p):
+            os.unlink(p)

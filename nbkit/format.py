@@ -1,0 +1,293 @@
+"""The on-disk layout of one cache directory (format version 1).
+
+* ``nbkit.json`` — metadata, created once and atomically; its presence makes a directory a cache.
+* ``index.bin`` — one 24-byte record per sample: ``state, flags, crc32, heap offset, heap length``.
+  ``state`` is written last, so a reader never trusts a half-written sample; the crc catches
+  anything else (a torn page after a power cut, a flipped bit, a tampered file).
+* ``col-<k>.bin`` — one fixed-size row per sample for each fixed-shape leaf, preallocated so a
+  full disk fails at creation with a clear error rather than mid-epoch.
+* ``heap.bin`` — variable-length blobs, appended under an exclusive lock (``heap.lock``).
+
+Files are memory-mapped: opening a cache loads nothing into RAM, and a cache larger than RAM is
+served through the OS page cache.
+
+Example:
+    >>> from nbkit.format import META, RECORD
+    >>> META, RECORD.itemsize
+    ('nbkit.json', 24)
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import mmap
+import os
+import threading
+import uuid
+import zlib
+
+import numpy as np
+
+from .codec import Schema
+from .errors import CorruptCacheError, StaleCacheError
+
+__all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "CacheFiles", "list_cache_files", "read_meta"]
+
+FORMAT_NAME = "nbkit-cache"
+VERSION = 1
+META = "nbkit.json"
+INDEX = "index.bin"
+HEAP = "heap.bin"
+LOCK = "heap.lock"
+
+EMPTY, STORED = 0, 1
+FLAG_VAR = 1  # conforming sample with var leaves in the heap
+FLAG_FREEFORM = 2  # whole sample is a free-form blob in the heap
+
+RECORD = np.dtype([("state", "u1"), ("flags", "u1"), ("pad", "<u2"), ("crc", "<u4"), ("off", "<u8"), ("len", "<u8")])
+
+
+def column_file(k: int) -> str:
+    return f"col-{k}.bin"
+
+
+def list_cache_files(root: str, meta: dict | None = None) -> list[str]:
+    """Names of the data files of the cache at ``root``, metadata last (the order to copy them in)."""
+    meta = read_meta(root) if meta is None else meta
+    names = [INDEX] + [c["file"] for c in meta["columns"]]
+    if os.path.exists(os.path.join(root, HEAP)):
+        names.append(HEAP)
+    return names + [META]
+
+
+def read_meta(root: str) -> dict:
+    """Parse and check ``root/nbkit.json``; ``FileNotFoundError`` if ``root`` holds no cache."""
+    path = os.path.join(root, META)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no nbkit cache at {root} (it has no {META}). Create one with nbkit.CachedDataset(source, "
+            f"{root!r}), or bring one in with nbkit.pull(...) or nbkit.import_tar(...)."
+        ) from None
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise CorruptCacheError(f"{path} is not valid JSON ({e}); the cache metadata is damaged. Re-create or re-import the cache.") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CorruptCacheError(f"{path} is not nbkit cache metadata (format field is {meta.get('format') if isinstance(meta, dict) else None!r})")
+    version = meta.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise CorruptCacheError(
+            f"{path} has format version {version!r}; this nbkit reads version {VERSION}. Upgrade nbkit "
+            "(pip install -U nbkit) to open it."
+        )
+    for key in ("length", "schema", "columns", "fingerprint"):
+        if key not in meta:
+            raise CorruptCacheError(f"{path} lacks the field {key!r}; the cache metadata is damaged.")
+    return meta
+
+
+def publish_meta(root: str, meta: dict) -> dict:
+    """Create ``root/nbkit.json`` if absent (atomically); return whichever metadata won.
+
+    Several processes may race to create the same cache: each writes a private temporary file and
+    hard-links it into place, which fails if another got there first; the loser adopts the
+    winner's metadata (the caller then compares fingerprints).
+    """
+    path = os.path.join(root, META)
+    tmp = os.path.join(root, f".{META}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(meta, indent=1, sort_keys=True).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        # A filesystem without hard links (some FUSE mounts): fall back to rename-if-absent.
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return read_meta(root)
+
+
+def _map(path: str, size: int, writable: bool):
+    """``(mmap, fd)`` of ``path`` holding exactly ``size`` bytes, creating/extending it if writable."""
+    if writable:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    else:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            if not writable:
+                raise CorruptCacheError(f"{path} is {actual} bytes, expected {size}: the cache is truncated. Re-import or re-create it.")
+            _preallocate(fd, path, actual, size)
+        elif actual > size:
+            raise CorruptCacheError(f"{path} is {actual} bytes, expected {size}: it does not belong to this cache's metadata.")
+        if size == 0:
+            return None, fd
+        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ), fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _preallocate(fd: int, path: str, actual: int, size: int) -> None:
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, actual, size - actual)
+        else:
+            os.ftruncate(fd, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            free = os.statvfs(os.path.dirname(path) or ".")
+            raise OSError(
+                errno.ENOSPC,
+                f"not enough disk space for the cache file {path}: it needs {size / 2**20:.1f} MiB, "
+                f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB are free. Choose a path on a larger disk or free some space.",
+            ) from e
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            os.ftruncate(fd, size)
+        else:
+            raise
+
+
+class CacheFiles:
+    """The memory-mapped files of one cache directory, opened in one process.
+
+    Not shared between processes: each process (DataLoader worker, TPU process) opens its own.
+    """
+
+    def __init__(self, root: str, meta: dict, *, writable: bool):
+        self.root = root
+        self.meta = meta
+        self.writable = writable
+        self.length = int(meta["length"])
+        self.schema = Schema.from_json(meta["schema"])
+        self._fds = []
+        mm, fd = _map(os.path.join(root, INDEX), self.length * RECORD.itemsize, writable)
+        self._fds.append(fd)
+        self._index_mmap = mm
+        if mm is None:
+            self.records = np.zeros(0, RECORD)
+        else:
+            self.records = np.frombuffer(mm, dtype=RECORD, count=self.length)
+        self.state = self.records["state"]
+        self.flags = self.records["flags"]
+        self.crc = self.records["crc"]
+        self.off = self.records["off"]
+        self.len = self.records["len"]
+        self.columns = []
+        for leaf, spec in zip(self.schema.columns, meta["columns"]):
+            dtype = self.schema.column_dtype(leaf)
+            shape = (self.length, *leaf.shape)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            cm, cfd = _map(os.path.join(root, spec["file"]), nbytes, writable)
+            self._fds.append(cfd)
+            if cm is None:
+                self.columns.append(np.zeros(shape, dtype))
+            else:
+                self.columns.append(np.frombuffer(cm, dtype=dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape))
+        self._heap_fd = None
+        self._heap_lock = threading.Lock()
+
+    # -- heap ---------------------------------------------------------------------------------
+
+    def _heap(self) -> int:
+        if self._heap_fd is None:
+            path = os.path.join(self.root, HEAP)
+            if self.writable:
+                self._heap_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            else:
+                try:
+                    self._heap_fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise CorruptCacheError(f"{path} is missing but the index points into it: the cache is incomplete. Re-import or re-create it.") from None
+            self._fds.append(self._heap_fd)
+        return self._heap_fd
+
+    def append_blobs(self, blobs: list[bytes]) -> list[int]:
+        """Append ``blobs`` to the heap under an exclusive lock; return their offsets."""
+        fd = self._heap()
+        data = b"".join(blobs)
+        # fcntl.lockf locks are per process, so they also exclude forked children that share our
+        # file descriptors; the thread lock covers threads of this process.
+        lock_fd = os.open(os.path.join(self.root, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            with self._heap_lock:
+                fcntl.lockf(lock_fd, fcntl.LOCK_EX)
+                try:
+                    start = os.fstat(fd).st_size
+                    written = 0
+                    while written < len(data):
+                        written += os.pwrite(fd, data[written:], start + written)
+                finally:
+                    fcntl.lockf(lock_fd, fcntl.LOCK_UN)
+        finally:
+            os.close(lock_fd)
+        offsets, pos = [], start
+        for b in blobs:
+            offsets.append(pos)
+            pos += len(b)
+        return offsets
+
+    def read_blob(self, i: int) -> bytes:
+        off, n = int(self.off[i]), int(self.len[i])
+        data = os.pread(self._heap(), n, off)
+        if len(data) != n:
+            raise CorruptCacheError(f"sample {i}: {os.path.join(self.root, HEAP)} is shorter than the index says; the cache is damaged.")
+        return data
+
+    # -- checksums ----------------------------------------------------------------------------
+
+    @staticmethod
+    def row_crc(rows, blob: bytes = b"") -> int:
+        c = 0
+        for r in rows:
+            c = zlib.crc32(r, c)
+        if blob:
+            c = zlib.crc32(blob, c)
+        return c
+
+    def stored_bytes(self) -> int:
+        """Bytes the cache occupies on disk (allocated blocks)."""
+        total = 0
+        for name in os.listdir(self.root):
+            try:
+                st = os.stat(os.path.join(self.root, name))
+            except FileNotFoundError:
+                continue
+            total += getattr(st, "st_blocks", 0) * 512 or st.st_size
+        return total
+
+    def close(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
+
+
+def check_compatible(root: str, existing: dict, wanted: dict) -> None:
+    """Raise :class:`StaleCacheError` if the cache metadata at ``root`` does not fit ``wanted``."""
+    from .fingerprint import differences
+
+    diffs = differences(existing["fingerprint"], wanted["fingerprint"])
+    if existing["length"] != wanted["length"] and not any(d.startswith("length") for d in diffs):
+        diffs.append(f"length: cached {existing['length']}, source {wanted['length']}")
+    if diffs:
+        raise StaleCacheError(
+            f"the cache at {root} was built from a different source: " + "; ".join(diffs) + ". "
+            "Use a new path for this source, or pass overwrite=True to discard the old cache and rebuild it."
+        )

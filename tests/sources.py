@@ -1,0 +1,175 @@
+"""Small picklable source datasets for the engine tests (importable by spawned workers)."""
+
+import os
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+def image(i, shape=(1, 8, 8)):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(shape, generator=g)
+
+
+class TupleSource(Dataset):
+    """(float tensor, int label): the MNIST shape of sample."""
+
+    def __init__(self, n=100, shape=(1, 8, 8), transform=None):
+        self.n, self.shape, self.transform = n, shape, transform
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return image(i, self.shape), i % 10
+
+
+class DictSource(Dataset):
+    """Every supported leaf kind, nested."""
+
+    def __init__(self, n=50, with_none=True):
+        self.n, self.with_none = n, with_none
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        sample = {
+            "x": image(i, (3, 4)),
+            "arr": np.arange(6, dtype=np.int16).reshape(2, 3) + i,
+            "scalar": np.float32(i / 2),
+            "label": i,
+            "weight": i * 0.25,
+            "flag": i % 2 == 0,
+            "name": f"sample-{i}-é",
+            "raw": bytes([i % 256]) * (i % 7),
+            "none": None,
+            "pair": [image(i, (2,)).to(torch.float64), (i, "x" * (i % 3))],
+            "half": torch.full((2,), float(i), dtype=torch.bfloat16),
+        }
+        if not self.with_none:
+            del sample["none"]
+        return sample
+
+
+class CollatableDictSource(DictSource):
+    """DictSource without None (which default_collate refuses)."""
+
+    def __init__(self, n=50):
+        super().__init__(n, with_none=False)
+
+
+class VarShapeSource(Dataset):
+    """Tensors whose first dimension varies with the index (token sequences, boxes …)."""
+
+    def __init__(self, n=40):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.arange((i % 5 + 1) * 3, dtype=torch.float32).reshape(-1, 3) + i, i
+
+
+class IrregularSource(Dataset):
+    """Samples whose structure changes with the index: stored free-form."""
+
+    def __init__(self, n=30):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i % 3 == 0:
+            return {"a": torch.tensor([i])}
+        if i % 3 == 1:
+            return (torch.ones(i), "text", [1, 2, i])
+        return torch.tensor(float(i))
+
+
+class BareTensorSource(Dataset):
+    def __init__(self, n=20):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return image(i, (2, 3))
+
+
+class RandomSource(Dataset):
+    """A random augmentation inside the source: non-deterministic."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return torch.rand(3)
+
+
+class Opaque:
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other):
+        return isinstance(other, Opaque) and other.v == self.v
+
+
+class PickleSource(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return torch.zeros(2), Opaque(i)
+
+
+class CountingSource(TupleSource):
+    """Logs every computed index to ``log_dir/<pid>.log`` (to count computations across processes)."""
+
+    def __init__(self, n, log_dir, delay=0.0, shape=(1, 8, 8)):
+        super().__init__(n, shape)
+        self.log_dir, self.delay = log_dir, delay
+
+    def __getitem__(self, i):
+        if self.delay:
+            time.sleep(self.delay)
+        with open(os.path.join(self.log_dir, f"{os.getpid()}.log"), "a") as f:
+            f.write(f"{i}\n")
+        return super().__getitem__(i)
+
+
+def computed_counts(log_dir):
+    counts = {}
+    for name in os.listdir(log_dir):
+        if name.endswith(".log"):
+            with open(os.path.join(log_dir, name)) as f:
+                for line in f:
+                    counts[int(line)] = counts.get(int(line), 0) + 1
+    return counts
+
+
+def assert_equal(a, b, where="sample"):
+    """Deep equality for samples: same types, same values, same tensor dtypes."""
+    assert type(a) is type(b) or (isinstance(a, tuple) and isinstance(b, tuple)), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"{where}: tensor values differ"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f"{where}: arrays differ"
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), f"{where}: lengths differ"
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{where}[{k}]")
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys differ"
+        for k in a:
+            assert_equal(a[k], b[k], f"{where}[{k!r}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

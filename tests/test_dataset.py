@@ -1,0 +1,254 @@
+"""The engine: round trips, reopen without source, stale / non-deterministic / corrupt caches, pickle policy."""
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+import nbkit
+from nbkit import format as fmt
+from sources import (BareTensorSource, CollatableDictSource, DictSource, IrregularSource, PickleSource, RandomSource, TupleSource,
+                     VarShapeSource, assert_equal, Opaque)
+
+SOURCES = [TupleSource, DictSource, VarShapeSource, IrregularSource, BareTensorSource]
+
+
+@pytest.mark.parametrize("make", SOURCES, ids=lambda c: c.__name__)
+def test_round_trip_equals_source(tmp_path, make):
+    src = make()
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    first = [ds[i] for i in range(len(src))]  # misses: computed and stored
+    assert ds.stats.misses == len(src) and ds.stats.hits == 0
+    again = nbkit.CachedDataset.open(tmp_path / "c")
+    for i in range(len(src)):
+        assert_equal(first[i], src[i], f"miss path, sample {i}")
+        assert_equal(again[i], src[i], f"reopened, sample {i}")
+    batch = again.__getitems__(list(range(len(src)))[::-1])
+    for j, i in enumerate(range(len(src) - 1, -1, -1)):
+        assert_equal(batch[j], src[i], f"batched, sample {i}")
+
+
+@pytest.mark.parametrize("make", [TupleSource, CollatableDictSource, BareTensorSource], ids=lambda c: c.__name__)
+def test_nbkit_collate_matches_default_collate(tmp_path, make):
+    src = make()
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    ds.warmup()
+    idx = [5, 1, 7, 3]
+    fast = nbkit.collate(ds.__getitems__(idx))
+    slow = default_collate(list(ds.__getitems__(idx)))
+    reference = default_collate([src[i] for i in idx])
+    assert_equal(fast, reference)
+    assert_equal(slow, reference)
+
+
+def test_fixed_shape_fields_are_columns(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(60), tmp_path)
+    ds.warmup()
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["col-0.bin", "col-1.bin", "index.bin", "nbkit.json"]
+    assert os.path.getsize(tmp_path / "col-0.bin") == 60 * 8 * 8 * 4
+
+
+def test_dataloader_epoch_with_both_collates(tmp_path):
+    src = TupleSource(300)
+    ds = nbkit.CachedDataset(src, tmp_path)
+    for collate_fn in (nbkit.collate, None):
+        seen = []
+        for x, y in DataLoader(ds, batch_size=64, shuffle=True, collate_fn=collate_fn):
+            assert x.shape[1:] == (1, 8, 8) and y.dtype == torch.int64
+            seen.extend(y.tolist())
+        assert len(seen) == 300
+    assert ds.stats.misses == 300 and ds.stats.hits == 300
+
+
+def test_transform_runs_after_the_cache(tmp_path):
+    calls = []
+
+    def flip(sample):
+        calls.append(1)
+        x, y = sample
+        return -x, y
+
+    ds = nbkit.CachedDataset(TupleSource(20), tmp_path, transform=flip)
+    ds.warmup()
+    x, y = ds[3]
+    assert torch.equal(x, -TupleSource(20)[3][0])
+    xs, ys = nbkit.collate(ds.__getitems__([1, 2]))
+    assert torch.equal(xs[0], -TupleSource(20)[1][0])
+    assert len(calls) == 3
+    # The cache itself holds the untransformed sample.
+    assert torch.equal(nbkit.CachedDataset.open(tmp_path)[3][0], TupleSource(20)[3][0])
+
+
+def test_open_without_source(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(10), tmp_path)
+    ds[0], ds[1]
+    opened = nbkit.CachedDataset.open(tmp_path)
+    seed_spelling = nbkit.CachedDataset(None, tmp_path)
+    assert len(opened) == len(seed_spelling) == 10
+    assert_equal(seed_spelling[1], TupleSource(10)[1])
+    with pytest.raises(nbkit.MissingSampleError, match=r"sample 5 .*holds 2 of 10") as e:
+        opened[5]
+    assert isinstance(e.value, LookupError) and str(tmp_path) in str(e.value)
+    with pytest.raises(nbkit.MissingSampleError):
+        opened.__getitems__([0, 7])
+    with pytest.raises(ValueError, match="without its source"):
+        opened.warmup()
+
+
+def test_open_missing_cache_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no nbkit cache .*CachedDataset\(source"):
+        nbkit.CachedDataset.open(tmp_path / "nothing")
+
+
+def test_indexing_rules(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(10), tmp_path)
+    assert_equal(ds[-1], TupleSource(10)[9])
+    assert_equal(ds[torch.tensor(2)], TupleSource(10)[2])
+    assert len(ds[2:5]) == 3
+    with pytest.raises(IndexError, match="out of range"):
+        ds[10]
+
+
+def test_stale_cache_says_what_differs(tmp_path):
+    nbkit.CachedDataset(TupleSource(10), tmp_path).warmup()
+    with pytest.raises(nbkit.StaleCacheError, match=r"length: cached 10, source 12.*overwrite=True"):
+        nbkit.CachedDataset(TupleSource(12), tmp_path)
+    with pytest.raises(nbkit.StaleCacheError, match="dataset type"):
+        nbkit.CachedDataset(DictSource(10), tmp_path)
+    with pytest.raises(nbkit.StaleCacheError, match="transform"):
+        nbkit.CachedDataset(TupleSource(10, transform=lambda x: x), tmp_path)
+    with pytest.raises(nbkit.StaleCacheError, match=r"content of sample"):
+        nbkit.CachedDataset(TupleSource(10, shape=(1, 8, 9)), tmp_path)
+    # The old cache is untouched; overwrite=True replaces it.
+    assert nbkit.CachedDataset.open(tmp_path).is_complete
+    ds = nbkit.CachedDataset(TupleSource(12), tmp_path, overwrite=True)
+    assert len(ds) == 12 and ds.stats.cached == 0
+
+
+def test_transform_repr_without_addresses_is_stable(tmp_path):
+    def make():
+        def t(x):
+            return x
+        return TupleSource(10, transform=t)
+
+    nbkit.CachedDataset(make(), tmp_path)
+    nbkit.CachedDataset(make(), tmp_path)  # a new function object, same definition: not stale
+
+
+def test_nondeterministic_source_points_to_transform(tmp_path):
+    with pytest.raises(nbkit.NondeterministicSourceError, match="transform="):
+        nbkit.CachedDataset(RandomSource(), tmp_path)
+    assert not (tmp_path / "nbkit.json").exists()
+
+
+def _flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_corrupt_sample_recomputed_with_source_and_refused_without(tmp_path):
+    src = TupleSource(20)
+    nbkit.CachedDataset(src, tmp_path).warmup()
+    _flip_byte(tmp_path / "col-0.bin", 7 * 8 * 8 * 4 + 5)  # a byte inside sample 7's image
+    without = nbkit.CachedDataset.open(tmp_path)
+    assert_equal(without[6], src[6])
+    with pytest.raises(nbkit.CorruptCacheError, match=r"sample 7 .*checksum"):
+        without[7]
+    with pytest.raises(nbkit.CorruptCacheError):
+        without.__getitems__([1, 7])
+    with pytest.raises(nbkit.CorruptCacheError, match=r"1 sample\(s\).*indices 7"):
+        without.verify()
+    with_source = nbkit.CachedDataset(src, tmp_path)
+    assert_equal(nbkit.collate(with_source.__getitems__([7, 8])), default_collate([src[7], src[8]]))
+    assert with_source.stats.recomputed == 1
+    assert nbkit.CachedDataset.open(tmp_path).verify() == 20
+
+
+def test_corrupt_heap_blob_detected(tmp_path):
+    src = DictSource(10)
+    nbkit.CachedDataset(src, tmp_path).warmup()
+    _flip_byte(tmp_path / "heap.bin", os.path.getsize(tmp_path / "heap.bin") - 3)
+    with pytest.raises(nbkit.CorruptCacheError):
+        nbkit.CachedDataset.open(tmp_path).verify()
+
+
+def test_damaged_metadata_is_a_clear_error(tmp_path):
+    nbkit.CachedDataset(TupleSource(5), tmp_path)
+    (tmp_path / "nbkit.json").write_text("{not json")
+    with pytest.raises(nbkit.CorruptCacheError, match="nbkit.json is not valid JSON"):
+        nbkit.CachedDataset.open(tmp_path)
+
+
+def test_truncated_column_file_is_a_clear_error(tmp_path):
+    nbkit.CachedDataset(TupleSource(5), tmp_path).warmup()
+    with open(tmp_path / "col-0.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(nbkit.CorruptCacheError, match="truncated"):
+        nbkit.CachedDataset.open(tmp_path)[0]
+
+
+def test_pickle_refused_by_default_and_opt_in_both_sides(tmp_path):
+    with pytest.raises(TypeError, match="allow_pickle=True"):
+        nbkit.CachedDataset(PickleSource(), tmp_path / "a")
+    ds = nbkit.CachedDataset(PickleSource(), tmp_path / "b", allow_pickle=True)
+    ds.warmup()
+    assert ds[3][1] == Opaque(3)
+    opened = nbkit.CachedDataset.open(tmp_path / "b")
+    with pytest.raises(PermissionError, match="allow_pickle=True"):
+        opened[3]
+    assert nbkit.CachedDataset.open(tmp_path / "b", allow_pickle=True)[3][1] == Opaque(3)
+
+
+def test_pil_images_get_a_hint(tmp_path):
+    PIL = pytest.importorskip("PIL.Image")
+
+    class PilSource(torch.utils.data.Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return PIL.new("L", (4, 4)), i
+
+    with pytest.raises(TypeError, match="ToTensor"):
+        nbkit.CachedDataset(PilSource(), tmp_path)
+
+
+def test_torchvision_mnist_round_trip(tmp_path, mnist_root):
+    from torchvision import datasets, transforms as T
+
+    src = datasets.MNIST(mnist_root, download=False, transform=T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))]))
+    ds = nbkit.CachedDataset(src, tmp_path)
+    report = ds.warmup()
+    assert report.computed == len(src) == 2000
+    opened = nbkit.CachedDataset.open(tmp_path)
+    for i in (0, 1234, 1999):
+        assert_equal(opened[i], src[i])
+    # Reopening with an equal source is not stale.
+    src2 = datasets.MNIST(mnist_root, download=False, transform=T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))]))
+    assert nbkit.CachedDataset(src2, tmp_path).is_complete
+    with pytest.raises(nbkit.StaleCacheError, match="transform"):
+        nbkit.CachedDataset(datasets.MNIST(mnist_root, download=False, transform=T.ToTensor()), tmp_path)
+
+
+def test_opening_maps_files_without_reading_them(tmp_path):
+    big = TupleSource(5000, shape=(64, 64))
+    nbkit.CachedDataset(big, tmp_path).warmup(chunk_size=1000)
+    ds = nbkit.CachedDataset.open(tmp_path)
+    col = ds._files.columns[0]
+    assert not col.flags.owndata  # a view of the mapped file, not a copy in RAM
+    assert ds.stats.cached == 5000
+
+
+def test_dataset_pickles_without_open_files(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(10), tmp_path)
+    ds[0]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._files_obj is None
+    assert_equal(clone[0], ds[0])
