@@ -1,0 +1,102 @@
+"""Smoke tests of the benchmark harness (benchmarks/): it runs end to end and reports a table.
+
+No timing is asserted here: speed targets are checked by the benchmark itself, on a full run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_engine  # noqa: E402  (benchmarks/bench_engine.py)
+import run as bench_run  # noqa: E402  (benchmarks/run.py)
+import workloads  # noqa: E402  (benchmarks/workloads.py)
+
+
+def _env():
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+@pytest.mark.slow
+def test_bench_engine_quick_writes_a_table(tmp_path):
+    results = tmp_path / "results"
+    cmd = [sys.executable, str(BENCH / "bench_engine.py"), "--quick", "--only", "mnist",
+           "--data-dir", str(tmp_path / "data"), "--results", str(results)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    table = (results / "engine.md").read_text()
+    assert table.strip() in proc.stdout  # printed and written
+    assert "Quick mode" in table
+    for row in ("in-RAM limit", "raw (torchvision MNIST)", "per-file", "nbkit, `collate_fn=nbkit.collate`",
+                "nbkit, default collate", "nbkit, `num_workers=2`", "### Targets"):
+        assert row in table, row
+    # Every cache served the same first batch as the in-RAM copy of the source.
+    assert "WRONG DATA" not in table
+    assert table.count("| ok |") == 3
+    target_rows = [ln for ln in table.splitlines() if ln.startswith("| MNIST")]
+    assert len(target_rows) == len([t for t in bench_engine.TARGETS if t[0] == "mnist"])
+    assert all(("| PASS |" in ln) or ("| MISS |" in ln) for ln in target_rows)
+
+    data = json.loads((results / "engine.json").read_text())["mnist"]
+    assert data["errors"] == []
+    assert data["baseline"]["n"] == 2048
+    assert data["baseline"]["raw_bytes"] == 2048 * (28 * 28 * 4 + 8)
+    assert data["perfile_warm"]["footprint"]["files"] == 2048
+    assert len(data["nbkit_nbkit"]["epochs"]) == 3
+    # The caches were removed after measuring; only the workload remains.
+    assert not (tmp_path / "data" / "work" / "mnist").exists()
+
+
+def test_jpeg_workload_is_an_imagefolder_of_224px_samples(tmp_path):
+    spec = workloads.build("jpeg", tmp_path, quick=True)
+    ds = workloads.source(spec)
+    assert len(ds) == spec.n == 320
+    assert len(ds.classes) == 10
+    img, label = ds[100]  # ImageFolder sorts by class: 32 images per class here
+    assert tuple(img.shape) == (3, 224, 224) and label == 3
+    # Structured images: JPEG compresses them well below what noise would take (~150 KB).
+    sizes = [p.stat().st_size for p in (tmp_path / "jpeg-quick" / "images").rglob("*.jpg")]
+    assert len(sizes) == 320 and max(sizes) < 60_000
+    # A second build reuses the files instead of rewriting them.
+    mtime = (tmp_path / "jpeg-quick" / "workload.json").stat().st_mtime_ns
+    assert workloads.build("jpeg", tmp_path, quick=True) == spec
+    assert (tmp_path / "jpeg-quick" / "workload.json").stat().st_mtime_ns == mtime
+
+
+def test_assemble_keeps_the_intro_and_includes_every_result(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "engine.md").write_text("## Engine\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    (results / "transfer.md").write_text("## Transfer\n\nnumbers\n")
+    out = tmp_path / "BENCHMARKS.md"
+
+    first = bench_run.assemble(results, out)
+    assert first.startswith("# nbkit benchmarks")
+    assert "## Machine" in first and f"{os.cpu_count()} ×" in first
+    assert first.index("## Engine") < first.index("## Transfer")
+
+    # Hand-edit the intro, then regenerate: the edit survives, the results are refreshed.
+    edited = out.read_text().replace("# nbkit benchmarks", "# nbkit benchmarks\n\nWhy JPEG misses its target.")
+    out.write_text(edited)
+    (results / "engine.md").write_text("## Engine\n\nnew numbers\n")
+    second = bench_run.assemble(results, out, failures=["`bench_x.py` exited with status 1"])
+    assert "Why JPEG misses its target." in second
+    assert "new numbers" in second and "| 1 | 2 |" not in second
+    assert second.count(bench_run.MARKER) == 1
+    assert "bench_x.py" in second
+
+
+def test_run_lists_every_bench_script():
+    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--list"], capture_output=True, text=True, env=_env())
+    assert proc.returncode == 0
+    assert "bench_engine.py" in proc.stdout.split()

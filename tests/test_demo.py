@@ -1,0 +1,12 @@
+"""The terminal demo runs end to end on offline data."""
+
+import subprocess
+import sys
+
+
+def test_demo_runs_and_prints_the_table(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "nbkit.demo", "--samples", "3000", "--epochs", "1",
+                          "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "cached, nbkit.collate (best)" in out.stdout and "reopening the cache" in out.stdout
+    assert "warmup" in out.stderr  # the progress line

@@ -1,0 +1,22 @@
+"""`import nbkit` needs torch, numpy and fsspec only; the optional world loads on use."""
+
+import subprocess
+import sys
+
+OPTIONAL = ["ipywidgets", "matplotlib", "gcsfs", "torch_xla", "torchvision", "zstandard", "IPython"]
+
+
+def test_import_nbkit_loads_no_optional_package():
+    code = ("import sys, nbkit; ds = nbkit.CachedDataset; "
+            f"print([m for m in {OPTIONAL!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_api_is_small_and_complete():
+    import nbkit
+
+    for name in nbkit.__all__:
+        assert getattr(nbkit, name) is not None, name
+    assert len(nbkit.__all__) <= 16

@@ -1,0 +1,42 @@
+"""Shared counters: rows per process, totals across processes, reset, and the Stats snapshot."""
+
+import multiprocessing as mp
+import pickle
+
+from nbkit.stats import SharedCounters, Stats
+
+
+def _count(counters, n):
+    for _ in range(n):
+        counters.add(hits=1)
+    counters.add(misses=2)
+
+
+def test_counts_from_other_processes_add_up():
+    c = SharedCounters.create()
+    c.add(hits=5)
+    procs = [mp.get_context("spawn").Process(target=_count, args=(c, 100)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert c.totals()["hits"] == 305 and c.totals()["misses"] == 6
+
+
+def test_reset_and_pickle():
+    c = SharedCounters.create()
+    c.add(hits=3, stored=4)
+    c.reset()
+    c.add(hits=1)
+    assert c.totals() == {"hits": 1, "misses": 0, "recomputed": 0, "stored": 0}
+    clone = pickle.loads(pickle.dumps(c))
+    clone.add(misses=1)
+    assert c.totals()["misses"] == 1
+
+
+def test_stats_snapshot_text():
+    s = Stats(hits=3, misses=1, recomputed=0, stored=4, cached=4, total=8, bytes=2**20)
+    assert s.hit_rate == 0.75 and not s.complete and s.reads == 4
+    assert "cached 4/8 (50.0%)" in str(s) and "hit rate 75.0%" in str(s)
+    assert Stats(0, 0, 0, 0, 0, 1, 0).hit_rate == 0.0
