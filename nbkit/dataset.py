@@ -221,16 +221,13 @@ class CachedDataset(Dataset):
         else:
             blobs = None
         if unverified.any():
-            bad = []
-            for j in np.flatnonzero(unverified):
-                i = int(idx[j])
-                crc = f.row_crc([c[j] for c in columns], blobs[j] if blobs else b"")
-                if crc != int(f.crc[i]):
-                    bad.append(j)
-                else:
-                    self._verified[i] = True
-            if bad:
-                return self._repair_and_refetch(idx, [int(idx[j]) for j in bad], single)
+            pos = np.flatnonzero(unverified)
+            sub = [c[pos] for c in columns]
+            sub_blobs = {m: blobs[j] for m, j in enumerate(pos)} if blobs else None
+            ok = fmt.batch_crc(sub, len(pos), sub_blobs) == f.crc[idx[pos]]
+            self._verified[idx[pos[ok]]] = True
+            if not ok.all():
+                return self._repair_and_refetch(idx, [int(i) for i in idx[pos[~ok]]], single)
         if self.transform is not None:
             batch = SampleBatch(schema, idx, columns, var_values)
             return self._finish(batch.samples(), single)
@@ -240,6 +237,9 @@ class CachedDataset(Dataset):
             return batch[0] if single else batch
         batch = SampleBatch(schema, idx, columns, var_values)
         return batch[0] if single else batch
+
+    def _where(self, i) -> str:
+        return f"sample {int(i)} of {type(self._source).__name__}"
 
     def _finish(self, samples: list, single: bool):
         if self.transform is not None:
@@ -317,18 +317,21 @@ class CachedDataset(Dataset):
         col_rows = [[] for _ in f.columns]
         conforming_pos, blobs_pos, blobs = [], [], []
         flags = np.zeros(n, np.uint8)
-        for j, (i, s) in enumerate(zip(indices, samples)):
-            where = f"sample {int(i)} of {type(self._source).__name__}"
-            parts = schema.split(s, where, self.allow_pickle)
+        split, allow = schema.split, self.allow_pickle
+        for j, s in enumerate(samples):
+            try:
+                parts = split(s, "sample", allow)
+            except TypeError:
+                parts = split(s, self._where(indices[j]), allow)  # again, for an error that names the sample
             if parts is None:
                 flags[j] = fmt.FLAG_FREEFORM
                 blobs_pos.append(j)
-                blobs.append(encode_freeform(s, allow_pickle=self.allow_pickle, where=where))
+                blobs.append(encode_freeform(s, allow_pickle=allow, where=self._where(indices[j])))
                 continue
             cols, blob = parts
             conforming_pos.append(j)
-            for k, a in enumerate(cols):
-                col_rows[k].append(a)
+            for rows, a in zip(col_rows, cols):
+                rows.append(a)
             if blob:
                 flags[j] = fmt.FLAG_VAR
                 blobs_pos.append(j)
@@ -344,16 +347,15 @@ class CachedDataset(Dataset):
             cpos = np.asarray(conforming_pos)
             stacked = [schema.stack(k, rows) for k, rows in enumerate(col_rows)]
             rows_idx = idx[cpos]
-            if len(rows_idx) > 1 and rows_idx[-1] - rows_idx[0] == len(rows_idx) - 1 and (np.diff(rows_idx) == 1).all():
-                sl = slice(int(rows_idx[0]), int(rows_idx[-1]) + 1)  # contiguous: a plain copy
-                for col, rows in zip(f.columns, stacked):
-                    col[sl] = rows
+            if len(rows_idx) > 1 and not (np.diff(rows_idx) > 0).all():
+                order = np.argsort(rows_idx, kind="stable")  # runs of consecutive indices → one write each
+                rows_idx, write_rows = rows_idx[order], [rows[order] for rows in stacked]
             else:
-                for col, rows in zip(f.columns, stacked):
-                    col[rows_idx] = rows
-            row_crc = f.row_crc
-            for m, j in enumerate(conforming_pos):
-                crc[j] = row_crc([rows[m] for rows in stacked], blob_of.get(j, b""))
+                write_rows = stacked
+            for k, rows in enumerate(write_rows):
+                f.write_rows(k, rows_idx, rows)
+            var_blobs = {m: blob_of[j] for m, j in enumerate(conforming_pos) if j in blob_of}
+            crc[cpos] = fmt.batch_crc(stacked, len(cpos), var_blobs)
         for j in blobs_pos:
             if flags[j] == fmt.FLAG_FREEFORM:
                 crc[j] = f.row_crc([], blob_of[j])
@@ -423,20 +425,20 @@ class CachedDataset(Dataset):
         bad = []
         for start in range(0, len(stored), 1024):
             chunk = stored[start : start + 1024]
+            flags = f.flags[chunk]
             cols = [c[chunk] for c in f.columns]
-            for m, i in enumerate(chunk):
-                i = int(i)
-                flag = f.flags[i]
+            blobs = {}
+            for m in np.flatnonzero(flags & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR)):
                 try:
-                    blob = f.read_blob(i) if flag & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR) else b""
+                    blobs[int(m)] = f.read_blob(int(chunk[m]))
                 except CorruptCacheError:
-                    bad.append(i)
-                    continue
-                rows = [] if flag & fmt.FLAG_FREEFORM else [c[m] for c in cols]
-                if f.row_crc(rows, blob) != int(f.crc[i]):
-                    bad.append(i)
-                else:
-                    self._verified[i] = True
+                    blobs[int(m)] = b""  # a record pointing past the heap: fails its crc below
+            crc = fmt.batch_crc(cols, len(chunk), blobs)
+            for m in np.flatnonzero(flags & fmt.FLAG_FREEFORM):
+                crc[m] = f.row_crc([], blobs[int(m)])
+            ok = crc == f.crc[chunk]
+            self._verified[chunk[ok]] = True
+            bad.extend(int(i) for i in chunk[~ok])
             cb.relative_update(len(chunk))
         if bad:
             shown = ", ".join(map(str, bad[:10])) + (" …" if len(bad) > 10 else "")
