@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import mmap
 import os
@@ -29,6 +28,11 @@ import uuid
 import zlib
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no POSIX record locks; a thread lock and per-process rows still apply
+    fcntl = None
 
 from .codec import Schema
 from .errors import CorruptCacheError, StaleCacheError
@@ -227,14 +231,16 @@ class CacheFiles:
         lock_fd = os.open(os.path.join(self.root, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             with self._heap_lock:
-                fcntl.lockf(lock_fd, fcntl.LOCK_EX)
+                if fcntl is not None:
+                    fcntl.lockf(lock_fd, fcntl.LOCK_EX)
                 try:
                     start = os.fstat(fd).st_size
                     written = 0
                     while written < len(data):
                         written += os.pwrite(fd, data[written:], start + written)
                 finally:
-                    fcntl.lockf(lock_fd, fcntl.LOCK_UN)
+                    if fcntl is not None:
+                        fcntl.lockf(lock_fd, fcntl.LOCK_UN)
         finally:
             os.close(lock_fd)
         offsets, pos = [], start

@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import tempfile
@@ -24,6 +23,11 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no POSIX record locks; a thread lock and per-process rows still apply
+    fcntl = None
 
 __all__ = ["Stats", "SharedCounters"]
 
@@ -140,7 +144,7 @@ class SharedCounters:
         slot = _SLOTS - 1  # shared overflow row if every row is taken by a live process
         fd = os.open(self.path, os.O_RDWR) if os.path.exists(self.path) else None
         try:
-            if fd is not None:
+            if fd is not None and fcntl is not None:
                 fcntl.lockf(fd, fcntl.LOCK_EX)
             for s in range(_SLOTS - 1):
                 owner = int(arr[s, 0])
@@ -150,7 +154,8 @@ class SharedCounters:
             arr[slot, 0] = pid
         finally:
             if fd is not None:
-                fcntl.lockf(fd, fcntl.LOCK_UN)
+                if fcntl is not None:
+                    fcntl.lockf(fd, fcntl.LOCK_UN)
                 os.close(fd)
         self._row = arr[slot]
         self._pid = pid

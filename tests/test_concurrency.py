@@ -171,3 +171,22 @@ def test_source_errors_name_the_sample(tmp_path):
         ds.warmup()
     assert any("sample 77" in note for note in getattr(e.value, "__notes__", ["sample 77"]))
     assert ds.stats.cached < 100
+
+
+def test_processes_appending_variable_length_samples_at_once(tmp_path):
+    from sources import VarShapeSource
+
+    n = 300
+    path = tmp_path / "cache"
+    barrier = CTX.Barrier(3)
+    procs = [CTX.Process(target=workers.warm_var, args=(str(path), n, barrier)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    ds = nbkit.CachedDataset.open(path)
+    assert ds.is_complete and ds.verify() == n
+    src = VarShapeSource(n)
+    for i in range(n):
+        assert_equal(ds[i], src[i], f"sample {i}")

@@ -31,3 +31,10 @@ def read_while_filling(path, n, log_dir, rounds, result):
             assert_equal(batch[j], src[i], f"sample {i}")
             checked += 1
     result.put(checked)
+
+
+def warm_var(path, n, barrier):
+    from sources import VarShapeSource
+
+    barrier.wait()
+    nbkit.CachedDataset(VarShapeSource(n), path).warmup(chunk_size=7)
