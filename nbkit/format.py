@@ -318,8 +318,16 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None) -> np.ndarray:
     """
     if columns:
         parts = [np.ascontiguousarray(c).reshape(n, c.size // n if n else 0).view(np.uint8) for c in columns]
-        mat = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        out = np.fromiter(map(zlib.crc32, mat), dtype=np.uint32, count=n)
+        if len(parts) == 1:
+            out = np.fromiter(map(zlib.crc32, parts[0]), dtype=np.uint32, count=n)
+        elif sum(p.shape[1] for p in parts) <= 16384:
+            # Small rows: one call per sample over the rows laid side by side.
+            out = np.fromiter(map(zlib.crc32, np.concatenate(parts, axis=1)), dtype=np.uint32, count=n)
+        else:
+            # Large rows: chain per column rather than copy them side by side.
+            out = np.fromiter(map(zlib.crc32, parts[0]), dtype=np.uint32, count=n)
+            for p in parts[1:]:
+                out = np.fromiter(map(zlib.crc32, p, out.tolist()), dtype=np.uint32, count=n)
     else:
         out = np.zeros(n, np.uint32)
     for j, blob in (blobs or {}).items():
