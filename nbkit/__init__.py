@@ -12,7 +12,8 @@ Example:
 
 from .collate import collate
 from .dataset import CachedDataset
-from .errors import CorruptCacheError, MissingSampleError, NondeterministicSourceError, StaleCacheError
+from .errors import (CorruptCacheError, MissingSampleError, NondeterministicSourceError, StaleCacheError,
+                     UnsafeArchiveError)
 from .progress import Callback, TextProgress
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "CorruptCacheError",
     "MissingSampleError",
     "NondeterministicSourceError",
+    "UnsafeArchiveError",
     "export_tar",
     "import_tar",
     "push",

@@ -54,6 +54,9 @@ class CachedDataset(Dataset):
             such leaves back. Off by default: a cache received from someone else must not run code.
         fingerprint_samples: how many probe samples identify the source (content hash, determinism
             check); ``0`` skips both.
+        max_bytes: a byte budget: cache only as many samples as fit (a fixed, evenly spread subset,
+            the same in every session); the others are computed from the source on every read, so a
+            shuffled epoch's hit rate equals the cached fraction.
         storage_options: passed to fsspec for remote URLs (e.g. ``{"token": ...}`` for gcsfs).
 
     Raises:
@@ -63,7 +66,7 @@ class CachedDataset(Dataset):
     """
 
     def __init__(self, dataset, path, *, transform=None, overwrite: bool = False, allow_pickle: bool = False,
-                 fingerprint_samples: int = 3, storage_options: dict | None = None):
+                 fingerprint_samples: int = 3, max_bytes: int | None = None, storage_options: dict | None = None):
         self._source = dataset
         self.transform = transform
         self.allow_pickle = allow_pickle
@@ -74,7 +77,7 @@ class CachedDataset(Dataset):
         if dataset is None:
             self._meta = fmt.read_meta(self.root)
         else:
-            self._meta = self._create_or_check(dataset, overwrite, fingerprint_samples)
+            self._meta = self._create_or_check(dataset, overwrite, fingerprint_samples, max_bytes)
         self._length = int(self._meta["length"])
         self._files_obj = None
         self._files_pid = None
@@ -94,7 +97,7 @@ class CachedDataset(Dataset):
 
     # -- creation --------------------------------------------------------------------------------
 
-    def _create_or_check(self, dataset, overwrite: bool, n_probes: int) -> dict:
+    def _create_or_check(self, dataset, overwrite: bool, n_probes: int, max_bytes: int | None) -> dict:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise TypeError(
                 f"CachedDataset needs a map-style dataset (with __len__ and __getitem__), got {type(dataset).__name__}. "
@@ -119,6 +122,9 @@ class CachedDataset(Dataset):
             "fingerprint": fp,
             "allow_pickle": self.allow_pickle,
         }
+        if max_bytes is not None:
+            wanted.update(max_bytes=int(max_bytes), admit_seed=0,
+                          capacity=_capacity(int(max_bytes), length, schema, probe_samples, self.allow_pickle))
         meta_path = os.path.join(self.root, fmt.META)
         if overwrite and os.path.exists(meta_path):
             _remove_cache_files(self.root)
@@ -195,31 +201,32 @@ class CachedDataset(Dataset):
 
     def _fetch(self, idx: np.ndarray, single: bool):
         f = self._files
-        state = f.state[idx]
+        stored = f.is_stored(idx)
         misses = 0
-        if not state.all():
-            missing = np.unique(idx[state == fmt.EMPTY])
-            misses = int(np.count_nonzero(state == fmt.EMPTY))
-            self._compute_and_store(missing, reason="read")
-        hits = len(idx) - misses
-        self._counters.add(hits=hits, misses=misses)
+        if not stored.all():
+            misses = int(np.count_nonzero(~stored))
+            todo = np.unique(idx[~stored])
+            admitted = f.admitted(todo)
+            if admitted.any():
+                self._compute_and_store(todo[admitted])
+            if not admitted.all():
+                # Beyond the byte budget: these are computed from the source on every read.
+                self._counters.add(hits=len(idx) - misses, misses=misses)
+                outside = set(int(i) for i in todo[~admitted])
+                return self._finish([self._compute(i) if int(i) in outside else self._read_one(int(i)) for i in idx], single)
+        self._counters.add(hits=len(idx) - misses, misses=misses)
 
         flags = f.flags[idx]
         schema = f.schema
         if schema.structure is None or (flags & fmt.FLAG_FREEFORM).any():
-            samples = [self._read_one(int(i)) for i in idx]
-            return self._finish(samples, single)
+            return self._finish([self._read_one(int(i)) for i in idx], single)
 
-        columns = [c[idx] for c in f.columns]
+        columns = f.gather(idx)
         var_values = None
-        unverified = ~self._verified[idx]
+        blobs = None
         if schema.has_var:
             blobs = [f.read_blob(int(i)) for i in idx]
-            var_leaves = sum(1 for leaf in schema.leaves if leaf.store == "var")
-            per_sample = [schema.var_values(b, f"sample {int(i)} of {self.path}", self.allow_pickle) for i, b in zip(idx, blobs)]
-            var_values = [list(v) for v in zip(*per_sample)] if per_sample else [[] for _ in range(var_leaves)]
-        else:
-            blobs = None
+        unverified = ~self._verified[idx]
         if unverified.any():
             pos = np.flatnonzero(unverified)
             sub = [c[pos] for c in columns]
@@ -227,13 +234,20 @@ class CachedDataset(Dataset):
             ok = fmt.batch_crc(sub, len(pos), sub_blobs) == f.crc[idx[pos]]
             self._verified[idx[pos[ok]]] = True
             if not ok.all():
-                return self._repair_and_refetch(idx, [int(i) for i in idx[pos[~ok]]], single)
+                for i in idx[pos[~ok]]:
+                    self._repair(int(i))
+                return self._fetch(idx, single)
+        if blobs is not None:
+            n_var = sum(1 for leaf in schema.leaves if leaf.store == "var")
+            per_sample = [schema.var_values(b, f"sample {int(i)} of {self.path}", self.allow_pickle) for i, b in zip(idx, blobs)]
+            var_values = [list(v) for v in zip(*per_sample)] if per_sample else [[] for _ in range(n_var)]
         if self.transform is not None:
-            batch = SampleBatch(schema, idx, columns, var_values)
-            return self._finish(batch.samples(), single)
+            return self._finish(SampleBatch(schema, idx, columns, var_values).samples(), single)
         if schema.structure == "*" and not schema.has_var and schema.leaves[0].kind == "tensor":
-            batch = TensorBatch(torch.from_numpy(columns[0]) if schema.leaves[0].dtype != "bfloat16"
-                                else torch.from_numpy(columns[0]).view(torch.bfloat16))
+            stacked = torch.from_numpy(columns[0])
+            if schema.leaves[0].dtype == "bfloat16":
+                stacked = stacked.view(torch.bfloat16)
+            batch = TensorBatch(stacked)
             return batch[0] if single else batch
         batch = SampleBatch(schema, idx, columns, var_values)
         return batch[0] if single else batch
@@ -249,62 +263,57 @@ class CachedDataset(Dataset):
     def _read_one(self, i: int):
         """Read one stored sample the slow, general way (free-form or variable-length fields)."""
         f = self._files
-        schema = f.schema
         where = f"sample {i} of {self.path}"
-        blob = f.read_blob(i) if (f.flags[i] & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR)) else b""
-        if f.flags[i] & fmt.FLAG_FREEFORM:
-            rows = []
-        else:
-            rows = [c[i] for c in f.columns]
+        flag = int(f.flags[i])
+        blob = f.read_blob(i) if flag & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR) else b""
+        rows = [] if flag & fmt.FLAG_FREEFORM else [r[0] for r in f.gather(np.array([i]))]
         if not self._verified[i]:
-            if f.row_crc([np.ascontiguousarray(r) for r in rows], blob) != int(f.crc[i]):
+            if f.row_crc(rows, blob) != int(f.crc[i]):
                 self._repair(i)
                 return self._read_one(i)
             self._verified[i] = True
-        if f.flags[i] & fmt.FLAG_FREEFORM:
+        if flag & fmt.FLAG_FREEFORM:
             return decode_freeform(blob, allow_pickle=self.allow_pickle, where=where)
-        batch = SampleBatch(schema, np.array([i]), [np.array(r)[None] for r in rows],
-                            [[v] for v in schema.var_values(blob, where, self.allow_pickle)] if blob else None)
-        return batch[0]
+        schema = f.schema
+        var_values = [[v] for v in schema.var_values(blob, where, self.allow_pickle)] if blob else None
+        return SampleBatch(schema, np.array([i]), [r[None] for r in rows], var_values)[0]
 
     def _repair(self, i: int) -> None:
-        path = self.path
         if self._source is None:
             raise CorruptCacheError(
-                f"sample {i} in the cache at {path} fails its checksum: the stored bytes were damaged or modified. "
+                f"sample {i} in the cache at {self.path} fails its checksum: the stored bytes were damaged or modified. "
                 "Open the cache with its source (nbkit.CachedDataset(source, path)) to recompute it, or pull / "
                 "import the cache again."
             )
         self._counters.add(recomputed=1)
-        self._compute_and_store(np.array([i]), reason="repair")
-
-    def _repair_and_refetch(self, idx, bad: list, single: bool):
-        for i in bad:
-            self._repair(i)
-        return self._fetch(idx, single)
+        self._compute_and_store(np.array([i]))
 
     # -- writes ----------------------------------------------------------------------------------------
 
-    def _compute_and_store(self, indices: np.ndarray, reason: str = "warmup") -> int:
-        """Compute ``indices`` from the source and store them; return how many were stored."""
+    def _compute(self, i: int):
+        """Sample ``i`` from the source (with the index named in any error it raises)."""
+        i = int(i)  # sources get plain ints, never numpy scalars
         if self._source is None:
             f = self._files
-            stored = int(np.count_nonzero(f.state == fmt.STORED))
-            i = int(indices[0])
+            budget = ""
+            if f.slot_of is not None and f.slot_of[i] < 0:
+                budget = " (it lies outside the cache's byte budget, max_bytes, so it is never stored)"
             raise MissingSampleError(
-                f"sample {i} is not in the cache at {self.path} (it holds {stored} of {self._length} samples) and "
-                "the cache was opened without its source. Open it with the source to compute missing samples "
-                "(nbkit.CachedDataset(source, path)), or warm it up completely before sharing it."
+                f"sample {i} is not in the cache at {self.path}{budget}; the cache holds {f.stored_count()} of "
+                f"{self._length} samples and was opened without its source. Open it with the source to compute "
+                "missing samples (nbkit.CachedDataset(source, path)), or warm it up completely before sharing it."
             )
-        samples = []
-        for i in indices:
-            i = int(i)
-            try:
-                samples.append(self._source[i])
-            except Exception as e:
-                if hasattr(e, "add_note"):
-                    e.add_note(f"(raised by the source dataset while nbkit cached sample {i} into {self.path})")
-                raise
+        try:
+            sample = self._source[i]
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note(f"(raised by the source dataset while nbkit cached sample {i} into {self.path})")
+            raise
+        return sample
+
+    def _compute_and_store(self, indices: np.ndarray) -> int:
+        """Compute ``indices`` from the source and store them; return how many were stored."""
+        samples = [self._compute(int(i)) for i in indices]
         self._store(indices, samples)
         return len(samples)
 
@@ -336,37 +345,19 @@ class CachedDataset(Dataset):
                 flags[j] = fmt.FLAG_VAR
                 blobs_pos.append(j)
                 blobs.append(blob)
-        # A sample being replaced (repair) must not look stored while its bytes change.
         idx = np.asarray(indices, dtype=np.int64)
-        was = f.state[idx] != fmt.EMPTY
-        if was.any():
-            f.state[idx[was]] = fmt.EMPTY
         crc = np.zeros(n, np.uint32)
         blob_of = dict(zip(blobs_pos, blobs))
+        cpos = np.asarray(conforming_pos, dtype=np.int64)
+        stacked = []
         if conforming_pos:
-            cpos = np.asarray(conforming_pos)
             stacked = [schema.stack(k, rows) for k, rows in enumerate(col_rows)]
-            rows_idx = idx[cpos]
-            if len(rows_idx) > 1 and not (np.diff(rows_idx) > 0).all():
-                order = np.argsort(rows_idx, kind="stable")  # runs of consecutive indices → one write each
-                rows_idx, write_rows = rows_idx[order], [rows[order] for rows in stacked]
-            else:
-                write_rows = stacked
-            for k, rows in enumerate(write_rows):
-                f.write_rows(k, rows_idx, rows)
             var_blobs = {m: blob_of[j] for m, j in enumerate(conforming_pos) if j in blob_of}
             crc[cpos] = fmt.batch_crc(stacked, len(cpos), var_blobs)
         for j in blobs_pos:
             if flags[j] == fmt.FLAG_FREEFORM:
                 crc[j] = f.row_crc([], blob_of[j])
-        if blobs:
-            offsets = f.append_blobs(blobs)
-            bpos = np.asarray(blobs_pos)
-            f.off[idx[bpos]] = offsets
-            f.len[idx[bpos]] = [len(b) for b in blobs]
-        f.flags[idx] = flags
-        f.crc[idx] = crc
-        f.state[idx] = fmt.STORED  # last: only now may readers trust the sample
+        f.put(idx, flags, crc, cpos, stacked, np.asarray(blobs_pos, dtype=np.int64), blobs)
         self._verified[idx] = True
         self._counters.add(stored=n)
 
@@ -374,7 +365,7 @@ class CachedDataset(Dataset):
 
     def missing(self) -> np.ndarray:
         """Indices of the samples not stored yet."""
-        return np.flatnonzero(self._files.state != fmt.STORED)
+        return self._files.missing()
 
     def warmup(self, num_workers: int = 0, callback=None, *, shard: tuple[int, int] | None = None,
                chunk_size: int = 256, multiprocessing_context=None):
@@ -420,13 +411,13 @@ class CachedDataset(Dataset):
 
         cb = as_callback(callback)
         f = self._files
-        stored = np.flatnonzero(f.state == fmt.STORED)
+        stored = np.flatnonzero(f.is_stored(np.arange(self._length)))
         cb.set_size(len(stored))
         bad = []
         for start in range(0, len(stored), 1024):
             chunk = stored[start : start + 1024]
             flags = f.flags[chunk]
-            cols = [c[chunk] for c in f.columns]
+            cols = f.gather(chunk)
             blobs = {}
             for m in np.flatnonzero(flags & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR)):
                 try:
@@ -457,7 +448,7 @@ class CachedDataset(Dataset):
         t = self._counters.totals()
         return Stats(
             hits=t["hits"], misses=t["misses"], recomputed=t["recomputed"], stored=t["stored"],
-            cached=int(np.count_nonzero(f.state == fmt.STORED)), total=self._length, bytes=f.stored_bytes(),
+            cached=f.stored_count(), total=self._length, bytes=f.stored_bytes(), capacity=f.capacity,
         )
 
     def reset_stats(self) -> None:
@@ -466,7 +457,24 @@ class CachedDataset(Dataset):
 
     @property
     def is_complete(self) -> bool:
-        return bool((self._files.state == fmt.STORED).all())
+        return len(self._files.missing()) == 0
+
+
+def _capacity(max_bytes: int, length: int, schema, probes: list, allow_pickle: bool) -> int:
+    """How many samples fit in ``max_bytes`` (the index, one record per sample, counts too)."""
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be a number of bytes >= 0, got {max_bytes}")
+    per_sample = sum(schema.row_bytes(leaf) for leaf in schema.columns)
+    if schema.structure is None or schema.has_var:
+        sizes = []
+        for s in probes:
+            parts = schema.split(s, "probe", allow_pickle)
+            sizes.append(len(encode_freeform(s, allow_pickle=allow_pickle)) if parts is None else len(parts[1]))
+        per_sample += int(np.ceil(np.mean(sizes))) if sizes else 0
+    available = max_bytes - length * fmt.RECORD.itemsize
+    if available <= 0 or per_sample == 0:
+        return 0 if available <= 0 else length
+    return int(min(length, available // per_sample))
 
 
 def _remove_cache_files(root: str) -> None:

@@ -191,11 +191,17 @@ class CacheFiles:
         self.crc = self.records["crc"]
         self.off = self.records["off"]
         self.len = self.records["len"]
+        # A byte budget (``max_bytes``) gives the columns fewer rows than samples: only the admitted
+        # samples have a row (their slot); the others are always computed from the source.
+        self.capacity = self.length if meta.get("capacity") is None else int(meta["capacity"])
+        self.slot_of = None
+        if self.capacity < self.length:
+            self.slot_of = admission_slots(self.length, self.capacity, int(meta.get("admit_seed", 0)))
         self.columns = []
         self.column_fds = []
         for leaf, spec in zip(self.schema.columns, meta["columns"]):
             dtype = self.schema.column_dtype(leaf)
-            shape = (self.length, *leaf.shape)
+            shape = (self.capacity, *leaf.shape)
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             cm, cfd = _map(os.path.join(root, spec["file"]), nbytes, writable)
             self._fds.append(cfd)
@@ -206,6 +212,55 @@ class CacheFiles:
                 self.columns.append(np.frombuffer(cm, dtype=dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape))
         self._heap_fd = None
         self._heap_lock = threading.Lock()
+
+    # -- the store interface the engine uses --------------------------------------------------
+
+    def admitted(self, idx: np.ndarray) -> np.ndarray:
+        """Which of ``idx`` may be stored (all, unless a byte budget limits the cache)."""
+        if self.slot_of is None:
+            return np.ones(len(idx), dtype=bool)
+        return self.slot_of[idx] >= 0
+
+    def is_stored(self, idx: np.ndarray) -> np.ndarray:
+        return self.state[idx] == STORED
+
+    def stored_count(self) -> int:
+        return int(np.count_nonzero(self.state == STORED))
+
+    def missing(self, idx: np.ndarray | None = None) -> np.ndarray:
+        """The admitted indices (of ``idx``, or of all) that are not stored yet."""
+        idx = np.arange(self.length) if idx is None else idx
+        keep = self.state[idx] != STORED
+        if self.slot_of is not None:
+            keep &= self.slot_of[idx] >= 0
+        return idx[keep]
+
+    def gather(self, idx: np.ndarray) -> list:
+        """The column rows of stored samples ``idx``: one vectorised read per column."""
+        rows = idx if self.slot_of is None else self.slot_of[idx]
+        return [c[rows] for c in self.columns]
+
+    def put(self, idx: np.ndarray, flags: np.ndarray, crc: np.ndarray, cpos: np.ndarray, stacked: list,
+            bpos: np.ndarray, blobs: list) -> None:
+        """Store samples ``idx``: rows of the conforming ones (positions ``cpos``), blobs (positions
+        ``bpos``), then their records, ``state`` last so no reader trusts a half-written sample."""
+        was = self.state[idx] != EMPTY
+        if was.any():
+            self.state[idx[was]] = EMPTY  # a sample being replaced must not look stored meanwhile
+        if len(cpos):
+            rows_idx = idx[cpos] if self.slot_of is None else self.slot_of[idx[cpos]]
+            if len(rows_idx) > 1 and not (np.diff(rows_idx) > 0).all():
+                order = np.argsort(rows_idx, kind="stable")  # runs of consecutive rows → one write each
+                rows_idx, stacked = rows_idx[order], [rows[order] for rows in stacked]
+            for k, rows in enumerate(stacked):
+                self.write_rows(k, rows_idx, rows)
+        if len(bpos):
+            offsets = self.append_blobs(blobs)
+            self.off[idx[bpos]] = offsets
+            self.len[idx[bpos]] = [len(b) for b in blobs]
+        self.flags[idx] = flags
+        self.crc[idx] = crc
+        self.state[idx] = STORED
 
     # -- heap ---------------------------------------------------------------------------------
 
@@ -310,6 +365,19 @@ class CacheFiles:
         self._fds = []
 
 
+def admission_slots(length: int, capacity: int, seed: int) -> np.ndarray:
+    """Slot of each index under a byte budget (``-1``: not admitted).
+
+    The admitted set is the first ``capacity`` entries of a seeded permutation: spread uniformly
+    over the dataset (so a shuffled epoch hits it in proportion to its size) and the same in every
+    session and process.
+    """
+    perm = np.random.default_rng(seed).permutation(length)
+    slots = np.full(length, -1, dtype=np.int64)
+    slots[perm[:capacity]] = np.arange(capacity)
+    return slots
+
+
 def batch_crc(columns: list, n: int, blobs: dict | None = None) -> np.ndarray:
     """Per-sample CRC-32s of ``n`` samples given their gathered column rows (equal to ``row_crc``).
 
@@ -340,6 +408,8 @@ def check_compatible(root: str, existing: dict, wanted: dict) -> None:
     from .fingerprint import differences
 
     diffs = differences(existing["fingerprint"], wanted["fingerprint"])
+    if existing.get("max_bytes") != wanted.get("max_bytes") and wanted.get("max_bytes") is not None:
+        diffs.append(f"byte budget: cached max_bytes={existing.get('max_bytes')}, asked max_bytes={wanted.get('max_bytes')}")
     if existing["length"] != wanted["length"] and not any(d.startswith("length") for d in diffs):
         diffs.append(f"length: cached {existing['length']}, source {wanted['length']}")
     if diffs:

@@ -48,6 +48,7 @@ class Stats:
         cached: samples present in the cache now.
         total: samples in the dataset.
         bytes: bytes the cache occupies on disk.
+        capacity: samples the cache may hold (``total`` unless a byte budget, ``max_bytes``, limits it).
     """
 
     hits: int
@@ -57,6 +58,7 @@ class Stats:
     cached: int
     total: int
     bytes: int
+    capacity: int | None = None
 
     @property
     def reads(self) -> int:
@@ -69,11 +71,17 @@ class Stats:
 
     @property
     def complete(self) -> bool:
-        return self.cached == self.total
+        """Every sample the cache may hold is stored."""
+        return self.cached >= (self.total if self.capacity is None else self.capacity)
+
+    @property
+    def budgeted(self) -> bool:
+        return self.capacity is not None and self.capacity < self.total
 
     def __str__(self) -> str:
+        budget = f" (budget: {self.capacity} samples)" if self.budgeted else ""
         return (
-            f"cached {self.cached}/{self.total} ({100.0 * self.cached / max(self.total, 1):.1f}%), "
+            f"cached {self.cached}/{self.total}{budget} ({100.0 * self.cached / max(self.total, 1):.1f}%), "
             f"hits {self.hits}, misses {self.misses}, hit rate {100.0 * self.hit_rate:.1f}%, "
             f"{self.bytes / 2**20:.1f} MiB on disk"
         )

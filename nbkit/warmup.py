@@ -69,7 +69,7 @@ class _Chunks(Dataset):
     def __getitem__(self, k):
         chunk = self.chunks[k]
         # Another process (a TPU peer, a reader) may have filled some meanwhile.
-        todo = chunk[self.cached._files.state[chunk] == 0]
+        todo = self.cached._files.missing(chunk)
         if len(todo):
             self.cached._compute_and_store(todo)
         return len(chunk)
@@ -95,8 +95,10 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
         if not (0 <= rank < world):
             raise ValueError(f"shard=(rank, world) needs 0 <= rank < world, got {shard}")
         all_idx = all_idx[rank::world]
-    state = cached._files.state
-    missing = all_idx[state[all_idx] == 0]
+    files = cached._files
+    missing = files.missing(all_idx)
+    if files.slot_of is not None:
+        all_idx = all_idx[files.admitted(all_idx)]  # beyond the byte budget: nothing to fill
     skipped = len(all_idx) - len(missing)
     cb.set_size(len(all_idx))
     cb.absolute_update(skipped)

@@ -1,0 +1,193 @@
+"""Transfer benchmark: push / pull of the 60,000-sample MNIST cache against the GCS emulator, and
+export_tar / import_tar against ``tar cf`` / ``tar xf``.
+
+Compared in the same run, against the same emulator:
+
+* **nbkit push / pull** (one object per cache file, parallel, hashed, verified);
+* **one object per sample** — how the old torch_xla ``CachedDataset`` stored a cache on ``gs://``
+  (one ``torch.save`` file per sample). Uploading 60,000 objects takes minutes, so a slice of
+  ``--per-sample`` samples is pushed with gcsfs's own concurrent batch calls and the time is scaled
+  to 60,000 (stated in the table);
+* **one single file** of the same total size, copied with ``fs.put_file`` / ``fs.get_file`` (the
+  best a copy of these bytes can do here). Target: push and pull at ≥ 50% of its rate.
+
+Objects pushed: target ≤ one per 64 MiB of cache, plus 4.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_transfer.py            # writes benchmarks/results/transfer.md
+    .venv/bin/python benchmarks/bench_transfer.py --quick    # 2,048 samples, a smoke test
+
+Example:
+    >>> import subprocess, sys, tempfile
+    >>> out = tempfile.mkdtemp()
+    >>> r = subprocess.run([sys.executable, "benchmarks/bench_transfer.py", "--quick", "--data-dir", out,
+    ...                     "--results", out], capture_output=True, text=True)
+    >>> r.returncode, "| objects pushed" in r.stdout
+    (0, True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for p in (str(ROOT), str(HERE), str(ROOT / "tests")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before gcsfs is imported (see tests/fixtures_gcs.py)
+
+import workloads  # noqa: E402
+from fixtures_gcs import GCSEmulator  # noqa: E402
+
+MiB = 1 << 20
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def cache_size(root):
+    from nbkit import format as fmt
+
+    return sum(os.path.getsize(os.path.join(root, n)) for n in fmt.list_cache_files(root))
+
+
+def build_cache(args, work):
+    import nbkit
+
+    spec = workloads.build("mnist", args.data_dir, quick=args.quick)
+    src = workloads.source(spec)
+    ds = nbkit.CachedDataset(src, work / "cache")
+    ds.warmup()
+    return ds, src
+
+
+def per_sample_objects(fs, bucket, ds, n):
+    """Push then fetch ``n`` samples as one torch.save object each, with gcsfs's batched concurrency."""
+    import torch
+
+    blobs = {}
+    for i in range(n):
+        buf = io.BytesIO()
+        torch.save(ds[i], buf)
+        blobs[f"{bucket}/per-sample/{i}.pt"] = buf.getvalue()
+    up, _ = timed(lambda: fs.pipe(blobs))
+    fs.invalidate_cache()
+    down, got = timed(lambda: fs.cat(list(blobs)))
+    assert len(got) == n
+    return up, down, sum(len(b) for b in blobs.values())
+
+
+def run(args):
+    import nbkit
+
+    work = Path(tempfile.mkdtemp(prefix="nbkit-bench-transfer-"))
+    try:
+        ds, src = build_cache(args, work)
+        n = len(ds)
+        size = cache_size(ds.root)
+        emu = GCSEmulator(work / "gcs", backend="memory").start()
+        try:
+            bucket = emu.make_bucket("bench")
+            fs = bucket.fs
+            so = emu.storage_options
+            url = f"{bucket.url}/mnist"
+
+            # Best of --repeat, each to a fresh prefix (the machine is shared; the first run also warms up).
+            push_t = min(timed(lambda r=r: nbkit.push(ds.root, f"{url}-{r}", storage_options=so))[0] for r in range(args.repeat))
+            nbkit.push(ds.root, url, storage_options=so)
+            objects = len(fs.find(f"{bucket.name}/mnist"))
+            pull_t = min(timed(lambda r=r: nbkit.pull(url, work / f"pulled-{r}", storage_options=so))[0] for r in range(args.repeat))
+            repush_t, _ = timed(lambda: nbkit.push(ds.root, url, storage_options=so))
+
+            single = work / "single.bin"
+            with open(single, "wb") as f:
+                for name in sorted(os.listdir(ds.root)):
+                    if name.endswith((".bin", ".json")):
+                        with open(os.path.join(ds.root, name), "rb") as g:
+                            shutil.copyfileobj(g, f, 16 * MiB)
+            single_size = single.stat().st_size
+            put_t = min(timed(lambda r=r: fs.put_file(str(single), f"{bucket.name}/single-{r}.bin"))[0] for r in range(args.repeat))
+            get_t = min(timed(lambda: fs.get_file(f"{bucket.name}/single-0.bin", str(work / "single.back")))[0] for _ in range(args.repeat))
+
+            k = min(args.per_sample, n)
+            ps_up, ps_down, ps_bytes = per_sample_objects(fs, bucket.name, ds, k)
+            scale = n / k
+        finally:
+            emu.kill()
+
+        tar = work / "cache.tar"
+        export_t, _ = timed(lambda: nbkit.export_tar(ds.root, tar))
+        import_t, _ = timed(lambda: nbkit.import_tar(tar, work / "imported"))
+        tarcf_t, _ = timed(lambda: subprocess.run(["tar", "cf", str(work / "plain.tar"), "-C", ds.root, "."], check=True))
+        (work / "untar").mkdir()
+        tarxf_t, _ = timed(lambda: subprocess.run(["tar", "xf", str(work / "plain.tar"), "-C", str(work / "untar")], check=True))
+        zst_t, _ = timed(lambda: nbkit.export_tar(ds.root, work / "cache.tar.zst", compression="zst"))
+        zst_size = (work / "cache.tar.zst").stat().st_size
+        izst_t, _ = timed(lambda: nbkit.import_tar(work / "cache.tar.zst", work / "imported-zst"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    limit = -(-size // (64 * MiB)) + 4
+    rate = lambda b, t: b / MiB / t  # noqa: E731
+    rows = [
+        ("objects pushed", f"{objects}", f"≤ {limit} (one per 64 MiB + 4)", "yes" if objects <= limit else "**no**"),
+        ("nbkit push", f"{push_t:.2f} s ({rate(size, push_t):.0f} MiB/s)",
+         f"≥ 50% of single file ({rate(single_size, put_t) / 2:.0f} MiB/s)",
+         "yes" if rate(size, push_t) >= rate(single_size, put_t) / 2 else "**no**"),
+        ("nbkit pull (incl. sha256 + per-sample verify)", f"{pull_t:.2f} s ({rate(size, pull_t):.0f} MiB/s)",
+         f"≥ 50% of single file ({rate(single_size, get_t) / 2:.0f} MiB/s)",
+         "yes" if rate(size, pull_t) >= rate(single_size, get_t) / 2 else "**no**"),
+        ("nbkit push again (nothing changed)", f"{repush_t:.2f} s", "", ""),
+        ("single file put / get", f"{put_t:.2f} s / {get_t:.2f} s", f"{single_size / MiB:.0f} MiB", ""),
+        (f"one object per sample, push (scaled from {k:,})", f"{ps_up * scale:.1f} s ({n:,} objects)",
+         f"nbkit is {ps_up * scale / push_t:.0f}× faster", ""),
+        (f"one object per sample, pull (scaled from {k:,})", f"{ps_down * scale:.1f} s",
+         f"nbkit is {ps_down * scale / pull_t:.0f}× faster", ""),
+        ("export_tar / tar cf", f"{export_t:.2f} s / {tarcf_t:.2f} s", f"{export_t / tarcf_t:.1f}× tar", ""),
+        ("import_tar (incl. verify) / tar xf", f"{import_t:.2f} s / {tarxf_t:.2f} s", f"{import_t / tarxf_t:.1f}× tar", ""),
+        ("export_tar / import_tar, zst", f"{zst_t:.2f} s / {izst_t:.2f} s", f"{zst_size / MiB:.0f} MiB compressed", ""),
+    ]
+    head = (
+        f"## Transfer (issue 3)\n\n"
+        f"MNIST cache of {n:,} samples (torchvision MNIST + ToTensor + Normalize), {size / MiB:.0f} MiB on disk; "
+        f"GCS emulator (fake-gcs-server, in-memory) on 127.0.0.1, real gcsfs; push, pull and single-file times are the best of {args.repeat}."
+        + (" **Quick mode: small sizes, not comparable to the targets.**" if args.quick else "")
+        + "\n\n| measure | result | reference / target | met |\n|---|---|---|---|\n"
+    )
+    table = head + "\n".join(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows) + "\n"
+    return table
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2,048 samples, a smoke test")
+    p.add_argument("--data-dir", default=str(workloads.DEFAULT_DATA_DIR), help="where the MNIST files are built")
+    p.add_argument("--results", default=str(HERE / "results"), help="directory for transfer.md")
+    p.add_argument("--repeat", type=int, default=3, help="best of this many runs for push, pull and the single file")
+    p.add_argument("--per-sample", type=int, default=3000, help="samples pushed one object each (scaled to the full set)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.per_sample, args.repeat = min(args.per_sample, 300), 1
+    table = run(args)
+    print(table)
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "transfer.md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()

