@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import torch
@@ -75,7 +74,9 @@ class CachedDataset(Dataset):
         self.root = self._location.root
         self._location.prepare()
         if dataset is None:
-            self._meta = fmt.read_meta(self.root)
+            self._meta = self._location.read_meta()
+            if self._meta is None:
+                fmt.read_meta(self.root)  # raises FileNotFoundError naming the fix
         else:
             self._meta = self._create_or_check(dataset, overwrite, fingerprint_samples, max_bytes)
         self._length = int(self._meta["length"])
@@ -125,18 +126,14 @@ class CachedDataset(Dataset):
         if max_bytes is not None:
             wanted.update(max_bytes=int(max_bytes), admit_seed=0,
                           capacity=_capacity(int(max_bytes), length, schema, probe_samples, self.allow_pickle))
-        meta_path = os.path.join(self.root, fmt.META)
-        if overwrite and os.path.exists(meta_path):
-            _remove_cache_files(self.root)
-        os.makedirs(self.root, exist_ok=True)
-        if os.path.exists(meta_path):
-            existing = fmt.read_meta(self.root)
-            fmt.check_compatible(self.root, existing, wanted)
+        if overwrite:
+            self._location.remove()
+        existing = self._location.read_meta()
+        if existing is not None:
+            fmt.check_compatible(self.path, existing, wanted)
             return existing
-        # Size the data files before publishing the metadata, so whoever sees the metadata finds them.
-        fmt.CacheFiles(self.root, wanted, writable=True).close()
-        meta = fmt.publish_meta(self.root, wanted)
-        fmt.check_compatible(self.root, meta, wanted)
+        meta = self._location.publish_meta(wanted)
+        fmt.check_compatible(self.path, meta, wanted)
         return meta
 
     # -- per-process state -------------------------------------------------------------------------
@@ -153,7 +150,7 @@ class CachedDataset(Dataset):
         pid = os.getpid()
         if self._files_obj is None or self._files_pid != pid:
             # Each process maps the files itself (after fork too: never share fds or locks).
-            self._files_obj = fmt.CacheFiles(self.root, self._meta, writable=self._source is not None)
+            self._files_obj = self._location.open_store(self._meta, writable=self._source is not None)
             self._files_pid = pid
             self._verified = np.zeros(self._length, dtype=bool)
         return self._files_obj
@@ -216,7 +213,7 @@ class CachedDataset(Dataset):
                 return self._finish([self._compute(i) if int(i) in outside else self._read_one(int(i)) for i in idx], single)
         self._counters.add(hits=len(idx) - misses, misses=misses)
 
-        flags = f.flags[idx]
+        flags = f.flags_of(idx)
         schema = f.schema
         if schema.structure is None or (flags & fmt.FLAG_FREEFORM).any():
             return self._finish([self._read_one(int(i)) for i in idx], single)
@@ -231,7 +228,7 @@ class CachedDataset(Dataset):
             pos = np.flatnonzero(unverified)
             sub = [c[pos] for c in columns]
             sub_blobs = {m: blobs[j] for m, j in enumerate(pos)} if blobs else None
-            ok = fmt.batch_crc(sub, len(pos), sub_blobs) == f.crc[idx[pos]]
+            ok = fmt.batch_crc(sub, len(pos), sub_blobs) == f.crc_of(idx[pos])
             self._verified[idx[pos[ok]]] = True
             if not ok.all():
                 for i in idx[pos[~ok]]:
@@ -264,11 +261,12 @@ class CachedDataset(Dataset):
         """Read one stored sample the slow, general way (free-form or variable-length fields)."""
         f = self._files
         where = f"sample {i} of {self.path}"
-        flag = int(f.flags[i])
+        one = np.array([i])
+        flag = int(f.flags_of(one)[0])
         blob = f.read_blob(i) if flag & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR) else b""
-        rows = [] if flag & fmt.FLAG_FREEFORM else [r[0] for r in f.gather(np.array([i]))]
+        rows = [] if flag & fmt.FLAG_FREEFORM else [r[0] for r in f.gather(one)]
         if not self._verified[i]:
-            if f.row_crc(rows, blob) != int(f.crc[i]):
+            if f.row_crc(rows, blob) != int(f.crc_of(one)[0]):
                 self._repair(i)
                 return self._read_one(i)
             self._verified[i] = True
@@ -296,7 +294,7 @@ class CachedDataset(Dataset):
         if self._source is None:
             f = self._files
             budget = ""
-            if f.slot_of is not None and f.slot_of[i] < 0:
+            if not f.admitted(np.array([i]))[0]:
                 budget = " (it lies outside the cache's byte budget, max_bytes, so it is never stored)"
             raise MissingSampleError(
                 f"sample {i} is not in the cache at {self.path}{budget}; the cache holds {f.stored_count()} of "
@@ -323,7 +321,7 @@ class CachedDataset(Dataset):
             raise PermissionError(f"the cache at {self.path} is open read-only")
         schema = f.schema
         n = len(indices)
-        col_rows = [[] for _ in f.columns]
+        col_rows = [[] for _ in range(f.n_columns)]
         conforming_pos, blobs_pos, blobs = [], [], []
         flags = np.zeros(n, np.uint8)
         split, allow = schema.split, self.allow_pickle
@@ -416,7 +414,7 @@ class CachedDataset(Dataset):
         bad = []
         for start in range(0, len(stored), 1024):
             chunk = stored[start : start + 1024]
-            flags = f.flags[chunk]
+            flags = f.flags_of(chunk)
             cols = f.gather(chunk)
             blobs = {}
             for m in np.flatnonzero(flags & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR)):
@@ -427,7 +425,7 @@ class CachedDataset(Dataset):
             crc = fmt.batch_crc(cols, len(chunk), blobs)
             for m in np.flatnonzero(flags & fmt.FLAG_FREEFORM):
                 crc[m] = f.row_crc([], blobs[int(m)])
-            ok = crc == f.crc[chunk]
+            ok = crc == f.crc_of(chunk)
             self._verified[chunk[ok]] = True
             bad.extend(int(i) for i in chunk[~ok])
             cb.relative_update(len(chunk))
@@ -448,7 +446,8 @@ class CachedDataset(Dataset):
         t = self._counters.totals()
         return Stats(
             hits=t["hits"], misses=t["misses"], recomputed=t["recomputed"], stored=t["stored"],
-            cached=f.stored_count(), total=self._length, bytes=f.stored_bytes(), capacity=f.capacity,
+            cached=f.stored_count(), total=self._length, bytes=f.data_bytes(), capacity=f.capacity,
+            disk_bytes=f.stored_bytes(),
         )
 
     def reset_stats(self) -> None:
@@ -475,21 +474,3 @@ def _capacity(max_bytes: int, length: int, schema, probes: list, allow_pickle: b
     if available <= 0 or per_sample == 0:
         return 0 if available <= 0 else length
     return int(min(length, available // per_sample))
-
-
-def _remove_cache_files(root: str) -> None:
-    """Delete an old cache's files (metadata first, so nobody sees a cache with half its data)."""
-    meta_path = os.path.join(root, fmt.META)
-    try:
-        meta = fmt.read_meta(root)
-        names = fmt.list_cache_files(root, meta)
-    except (CorruptCacheError, FileNotFoundError):
-        names = [n for n in os.listdir(root) if n in (fmt.INDEX, fmt.HEAP) or n.startswith("col-")]
-    if os.path.exists(meta_path):
-        os.unlink(meta_path)
-    for name in names + [fmt.LOCK]:
-        p = os.path.join(root, name)
-        if os.path.isdir(p):
-            shutil.rmtree(p)
-        elif os.path.exists(p):
-            os.unlink(p)

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     print(f"\n{'epoch of ' + str(len(source)) + ' samples':45s} {'seconds':>8s} {'vs raw':>8s}")
     for name, seconds in rows:
         print(f"{name:45s} {seconds:8.3f} {raw / seconds:7.1f}x")
-    print(f"\ncache: {cached.stats.bytes / 2**20:.1f} MiB in {len(os.listdir(cache_path))} files at {cache_path}")
+    print(f"\ncache: {cached.stats.disk_bytes / 2**20:.1f} MiB on disk in {len(os.listdir(cache_path))} files at {cache_path}")
     return 0
 
 

@@ -224,6 +224,16 @@ class CacheFiles:
     def is_stored(self, idx: np.ndarray) -> np.ndarray:
         return self.state[idx] == STORED
 
+    def flags_of(self, idx: np.ndarray) -> np.ndarray:
+        return self.flags[idx]
+
+    def crc_of(self, idx: np.ndarray) -> np.ndarray:
+        return self.crc[idx]
+
+    @property
+    def n_columns(self) -> int:
+        return len(self.columns)
+
     def stored_count(self) -> int:
         return int(np.count_nonzero(self.state == STORED))
 
@@ -345,8 +355,14 @@ class CacheFiles:
             c = zlib.crc32(blob, c)
         return c
 
+    def data_bytes(self) -> int:
+        """Bytes of sample data stored so far (column rows of stored samples, plus the heap)."""
+        rows = sum(int(np.prod(c.shape[1:], dtype=np.int64)) * c.itemsize for c in self.columns)
+        heap = os.path.join(self.root, HEAP)
+        return self.stored_count() * rows + (os.path.getsize(heap) if os.path.exists(heap) else 0)
+
     def stored_bytes(self) -> int:
-        """Bytes the cache occupies on disk (allocated blocks)."""
+        """Bytes the cache occupies on disk (allocated blocks, preallocated columns included)."""
         total = 0
         for name in os.listdir(self.root):
             try:
@@ -401,6 +417,23 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None) -> np.ndarray:
     for j, blob in (blobs or {}).items():
         out[j] = zlib.crc32(blob, int(out[j]))
     return out
+
+
+def remove_cache(root: str) -> None:
+    """Delete the cache files in ``root`` (metadata first, so nobody sees a cache with half its data)."""
+    if not os.path.isdir(root):
+        return
+    try:
+        names = list_cache_files(root)
+    except (CorruptCacheError, FileNotFoundError):
+        names = [n for n in os.listdir(root) if n in (INDEX, HEAP) or (n.startswith("col-") and n.endswith(".bin"))]
+    meta_path = os.path.join(root, META)
+    if os.path.exists(meta_path):
+        os.unlink(meta_path)
+    for name in names + [LOCK]:
+        p = os.path.join(root, name)
+        if os.path.isfile(p):
+            os.unlink(p)
 
 
 def check_compatible(root: str, existing: dict, wanted: dict) -> None:

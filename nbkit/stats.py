@@ -47,7 +47,9 @@ class Stats:
         stored: samples written by warmup or by misses since the counters were reset.
         cached: samples present in the cache now.
         total: samples in the dataset.
-        bytes: bytes the cache occupies on disk.
+        bytes: bytes of sample data stored (grows as the cache fills).
+        disk_bytes: bytes the cache occupies on disk (its files are preallocated, so this is about
+            the full size from the start).
         capacity: samples the cache may hold (``total`` unless a byte budget, ``max_bytes``, limits it).
     """
 
@@ -59,6 +61,7 @@ class Stats:
     total: int
     bytes: int
     capacity: int | None = None
+    disk_bytes: int | None = None
 
     @property
     def reads(self) -> int:
@@ -83,7 +86,7 @@ class Stats:
         return (
             f"cached {self.cached}/{self.total}{budget} ({100.0 * self.cached / max(self.total, 1):.1f}%), "
             f"hits {self.hits}, misses {self.misses}, hit rate {100.0 * self.hit_rate:.1f}%, "
-            f"{self.bytes / 2**20:.1f} MiB on disk"
+            f"{self.bytes / 2**20:.1f} MiB stored"
         )
 
 

@@ -66,6 +66,30 @@ class Location:
     is_remote: bool = False
     storage_options: dict = field(default_factory=dict)
 
+    # -- the engine's hooks: where metadata and samples live ------------------------------------
+    # A backend that keeps samples elsewhere (a Redis server, a bucket read through) subclasses
+    # Location and overrides these four; the engine calls nothing else.
+
+    def read_meta(self) -> dict | None:
+        """The cache metadata, or ``None`` when no cache exists here yet."""
+        if not os.path.exists(os.path.join(self.root, fmt.META)):
+            return None
+        return fmt.read_meta(self.root)
+
+    def publish_meta(self, meta: dict) -> dict:
+        """Create the store's files for ``meta``, then publish ``meta`` once; return whichever metadata won."""
+        os.makedirs(self.root, exist_ok=True)
+        fmt.CacheFiles(self.root, meta, writable=True).close()  # sized before anyone sees the metadata
+        return fmt.publish_meta(self.root, meta)
+
+    def open_store(self, meta: dict, *, writable: bool):
+        """The sample store (see ``docs/DESIGN.md``, "Store protocol") for this process."""
+        return fmt.CacheFiles(self.root, meta, writable=writable)
+
+    def remove(self) -> None:
+        """Delete the cache here (metadata first), for ``overwrite=True``."""
+        fmt.remove_cache(self.root)
+
     def prepare(self, callback=None) -> bool:
         """Pull the remote cache into the working copy if that is missing or older; return whether it pulled.
 

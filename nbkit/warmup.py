@@ -97,8 +97,7 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
         all_idx = all_idx[rank::world]
     files = cached._files
     missing = files.missing(all_idx)
-    if files.slot_of is not None:
-        all_idx = all_idx[files.admitted(all_idx)]  # beyond the byte budget: nothing to fill
+    all_idx = all_idx[files.admitted(all_idx)]  # beyond a byte budget: nothing to fill
     skipped = len(all_idx) - len(missing)
     cb.set_size(len(all_idx))
     cb.absolute_update(skipped)

@@ -1,0 +1,124 @@
+"""Browser fixtures: a Voila server on 127.0.0.1 and a headless Debian Chromium driven by playwright.
+
+Chromium is the system one (``/usr/bin/chromium``, installed by ``scripts/install-system-deps.sh``);
+``playwright install`` is never run (it downloads browsers). Tests that use these fixtures are
+skipped, with the reason, only when chromium is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def chromium_path() -> str | None:
+    """The system Chromium, or None."""
+    for candidate in ("/usr/bin/chromium", shutil.which("chromium"), shutil.which("chromium-browser")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def voila(notebook: Path, *, env: dict, log: Path, timeout: float = 120.0):
+    """Serve ``notebook`` with Voila on a free 127.0.0.1 port; yield its URL.
+
+    Readiness is checked on a static file: loading ``/`` would execute the notebook once more.
+    """
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "voila", str(notebook),
+        "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1", "--show_tracebacks=True",
+    ]
+    full_env = {**os.environ, **env}
+    # The kernel is started from this interpreter; make the checkout importable even when nbkit is
+    # not pip-installed (e.g. a test run straight from a clone).
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=notebook.parent)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"voila exited with code {proc.returncode}; log:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "voila/static/voila.js", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"voila did not answer on {url} within {timeout:.0f}s; log:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """A headless Chromium browser (playwright); skipped when /usr/bin/chromium is not installed."""
+    path = chromium_path()
+    if path is None:
+        pytest.skip("browser tests need Debian chromium: run `sh scripts/install-system-deps.sh` (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=path, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(chromium, request):
+    """A fresh page; on failure its screenshot is kept under test-artifacts/."""
+    context = chromium.new_context(viewport={"width": 1000, "height": 700}, device_scale_factor=2)
+    page = context.new_page()
+    console = []
+    page.on("console", lambda msg: console.append(f"{msg.type}: {msg.text}"))
+    page.console_log = console
+    failed_before = request.session.testsfailed
+    yield page
+    if request.session.testsfailed > failed_before:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"{request.node.name}-failure.png"), full_page=True)
+        (ARTIFACTS / f"{request.node.name}-console.txt").write_text("\n".join(console))
+    context.close()

@@ -1,0 +1,10 @@
+"""Run by tests/test_tpu.py: ``import nbkit`` and ``nbkit.tpu.describe()`` must not import torch_xla."""
+
+import json
+import sys
+
+import nbkit
+import nbkit.tpu
+
+info = nbkit.tpu.describe()
+print(json.dumps({"kind": info.kind, "torch_xla_imported": "torch_xla" in sys.modules, "nbkit": nbkit.__version__}))

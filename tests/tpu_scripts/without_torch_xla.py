@@ -1,0 +1,23 @@
+"""nbkit without torch_xla, run by tests/test_tpu.py as ``python -c <this text>``.
+
+Hides torch_xla (as if not installed), then checks that ``import nbkit`` and ``describe()`` work
+without it and that the functions needing it raise an ImportError naming the pip command.
+Prints one JSON object.
+"""
+
+import json
+import sys
+
+sys.modules["torch_xla"] = None  # any "import torch_xla" now raises ImportError
+
+import nbkit  # noqa: E402
+from nbkit import tpu  # noqa: E402
+
+out = {"kind": tpu.describe().kind}
+try:
+    tpu.device_loader([0, 1, 2], batch_size=1)
+    out["device_loader"] = "no error"
+except ImportError as e:
+    out["device_loader"] = str(e)
+out["nbkit_all"] = sorted(nbkit.__all__)
+print(json.dumps(out))
