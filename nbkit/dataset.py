@@ -57,6 +57,8 @@ class CachedDataset(Dataset):
             the same in every session); the others are computed from the source on every read, so a
             shuffled epoch's hit rate equals the cached fraction.
         storage_options: passed to fsspec for remote URLs (e.g. ``{"token": ...}`` for gcsfs).
+        local_max_bytes: for a remote cache (``gs://…``) larger than the local disk: read it through
+            a local area of at most this many bytes, fetching pieces on demand, instead of pulling it whole.
 
     Raises:
         StaleCacheError: the cache at ``path`` was built from a different source.
@@ -65,11 +67,13 @@ class CachedDataset(Dataset):
     """
 
     def __init__(self, dataset, path, *, transform=None, overwrite: bool = False, allow_pickle: bool = False,
-                 fingerprint_samples: int = 3, max_bytes: int | None = None, storage_options: dict | None = None):
+                 fingerprint_samples: int = 3, max_bytes: int | None = None, storage_options: dict | None = None,
+                 local_max_bytes: int | None = None):
         self._source = dataset
         self.transform = transform
         self.allow_pickle = allow_pickle
-        self._location = storage.resolve(path, storage_options)
+        options = {} if local_max_bytes is None else {"local_max_bytes": local_max_bytes}
+        self._location = storage.resolve(path, storage_options, **options)
         self.path = self._location.url
         self.root = self._location.root
         self._location.prepare()
@@ -86,7 +90,8 @@ class CachedDataset(Dataset):
         self._verified = None
 
     @classmethod
-    def open(cls, path, *, transform=None, allow_pickle: bool = False, storage_options: dict | None = None) -> "CachedDataset":
+    def open(cls, path, *, transform=None, allow_pickle: bool = False, storage_options: dict | None = None,
+             local_max_bytes: int | None = None) -> "CachedDataset":
         """Open an existing cache without its source; samples never stored raise :class:`MissingSampleError`.
 
         Example:
@@ -94,7 +99,8 @@ class CachedDataset(Dataset):
             >>> with pytest.raises(FileNotFoundError):
             ...     nbkit.CachedDataset.open("/nonexistent/cache")
         """
-        return cls(None, path, transform=transform, allow_pickle=allow_pickle, storage_options=storage_options)
+        return cls(None, path, transform=transform, allow_pickle=allow_pickle, storage_options=storage_options,
+                   local_max_bytes=local_max_bytes)
 
     # -- creation --------------------------------------------------------------------------------
 

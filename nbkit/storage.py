@@ -166,7 +166,7 @@ def working_copy_dir(url: str, storage_options: dict | None = None) -> str:
     return os.path.join(os.path.abspath(base), f"{name}-{digest}")
 
 
-def resolve(path, storage_options: dict | None = None) -> Location:
+def resolve(path, storage_options: dict | None = None, **location_options) -> Location:
     """Turn a local path or fsspec URL into a :class:`Location`; no network access.
 
     Example:
@@ -178,6 +178,16 @@ def resolve(path, storage_options: dict | None = None) -> Location:
 
     url = os.fspath(path)
     protocol, _ = split_protocol(url)
+    if protocol in ("redis", "rediss"):
+        from .redis_store import resolve_redis  # samples live in Redis servers, not in files
+
+        return resolve_redis(url, storage_options, **location_options)
+    if location_options.get("local_max_bytes") is not None:
+        if protocol in _LOCAL_PROTOCOLS:
+            raise ValueError(f"local_max_bytes only applies to a remote cache (gs://…), not to the local path {url}")
+        from .readthrough import resolve_read_through  # pieces fetched on demand into a bounded local area
+
+        return resolve_read_through(url, storage_options, **location_options)
     if protocol in _LOCAL_PROTOCOLS:
         local = strip_protocol(url) if protocol else url
         return Location(url=url, root=os.path.abspath(os.path.expanduser(local)), is_remote=False,
