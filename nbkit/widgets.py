@@ -643,9 +643,11 @@ class HitRateMeter:
     def text(self) -> str:
         """The meter as one line of text (what a terminal shows)."""
         cur, tot = self.current, self.overall()
+        budget = f"  [{self._budget}]" if getattr(self, "_budget", "") else ""
         return (
             f"nbkit hit rate: epoch {cur.epoch} {_pct(cur.hit_rate)} ({cur.hits:,} hits, {cur.misses:,} misses, "
             f"{cur.rate:,.0f} samples/s)  overall {_pct(tot.hit_rate)} ({tot.hits:,} hits, {tot.misses:,} misses)"
+            f"{budget}"
         )
 
     def _ipython_display_(self):
@@ -668,6 +670,11 @@ class HitRateMeter:
             self._epoch_base = (0, 0)
         self._last_counts = counts
         self._last_time = now
+        # Under a byte budget the hit rate cannot exceed the cached fraction: say so next to it.
+        self._budget = ""
+        if getattr(stats, "budgeted", False):
+            self._budget = (f"budget: {stats.capacity:,} of {stats.total:,} samples cacheable "
+                            f"({_pct(stats.capacity / max(stats.total, 1))} max hit rate)")
         cur = self.current
         cur.hits = counts[0] - self._epoch_base[0]
         cur.misses = counts[1] - self._epoch_base[1]
@@ -687,6 +694,7 @@ class HitRateMeter:
         self.rate_bar.bar_style = "success" if rate == rate and rate >= 0.999 else "info"
         self.counts_label.value = (
             f"hits {tot.hits:,} · misses {tot.misses:,} · {cur.rate:,.0f} samples/s this epoch"
+            + (f" · {self._budget}" if self._budget else "")
         )
         self.table.value = self._table_html()
         if self._terminal:

@@ -524,3 +524,16 @@ def test_this_file_passes_with_ipywidgets_7_7_1(request):
     )
     assert r.returncode == 0, f"tests/test_widgets.py failed under ipywidgets 7.7.1:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
     assert re.search(r"\d+ passed", r.stdout), r.stdout[-3000:]
+
+
+def test_hit_rate_meter_shows_the_byte_budget(tmp_path):
+    n = 400
+    ds = nbkit.CachedDataset(TupleSource(n), str(tmp_path / "c"), max_bytes=n * 24 + 100 * (8 * 8 * 4 + 8))
+    ds.warmup()
+    meter = HitRateMeter(ds, min_interval=0)
+    for _ in meter.track(torch.utils.data.DataLoader(ds, batch_size=50, shuffle=True, collate_fn=nbkit.collate)):
+        pass
+    meter.update(force=True)
+    assert "budget: 100 of 400 samples cacheable (25.0% max hit rate)" in meter.text()
+    assert "budget" in meter.counts_label.value
+    assert abs(meter.overall().hit_rate - 0.25) < 1e-9
