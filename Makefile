@@ -23,6 +23,7 @@ test: setup
 
 demo: setup
 	$(BIN)/python -m nbkit.demo
+	$(BIN)/python scripts/run_notebooks.py
 
 bench: setup
 	$(BIN)/python benchmarks/run.py

@@ -1,0 +1,463 @@
+"""Raw vs cached epochs, measured the way a notebook user would: one line, a table and a plot.
+
+:func:`compare_epochs` runs a few DataLoader epochs over the raw source dataset and then over its
+:class:`~nbkit.CachedDataset`, times each one, and reads the cache's hit rate from the
+``cached.stats`` deltas. The first cached epoch of a cold cache computes and stores every sample
+(it *fills* the cache), so it is reported apart from the later, steady-state epochs; ``speedup``
+compares raw epochs with those steady-state ones only.
+
+:func:`mnist_like` loads an MNIST-style torchvision dataset for the tutorials: it tries the real
+download (failing fast when there is no network) and otherwise falls back to the offline
+MNIST-format files of :mod:`nbkit.offline`, and says which one it used.
+
+Example:
+    >>> import tempfile, torch
+    >>> import nbkit
+    >>> from nbkit.bench import compare_epochs
+    >>> raw = torch.utils.data.TensorDataset(torch.randn(512, 8), torch.arange(512))
+    >>> cached = nbkit.CachedDataset(raw, tempfile.mkdtemp() + "/cache")
+    >>> result = compare_epochs(raw, cached, epochs=2, batch_size=128)
+    >>> [(r.dataset, r.epoch, r.filling) for r in result.rows]
+    [('raw', 1, False), ('raw', 2, False), ('cached', 1, True), ('cached', 2, False)]
+    >>> result.rows[-1].hit_rate
+    1.0
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["EpochRow", "EpochComparison", "compare_epochs", "mnist_like", "MNIST_LIKE"]
+
+#: The dataset names :func:`mnist_like` accepts (the tutorials' form field).
+MNIST_LIKE = ("MNIST", "FashionMNIST", "KMNIST", "EMNIST")
+
+# Colours chosen to stay apart for colour-blind readers and in greyscale.
+_RAW_COLOUR = "#9a9a9a"
+_FILL_COLOUR = "#f28e2b"
+_CACHED_COLOUR = "#2f6db5"
+
+
+@dataclass(frozen=True)
+class EpochRow:
+    """One timed epoch.
+
+    Attributes:
+        dataset: ``"raw"`` or ``"cached"``.
+        epoch: 1-based epoch number within that dataset's run.
+        seconds: wall-clock time of the whole epoch (every batch loaded).
+        samples: samples loaded in the epoch.
+        hit_rate: fraction of samples served from the cache (``None`` for the raw dataset).
+        filling: ``True`` when the epoch had cache misses, i.e. it computed and stored samples.
+    """
+
+    dataset: str
+    epoch: int
+    seconds: float
+    samples: int
+    hit_rate: float | None = None
+    filling: bool = False
+
+    @property
+    def samples_per_s(self) -> float:
+        """Throughput of the epoch."""
+        return self.samples / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def label(self) -> str:
+        """A short name for the epoch, e.g. ``"cached 1 (filling)"``."""
+        return f"{self.dataset} {self.epoch}" + (" (filling)" if self.filling else "")
+
+
+class EpochComparison:
+    """The result of :func:`compare_epochs`: per-epoch rows, a table, a plot and the speedup.
+
+    In a notebook, the object renders as an HTML table; ``print(result)`` gives the text table.
+
+    Example:
+        >>> rows = [EpochRow("raw", 1, 2.0, 1000), EpochRow("cached", 1, 2.5, 1000, 0.0, True),
+        ...         EpochRow("cached", 2, 0.1, 1000, 1.0)]
+        >>> EpochComparison(rows).speedup
+        20.0
+    """
+
+    def __init__(self, rows, *, batch_size: int | None = None, num_workers: int | None = None):
+        self.rows = list(rows)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+
+    # --- summary numbers --------------------------------------------------------------------
+    def _seconds(self, dataset: str, filling: bool | None = None) -> list[float]:
+        return [
+            r.seconds
+            for r in self.rows
+            if r.dataset == dataset and (filling is None or r.filling == filling)
+        ]
+
+    @property
+    def raw_seconds(self) -> float:
+        """Mean seconds of a raw epoch."""
+        return _mean(self._seconds("raw"))
+
+    @property
+    def cached_seconds(self) -> float:
+        """Mean seconds of a steady-state (non-filling) cached epoch; NaN if there was none."""
+        return _mean(self._seconds("cached", filling=False))
+
+    @property
+    def filling_seconds(self) -> float:
+        """Mean seconds of the cached epochs that filled the cache; NaN if the cache was warm."""
+        return _mean(self._seconds("cached", filling=True))
+
+    @property
+    def speedup(self) -> float:
+        """Raw mean epoch time / steady-state cached mean epoch time (NaN without both)."""
+        return self.raw_seconds / self.cached_seconds if self.cached_seconds > 0 else math.nan
+
+    def summary(self) -> str:
+        """One sentence: how much faster the cached epochs were, and what filling cost."""
+        if math.isnan(self.speedup):
+            text = (
+                f"raw epochs took {self.raw_seconds:.3g} s; no steady-state cached epoch was run "
+                "(use epochs >= 2 to see one)"
+            )
+        else:
+            text = (
+                f"cached epochs are {self.speedup:.1f}x faster than raw: "
+                f"{self.cached_seconds:.3g} s vs {self.raw_seconds:.3g} s an epoch"
+            )
+        if not math.isnan(self.filling_seconds):
+            text += f"; filling the cache took {self.filling_seconds:.3g} s (once)"
+        return text
+
+    # --- table -------------------------------------------------------------------------------
+    _HEADER = ("dataset", "epoch", "seconds", "samples/s", "hit rate", "note")
+
+    def _cells(self) -> list[tuple[str, ...]]:
+        cells = []
+        for r in self.rows:
+            hit = "—" if r.hit_rate is None else f"{100 * r.hit_rate:.0f}%"
+            note = "fills the cache" if r.filling else ""
+            cells.append(
+                (r.dataset, str(r.epoch), f"{r.seconds:.3f}", f"{r.samples_per_s:,.0f}", hit, note)
+            )
+        return cells
+
+    def table(self, fmt: str = "markdown") -> str:
+        """The per-epoch table as ``"markdown"`` (default) or aligned plain ``"text"``."""
+        cells = self._cells()
+        if fmt == "markdown":
+            lines = ["| " + " | ".join(self._HEADER) + " |", "|" + "---|" * len(self._HEADER)]
+            lines += ["| " + " | ".join(row) + " |" for row in cells]
+            return "\n".join(lines)
+        if fmt == "text":
+            widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(self._HEADER)]
+            fmt_row = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+            return "\n".join([fmt_row(self._HEADER)] + [fmt_row(row) for row in cells])
+        raise ValueError(f"table(fmt={fmt!r}): expected 'markdown' or 'text'")
+
+    def __str__(self) -> str:
+        return self.table("text") + "\n" + self.summary()
+
+    def __repr__(self) -> str:
+        return f"<EpochComparison {len(self.rows)} epochs: {self.summary()}>"
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._HEADER)
+        body = []
+        for r, row in zip(self.rows, self._cells()):
+            style = ' style="font-weight:bold"' if r.dataset == "cached" and not r.filling else ""
+            body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+        return (
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+            f"<p>{html.escape(self.summary())}</p>"
+        )
+
+    # --- plot --------------------------------------------------------------------------------
+    def plot(self, path=None, *, title: str = ""):
+        """Bar charts of seconds and samples/s per epoch: raw, the filling epoch, cached epochs.
+
+        Args:
+            path: if given, the figure is also saved there (PNG, SVG, ... by extension).
+            title: what was measured, e.g. ``"MNIST, ToTensor + Normalize"``; shown under the
+                headline with the epoch size and loader settings.
+
+        Returns:
+            A :class:`matplotlib.figure.Figure` (shown when it is a cell's last value).
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'nbkit[notebook]'``).
+        """
+        try:
+            import matplotlib.pyplot as plt
+            from matplotlib.patches import Patch
+        except ImportError as e:
+            raise ImportError("nbkit.bench plots need matplotlib: pip install 'nbkit[notebook]'") from e
+
+        colours = [
+            _RAW_COLOUR if r.dataset == "raw" else _FILL_COLOUR if r.filling else _CACHED_COLOUR
+            for r in self.rows
+        ]
+        # Leave a gap between the raw group and the cached group so they read as two runs.
+        xs, x, previous = [], 0.0, None
+        for r in self.rows:
+            if previous is not None and r.dataset != previous:
+                x += 0.6
+            xs.append(x)
+            x += 1.0
+            previous = r.dataset
+        ticks = []
+        for r in self.rows:
+            tick = f"{r.dataset}\nepoch {r.epoch}"
+            if r.hit_rate is not None:
+                tick += f"\nhits {100 * r.hit_rate:.0f}%"
+            ticks.append(tick)
+
+        # Made through pyplot so that IPython's inline backend is loaded and renders the returned
+        # Figure as a picture; closed at once so the backend does not show it a second time.
+        fig = plt.figure(figsize=(12, 4.8), layout="constrained")
+        plt.close(fig)
+        ax_time, ax_rate = fig.subplots(1, 2)
+        panels = (
+            (ax_time, [r.seconds for r in self.rows], "seconds per epoch (lower is better)", _fmt_seconds),
+            (ax_rate, [r.samples_per_s for r in self.rows], "samples / s (higher is better)", _fmt_rate),
+        )
+        for ax, values, heading, fmt in panels:
+            bars = ax.bar(xs, values, color=colours, width=0.8, edgecolor="black", linewidth=0.6)
+            for bar, r in zip(bars, self.rows):
+                if r.filling:
+                    bar.set_hatch("//")
+            ax.bar_label(bars, labels=[fmt(v) for v in values], padding=2, fontsize=9)
+            ax.set_title(heading, fontsize=11)
+            ax.set_xticks(xs, ticks, fontsize=8.5)
+            ax.margins(y=0.15)
+            ax.spines[["top", "right"]].set_visible(False)
+            ax.grid(axis="y", alpha=0.3)
+            ax.set_axisbelow(True)
+        ax_rate.yaxis.set_major_formatter(lambda v, _pos: _fmt_rate(v))
+
+        legend = [Patch(facecolor=_RAW_COLOUR, edgecolor="black", label="raw dataset (transform every time)")]
+        if any(r.filling for r in self.rows):
+            legend.append(
+                Patch(facecolor=_FILL_COLOUR, edgecolor="black", hatch="//", label="cached, first epoch (fills the cache)")
+            )
+        if any(r.dataset == "cached" and not r.filling for r in self.rows):
+            legend.append(Patch(facecolor=_CACHED_COLOUR, edgecolor="black", label="cached, served from the cache"))
+        fig.legend(handles=legend, loc="outside lower center", ncols=len(legend), frameon=False, fontsize=9.5)
+
+        if math.isnan(self.speedup):
+            headline = "Raw vs cached epochs"
+        else:
+            headline = f"Cached epochs are {self.speedup:.1f}× faster than raw"
+        details = [title] if title else []
+        details.append(f"{self.rows[0].samples if self.rows else 0:,} samples an epoch")
+        if self.batch_size is not None:
+            details.append(f"batch size {self.batch_size}")
+        if self.num_workers is not None:
+            details.append(f"num_workers={self.num_workers}")
+        fig.suptitle(f"{headline}\n", fontsize=13, fontweight="bold")
+        fig.text(0.5, 0.925, " · ".join(details), ha="center", va="top", fontsize=10, color="#444444")
+        if path is not None:
+            fig.savefig(path, dpi=110)
+        return fig
+
+
+def _fmt_seconds(v: float) -> str:
+    return f"{v:.2f} s" if v >= 0.1 else f"{v * 1000:.0f} ms"
+
+
+def _fmt_rate(v: float) -> str:
+    if v >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    if v >= 1e3:
+        return f"{v / 1e3:.0f}k"
+    return f"{v:.0f}"
+
+
+def _mean(values) -> float:
+    return statistics.fmean(values) if values else math.nan
+
+
+def _default_collate(ds):
+    # A CachedDataset's __getitems__ returns a SampleBatch, which nbkit.collate turns into tensors
+    # without re-stacking; every other dataset gets the DataLoader's own default.
+    import nbkit
+
+    return nbkit.collate if isinstance(ds, nbkit.CachedDataset) else None
+
+
+def _hits_misses(ds) -> tuple[int, int]:
+    stats = ds.stats
+    return int(stats.hits), int(stats.misses)
+
+
+def _timed_epochs(ds, name, *, epochs, batch_size, num_workers, collate_fn, callback):
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        ds,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=num_workers,
+        collate_fn=collate_fn if collate_fn is not None else _default_collate(ds),
+        persistent_workers=num_workers > 0,
+    )
+    has_stats = hasattr(ds, "stats")
+    rows = []
+    for epoch in range(1, epochs + 1):
+        if callback is not None:
+            callback.set_description(f"{name} epoch {epoch}/{epochs}")
+        before = _hits_misses(ds) if has_stats else None
+        start = time.perf_counter()
+        for _batch in loader:
+            if callback is not None:
+                callback.relative_update(1)
+        seconds = time.perf_counter() - start
+        hit_rate, filling = None, False
+        if has_stats:
+            hits, misses = (a - b for a, b in zip(_hits_misses(ds), before))
+            hit_rate = hits / (hits + misses) if hits + misses else 0.0
+            filling = misses > 0
+        rows.append(EpochRow(name, epoch, seconds, len(ds), hit_rate, filling))
+    return rows
+
+
+def compare_epochs(raw, cached, *, epochs: int = 3, batch_size: int = 256, num_workers: int = 0,
+                   collate_fn=None, callback=None) -> EpochComparison:
+    """Time ``epochs`` shuffled DataLoader epochs over ``raw``, then over ``cached``.
+
+    Run it on a cold cache to see the filling epoch, or on a warmed one to see only the
+    steady state. Raw epochs go first, so the cache's filling epoch cannot warm the source.
+
+    Args:
+        raw: the source dataset (any map-style dataset).
+        cached: an :class:`nbkit.CachedDataset` over ``raw`` (anything with ``.stats`` works).
+        epochs: epochs for each dataset; use 2 or more to see a steady-state cached epoch.
+        batch_size, num_workers: passed to each ``DataLoader`` (``num_workers=0`` is the fast
+            setting for a cache; give the raw dataset the same to compare like with like).
+        collate_fn: for both loaders; by default ``nbkit.collate`` for a ``CachedDataset`` and
+            the DataLoader's default for anything else.
+        callback: an :class:`nbkit.progress.Callback` told of every batch, e.g.
+            ``nbkit.TextProgress("bench")`` for a progress line.
+
+    Returns:
+        An :class:`EpochComparison` with one :class:`EpochRow` per epoch.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> raw = torch.utils.data.TensorDataset(torch.randn(256, 4))
+        >>> cached = nbkit.CachedDataset(raw, tempfile.mkdtemp() + "/c")
+        >>> compare_epochs(raw, cached, epochs=2, batch_size=64).rows[2].filling
+        True
+    """
+    if epochs < 1:
+        raise ValueError(f"compare_epochs(epochs={epochs}): expected at least 1 epoch")
+    if len(raw) != len(cached):
+        raise ValueError(
+            f"compare_epochs: raw has {len(raw)} samples but cached has {len(cached)}; "
+            "pass the CachedDataset built over this raw dataset"
+        )
+    if not hasattr(cached, "stats"):
+        raise TypeError(
+            f"compare_epochs: cached is a {type(cached).__name__} without .stats; "
+            "pass an nbkit.CachedDataset, e.g. nbkit.CachedDataset(raw, path)"
+        )
+    if callback is not None:
+        per_epoch = math.ceil(len(raw) / batch_size)
+        callback.set_size(2 * epochs * per_epoch)
+    kwargs = dict(epochs=epochs, batch_size=batch_size, num_workers=num_workers,
+                  collate_fn=collate_fn, callback=callback)
+    rows = _timed_epochs(raw, "raw", **kwargs) + _timed_epochs(cached, "cached", **kwargs)
+    return EpochComparison(rows, batch_size=batch_size, num_workers=num_workers)
+
+
+def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transform=None,
+               download: bool = True, offline_samples: int = 60000, timeout: float = 5.0):
+    """An MNIST-style torchvision dataset: the real one if it can be had, else offline files.
+
+    The real data is used when it is already under ``root`` or (with ``download=True``) can be
+    downloaded. Without a network the download fails within ``timeout`` seconds and the
+    dataset falls back to MNIST-format files written by :func:`nbkit.offline.write_mnist` under
+    ``root/nbkit-offline-<n>`` (kept apart so they are never taken for the real data). EMNIST
+    (``split="digits"``) has no offline layout of its own, so its fallback is MNIST-format
+    data. A message says which data was used.
+
+    Args:
+        name: one of ``MNIST_LIKE``: ``"MNIST"``, ``"FashionMNIST"``, ``"KMNIST"``, ``"EMNIST"``.
+        root: torchvision's ``root`` folder.
+        train: the training split (else the test split).
+        transform: passed to the torchvision dataset.
+        download: try to download the real data when it is not under ``root``.
+        offline_samples: size of the offline training split (the test split is a sixth of it).
+        timeout: socket timeout of the download attempt, in seconds.
+
+    Returns:
+        The torchvision dataset. Its ``nbkit_source`` attribute says ``"real"`` or ``"offline"``.
+
+    Example:
+        >>> import tempfile
+        >>> ds = mnist_like("KMNIST", tempfile.mkdtemp(), download=False, offline_samples=120)  # doctest: +ELLIPSIS
+        Using offline KMNIST-format stand-in data (120 samples): ...
+        >>> len(ds), ds.nbkit_source
+        (120, 'offline')
+    """
+    try:
+        from torchvision import datasets
+    except ImportError as e:
+        raise ImportError("nbkit.bench.mnist_like needs torchvision: pip install torchvision") from e
+    if name not in MNIST_LIKE:
+        raise ValueError(f"mnist_like(name={name!r}): expected one of {', '.join(MNIST_LIKE)}")
+
+    cls = getattr(datasets, name)
+    kwargs = dict(train=train, transform=transform)
+    if name == "EMNIST":
+        kwargs["split"] = "digits"  # ten classes, like the others, so the same model fits
+    reason = "download=False and the data is not under root"
+    try:
+        ds = cls(root, download=False, **kwargs)
+        ds.nbkit_source = "real"
+        return ds
+    except RuntimeError:
+        pass  # not there yet (torchvision raises RuntimeError("Dataset not found ..."))
+    if download:
+        previous = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(timeout)
+        try:
+            ds = cls(root, download=True, **kwargs)
+            ds.nbkit_source = "real"
+            return ds
+        except (RuntimeError, OSError) as e:  # URLError and socket timeouts are OSErrors
+            reason = f"the download failed ({_first_line(e)})"
+        finally:
+            socket.setdefaulttimeout(previous)
+
+    from nbkit.offline import write_mnist
+
+    layout = "MNIST" if name == "EMNIST" else name
+    offline_root = Path(root) / f"nbkit-offline-{offline_samples}"
+    raw_dir = offline_root / layout / "raw"
+    expected = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+    if not all((raw_dir / f).exists() for f in expected):
+        write_mnist(offline_root, name=layout, n_train=offline_samples,
+                    n_test=max(1, offline_samples // 6))
+    ds = getattr(datasets, layout)(offline_root, download=False, train=train, transform=transform)
+    ds.nbkit_source = "offline"
+    note = " (EMNIST has no offline layout; using MNIST-format data instead)" if name == "EMNIST" else ""
+    print(
+        f"Using offline {layout}-format stand-in data ({len(ds):,} samples): {reason}. "
+        f"The images are synthetic, learnable patterns, not real {name}{note}."
+    )
+    return ds
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    # torchvision's message starts with "Error downloading X:" and names the cause further down.
+    return " / ".join(line.strip() for line in text[:3] if line.strip()) or type(error).__name__

@@ -1,0 +1,154 @@
+"""The tutorial notebooks: committed clean and Colab-ready, and executed headless on the CPU.
+
+Each notebook runs top to bottom with papermill (through ``scripts/run_notebooks.py``, as
+``make demo`` runs them) with the small offline parameters, in a kernel on this machine: real
+torchvision, real torch_xla on the CPU, real widgets driven by their buttons, a real GCS emulator.
+Widget values live in the saved widget state, so the assertions read what the notebooks print and
+the files they write.
+"""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from fixtures_gcs import gcs, gcs_server  # noqa: F401  (fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ["01_tpu_setup", "02_cache_mnist", "03_benchmark"]
+
+_spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "scripts" / "run_notebooks.py")
+run_notebooks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_notebooks)
+
+pytestmark = pytest.mark.slow
+
+
+def execute(name, out_dir, **parameters):
+    """Run one notebook small; on failure, show the traceback papermill saved in the notebook."""
+    import papermill
+
+    try:
+        path = run_notebooks.run(name, out_dir, parameters, small=True)
+    except papermill.PapermillExecutionError as e:
+        pytest.fail(f"{name}.ipynb failed in cell {e.exec_count}: {e.ename}: {e.evalue}\n"
+                    f"{run_notebooks.text_output(Path(out_dir) / f'{name}.ipynb')[-3000:]}")
+    return path, run_notebooks.text_output(path)
+
+
+def number(pattern, text):
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not in the notebook's output:\n{text}"
+    return float(match.group(1).replace(",", ""))
+
+
+# -- what is committed -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_is_clean_and_colab_ready(name):
+    path = REPO / "notebooks" / f"{name}.ipynb"
+    nb = nbformat.read(str(path), as_version=4)
+    nbformat.validate(nb)
+    assert run_notebooks.outputs_left(path) == [], "strip outputs: python scripts/run_notebooks.py --strip"
+    badge = f"https://colab.research.google.com/github/nbkit/nbkit/blob/main/notebooks/{name}.ipynb"
+    assert nb.cells[0].cell_type == "markdown" and badge in nb.cells[0].source
+    assert "colab-badge.svg" in nb.cells[0].source
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1 and "#@param" in tagged[0].source
+    # Every knob CI overrides exists in the parameters cell.
+    for knob in run_notebooks.SMALL[name]:
+        assert re.search(rf"^{knob} = ", tagged[0].source, re.M), knob
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    # No cell shells out to pip unconditionally: installing needs the network, so it is Colab-only.
+    assert not any(line.lstrip().startswith(("!", "%pip")) for src in code for line in src.splitlines())
+    assert any('"google.colab" in sys.modules' in src for src in code)
+    prose = sum(len(c.source) for c in nb.cells if c.cell_type == "markdown")
+    assert prose > 1500, "explain why as well as what"
+
+
+def test_check_stripped_command():
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "run_notebooks.py"), "--check-stripped"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+# -- executed ----------------------------------------------------------------------------------
+
+
+def test_01_tpu_setup_on_a_cpu_runtime(tmp_path, monkeypatch):
+    # A fresh runtime: setup() must choose and set PJRT_DEVICE itself.
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
+    _, out = execute("01_tpu_setup", tmp_path)
+    assert "This is a CPU runtime" in out
+    # PJRT_DEVICE was unset: setup() chose CPU and checked the device in a subprocess.
+    assert "ready: True; PJRT_DEVICE=CPU; device check: xla:0 (CPU)" in out
+    # spawn() started one process per CPU stand-in device, and each computed on its own device.
+    assert "process 0: replica 0 of 2 on xla:0 (CPU), computed 8" in out
+    assert "process 1: replica 1 of 2 on xla:1 (CPU), computed 16" in out
+    assert "spawn finished: every device answered" in out
+
+
+def _check_02(out, work):
+    assert "Using offline MNIST-format stand-in data (3,000 samples)" in out
+    # The warmup ran through the panel's button (the panel's report), and filled the cache.
+    assert "warmup: 3,000 samples computed in " in out
+    assert "cache complete: True (3,000 samples" in out
+    tar = work / "export" / "mnist-cache.tar"
+    assert f"exported: {tar.relative_to(work)}" in out
+    with tarfile.open(tar) as archive:
+        names = archive.getnames()
+    assert any(n.endswith("nbkit.json") for n in names) and any(n.endswith("index.bin") for n in names)
+    assert re.search(r"3,000 samples, source: None, complete: True", out), out
+    assert "sample 0: (1, 28, 28) torch.float32" in out
+    assert "training on xla:0 (xla; runtime: cpu)" in out
+    first = number(r"mean loss of the first \d+ steps ([\d.]+)", out)
+    last = number(r"of the last \d+ steps ([\d.]+)", out)
+    assert last < first  # it learned: the cached samples are the real, normalised images
+    assert "hit rate while training: 100.0%" in out and " 0 misses)" in out
+
+
+def test_02_cache_mnist_tar_path(tmp_path):
+    _, out = execute("02_cache_mnist", tmp_path)
+    _check_02(out, tmp_path / "work")
+    assert "reopened from export/mnist-cache.tar: 3,000 samples" in out
+    # The reopened copy is a complete cache of its own, unpacked from the tar.
+    meta = json.loads((tmp_path / "work" / "cache" / "mnist-reopened" / "nbkit.json").read_text())
+    assert meta["length"] == 3000
+
+
+def test_02_cache_mnist_through_gcs(tmp_path, gcs):  # noqa: F811
+    url = f"{gcs.url}/mnist-cache"
+    _, out = execute("02_cache_mnist", tmp_path, upload_url=url, storage_options=gcs.storage_options)
+    _check_02(out, tmp_path / "work")
+    assert f"uploaded: {url}" in out
+    assert f"reopened from {url}: 3,000 samples" in out
+    assert gcs.fs.exists(f"{gcs.name}/mnist-cache/nbkit.json")
+
+
+def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
+    path, out = execute("03_benchmark", tmp_path)
+    assert "MNIST (offline data): 6,000 samples" in out
+    raw = number(r"raw epoch: ([\d.]+) s", out)
+    cached = number(r"cached epoch: ([\d.]+) s", out)
+    assert cached < raw, out
+    assert number(r"speedup: ([\d.]+)x", out) > 1
+    assert "hit rate after filling: 100%" in out
+    assert "cache complete: True" in out
+    plot = tmp_path / "work" / "benchmark.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    nb = nbformat.read(str(path), as_version=4)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the plot is shown in the notebook"
+    assert any("<table>" in o.get("data", {}).get("text/html", "") for o in outputs), "and the table"
+    # An executed notebook has outputs; strip() makes it commit-ready again.
+    assert run_notebooks.outputs_left(path)
+    assert run_notebooks.strip(path) and run_notebooks.outputs_left(path) == []
