@@ -148,7 +148,7 @@ def run(args):
         ("nbkit push", f"{push_t:.2f} s ({rate(size, push_t):.0f} MiB/s)",
          f"≥ 50% of single file ({rate(single_size, put_t) / 2:.0f} MiB/s)",
          "yes" if rate(size, push_t) >= rate(single_size, put_t) / 2 else "**no**"),
-        ("nbkit pull (incl. sha256 + per-sample verify)", f"{pull_t:.2f} s ({rate(size, pull_t):.0f} MiB/s)",
+        ("nbkit pull (incl. sha256 of every file)", f"{pull_t:.2f} s ({rate(size, pull_t):.0f} MiB/s)",
          f"≥ 50% of single file ({rate(single_size, get_t) / 2:.0f} MiB/s)",
          "yes" if rate(size, pull_t) >= rate(single_size, get_t) / 2 else "**no**"),
         ("nbkit push again (nothing changed)", f"{repush_t:.2f} s", "", ""),
@@ -157,8 +157,8 @@ def run(args):
          f"nbkit is {ps_up * scale / push_t:.0f}× faster", ""),
         (f"one object per sample, pull (scaled from {k:,})", f"{ps_down * scale:.1f} s",
          f"nbkit is {ps_down * scale / pull_t:.0f}× faster", ""),
-        ("export_tar / tar cf", f"{export_t:.2f} s / {tarcf_t:.2f} s", f"{export_t / tarcf_t:.1f}× tar", ""),
-        ("import_tar (incl. verify) / tar xf", f"{import_t:.2f} s / {tarxf_t:.2f} s", f"{import_t / tarxf_t:.1f}× tar", ""),
+        ("export_tar (incl. sha256) / tar cf", f"{export_t:.2f} s / {tarcf_t:.2f} s", f"{export_t / tarcf_t:.1f}× tar", ""),
+        ("import_tar (incl. sha256) / tar xf", f"{import_t:.2f} s / {tarxf_t:.2f} s", f"{import_t / tarxf_t:.1f}× tar", ""),
         ("export_tar / import_tar, zst", f"{zst_t:.2f} s / {izst_t:.2f} s", f"{zst_size / MiB:.0f} MiB compressed", ""),
     ]
     head = (
@@ -168,8 +168,26 @@ def run(args):
         + (" **Quick mode: small sizes, not comparable to the targets.**" if args.quick else "")
         + "\n\n| measure | result | reference / target | met |\n|---|---|---|---|\n"
     )
-    table = head + "\n".join(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows) + "\n"
+    table = head + "\n".join(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows) + "\n" + NOTES
     return table
+
+
+NOTES = """
+Notes:
+
+* pull hashes each file once, as its ranged reads arrive (16 MiB parts, several in flight), and
+  checks it against the manifest's sha256; a match means the bytes are those pushed, so samples are
+  not re-verified one by one (the engine checks each sample's CRC the first time it reads it).
+  import_tar likewise checks sha256 only; a plain `tar` of a cache (no manifest) is verified sample
+  by sample.
+* The single-file reference uses gcsfs's own `put_file` / `get_file` (`get_file` reads large files
+  with 4 concurrent ranged requests and does not hash). nbkit's push streams 32 MiB resumable-upload
+  blocks, which the emulator takes faster than `put_file`'s chunks, so push can exceed 100% of it.
+* export_tar and import_tar also compute every file's sha256 (~1.3 GB/s here); `tar cf` / `tar xf`
+  check nothing.
+* The build machine has 2 cores shared with other jobs: seconds vary by 2x or more between runs;
+  compare rows of the same run.
+"""
 
 
 def main(argv=None):

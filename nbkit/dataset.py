@@ -80,7 +80,7 @@ class CachedDataset(Dataset):
         if dataset is None:
             self._meta = self._location.read_meta()
             if self._meta is None:
-                fmt.read_meta(self.root)  # raises FileNotFoundError naming the fix
+                raise self._location.not_found()
         else:
             self._meta = self._create_or_check(dataset, overwrite, fingerprint_samples, max_bytes)
         self._length = int(self._meta["length"])
@@ -210,14 +210,16 @@ class CachedDataset(Dataset):
             misses = int(np.count_nonzero(~stored))
             todo = np.unique(idx[~stored])
             admitted = f.admitted(todo)
-            if admitted.any():
-                self._compute_and_store(todo[admitted])
-            if not admitted.all():
-                # Beyond the byte budget: these are computed from the source on every read.
-                self._counters.add(hits=len(idx) - misses, misses=misses)
-                outside = set(int(i) for i in todo[~admitted])
-                return self._finish([self._compute(i) if int(i) in outside else self._read_one(int(i)) for i in idx], single)
-        self._counters.add(hits=len(idx) - misses, misses=misses)
+            # Samples the store did not keep (beyond a byte budget, or refused by a full store) are
+            # served straight from the source: correct, just not cached.
+            unkept = self._compute_and_store(todo[admitted]) if admitted.any() else {}
+            unkept.update((int(i), None) for i in todo[~admitted])
+            self._counters.add(hits=len(idx) - misses, misses=misses)
+            if unkept:
+                return self._finish([self._from_source(int(i), unkept) if int(i) in unkept else self._read_one(int(i))
+                                     for i in idx], single)
+        else:
+            self._counters.add(hits=len(idx))
 
         flags = f.flags_of(idx)
         schema = f.schema
@@ -232,13 +234,17 @@ class CachedDataset(Dataset):
         unverified = ~self._verified[idx]
         if unverified.any():
             pos = np.flatnonzero(unverified)
-            sub = [c[pos] for c in columns]
+            sub = columns if len(pos) == len(idx) else [c[pos] for c in columns]
             sub_blobs = {m: blobs[j] for m, j in enumerate(pos)} if blobs else None
             ok = fmt.batch_crc(sub, len(pos), sub_blobs) == f.crc_of(idx[pos])
             self._verified[idx[pos[ok]]] = True
             if not ok.all():
+                unkept = {}
                 for i in idx[pos[~ok]]:
-                    self._repair(int(i))
+                    unkept.update(self._repair(int(i)))
+                if unkept:
+                    return self._finish([self._from_source(int(i), unkept) if int(i) in unkept else self._read_one(int(i))
+                                         for i in idx], single)
                 return self._fetch(idx, single)
         if blobs is not None:
             n_var = sum(1 for leaf in schema.leaves if leaf.store == "var")
@@ -273,8 +279,8 @@ class CachedDataset(Dataset):
         rows = [] if flag & fmt.FLAG_FREEFORM else [r[0] for r in f.gather(one)]
         if not self._verified[i]:
             if f.row_crc(rows, blob) != int(f.crc_of(one)[0]):
-                self._repair(i)
-                return self._read_one(i)
+                unkept = self._repair(i)
+                return self._from_source(i, unkept) if unkept else self._read_one(i)
             self._verified[i] = True
         if flag & fmt.FLAG_FREEFORM:
             return decode_freeform(blob, allow_pickle=self.allow_pickle, where=where)
@@ -282,7 +288,13 @@ class CachedDataset(Dataset):
         var_values = [[v] for v in schema.var_values(blob, where, self.allow_pickle)] if blob else None
         return SampleBatch(schema, np.array([i]), [r[None] for r in rows], var_values)[0]
 
-    def _repair(self, i: int) -> None:
+    def _from_source(self, i: int, computed: dict):
+        """Sample ``i`` as just computed (``computed[i]``), or computed now if it is ``None``."""
+        sample = computed.get(i)
+        return self._compute(i) if sample is None else sample
+
+    def _repair(self, i: int) -> dict:
+        """Recompute a sample that failed its checksum; return ``{i: sample}`` if the store refused it."""
         if self._source is None:
             raise CorruptCacheError(
                 f"sample {i} in the cache at {self.path} fails its checksum: the stored bytes were damaged or modified. "
@@ -290,7 +302,7 @@ class CachedDataset(Dataset):
                 "import the cache again."
             )
         self._counters.add(recomputed=1)
-        self._compute_and_store(np.array([i]))
+        return self._compute_and_store(np.array([i]))
 
     # -- writes ----------------------------------------------------------------------------------------
 
@@ -315,13 +327,17 @@ class CachedDataset(Dataset):
             raise
         return sample
 
-    def _compute_and_store(self, indices: np.ndarray) -> int:
-        """Compute ``indices`` from the source and store them; return how many were stored."""
+    def _compute_and_store(self, indices: np.ndarray) -> dict:
+        """Compute ``indices`` from the source and store them; return ``{i: sample}`` for those the
+        store refused (a full Redis server, say), which callers serve without reading them back."""
         samples = [self._compute(int(i)) for i in indices]
-        self._store(indices, samples)
-        return len(samples)
+        kept = self._store(indices, samples)
+        if kept.all():
+            return {}
+        return {int(i): s for i, s, k in zip(indices, samples, kept) if not k}
 
-    def _store(self, indices: np.ndarray, samples: list) -> None:
+    def _store(self, indices: np.ndarray, samples: list) -> np.ndarray:
+        """Store computed samples; return which ones the store kept."""
         f = self._files
         if not f.writable:
             raise PermissionError(f"the cache at {self.path} is open read-only")
@@ -361,9 +377,11 @@ class CachedDataset(Dataset):
         for j in blobs_pos:
             if flags[j] == fmt.FLAG_FREEFORM:
                 crc[j] = f.row_crc([], blob_of[j])
-        f.put(idx, flags, crc, cpos, stacked, np.asarray(blobs_pos, dtype=np.int64), blobs)
-        self._verified[idx] = True
-        self._counters.add(stored=n)
+        kept = f.put(idx, flags, crc, cpos, stacked, np.asarray(blobs_pos, dtype=np.int64), blobs)
+        kept = np.ones(n, dtype=bool) if kept is None else np.asarray(kept, dtype=bool)
+        self._verified[idx[kept]] = True
+        self._counters.add(stored=int(kept.sum()), refused=n - int(kept.sum()))
+        return kept
 
     # -- bulk operations -------------------------------------------------------------------------------
 
@@ -451,7 +469,7 @@ class CachedDataset(Dataset):
         f = self._files
         t = self._counters.totals()
         return Stats(
-            hits=t["hits"], misses=t["misses"], recomputed=t["recomputed"], stored=t["stored"],
+            hits=t["hits"], misses=t["misses"], recomputed=t["recomputed"], stored=t["stored"], refused=t["refused"],
             cached=f.stored_count(), total=self._length, bytes=f.data_bytes(), capacity=f.capacity,
             disk_bytes=f.stored_bytes(),
         )

@@ -251,9 +251,12 @@ class CacheFiles:
         return [c[rows] for c in self.columns]
 
     def put(self, idx: np.ndarray, flags: np.ndarray, crc: np.ndarray, cpos: np.ndarray, stacked: list,
-            bpos: np.ndarray, blobs: list) -> None:
+            bpos: np.ndarray, blobs: list):
         """Store samples ``idx``: rows of the conforming ones (positions ``cpos``), blobs (positions
-        ``bpos``), then their records, ``state`` last so no reader trusts a half-written sample."""
+        ``bpos``), then their records, ``state`` last so no reader trusts a half-written sample.
+
+        Returns ``None`` (everything kept); a store that can refuse (a full server) returns a bool
+        mask of the samples it kept."""
         was = self.state[idx] != EMPTY
         if was.any():
             self.state[idx[was]] = EMPTY  # a sample being replaced must not look stored meanwhile

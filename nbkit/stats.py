@@ -31,7 +31,7 @@ except ImportError:  # Windows: no POSIX record locks; a thread lock and per-pro
 
 __all__ = ["Stats", "SharedCounters"]
 
-FIELDS = ("hits", "misses", "recomputed", "stored")
+FIELDS = ("hits", "misses", "recomputed", "stored", "refused")
 _SLOTS = 256
 _WIDTH = 1 + len(FIELDS)  # column 0: owner pid
 
@@ -50,6 +50,7 @@ class Stats:
         bytes: bytes of sample data stored (grows as the cache fills).
         disk_bytes: bytes the cache occupies on disk (its files are preallocated, so this is about
             the full size from the start).
+        refused: samples the store declined to keep (a full Redis server); they were served from the source.
         capacity: samples the cache may hold (``total`` unless a byte budget, ``max_bytes``, limits it).
     """
 
@@ -62,6 +63,7 @@ class Stats:
     bytes: int
     capacity: int | None = None
     disk_bytes: int | None = None
+    refused: int = 0
 
     @property
     def reads(self) -> int:
@@ -172,7 +174,7 @@ class SharedCounters:
         self._pid = pid
         return self._row
 
-    def add(self, hits: int = 0, misses: int = 0, recomputed: int = 0, stored: int = 0) -> None:
+    def add(self, hits: int = 0, misses: int = 0, recomputed: int = 0, stored: int = 0, refused: int = 0) -> None:
         row = self._my_row()
         if hits:
             row[1] += hits
@@ -182,6 +184,8 @@ class SharedCounters:
             row[3] += recomputed
         if stored:
             row[4] += stored
+        if refused:
+            row[5] += refused
 
     def _raw_totals(self) -> np.ndarray:
         return self._arr()[:, 1:].sum(axis=0)

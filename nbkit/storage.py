@@ -76,6 +76,14 @@ class Location:
             return None
         return fmt.read_meta(self.root)
 
+    def not_found(self) -> Exception:
+        """The error for opening a cache that does not exist here (naming how to make one)."""
+        try:
+            fmt.read_meta(self.root)
+        except FileNotFoundError as e:
+            return e
+        return FileNotFoundError(f"no nbkit cache at {self.url}")
+
     def publish_meta(self, meta: dict) -> dict:
         """Create the store's files for ``meta``, then publish ``meta`` once; return whichever metadata won."""
         os.makedirs(self.root, exist_ok=True)
@@ -97,11 +105,12 @@ class Location:
         """
         if not self.is_remote:
             return False
-        from .transfer import _fs, pull, read_remote_manifest
+        from .transfer import _fs, network_errors, pull, read_remote_manifest
 
         os.makedirs(os.path.dirname(self.root), exist_ok=True)
-        with _file_lock(self.root + ".lock"):
-            fs, rroot = _fs(self.url, self.storage_options)
+        fs, rroot = _fs(self.url, self.storage_options)
+        fix = "open the cache again: a complete remote cache is pulled, otherwise warming starts from the working copy"
+        with _file_lock(self.root + ".lock"), network_errors(fs, self.url, "looking for a cache at", fix):
             fs.invalidate_cache()
             if not fs.exists(f"{rroot}/{fmt.META}"):
                 return False
@@ -124,7 +133,7 @@ class Location:
         """
         if not self.is_remote:
             return False
-        from .transfer import _fs, push, read_remote_manifest, sha256_file, stored_count
+        from .transfer import _fs, network_errors, stored_count
 
         with _file_lock(self.root + ".lock"):
             if not os.path.exists(os.path.join(self.root, fmt.META)):
@@ -133,19 +142,26 @@ class Location:
             if stored < length:
                 return False
             fs, rroot = _fs(self.url, self.storage_options)
-            fs.invalidate_cache()
-            try:
-                remote = read_remote_manifest(fs, rroot)
-            except CorruptCacheError:
-                remote = None
-            if (remote is not None and fs.exists(f"{rroot}/{fmt.META}") and int(remote.get("stored", -1)) >= length
-                    and remote["files"].get(fmt.META, {}).get("sha256") == sha256_file(os.path.join(self.root, fmt.META))):
-                return False  # the remote already holds this cache, complete
-            with _lease(fs, rroot) as held:
-                if not held:
-                    return False
-                push(self.root, self.url, callback=callback, storage_options=self.storage_options)
-                return True
+            fix = f"call sync() on the dataset again, or nbkit.push({self.root!r}, {self.url!r}): it resumes"
+            with network_errors(fs, self.url, "publishing to", fix):
+                return self._publish(fs, rroot, length, callback)
+
+    def _publish(self, fs, rroot: str, length: int, callback) -> bool:
+        from .transfer import push, read_remote_manifest, sha256_file
+
+        fs.invalidate_cache()
+        try:
+            remote = read_remote_manifest(fs, rroot)
+        except CorruptCacheError:
+            remote = None
+        if (remote is not None and fs.exists(f"{rroot}/{fmt.META}") and int(remote.get("stored", -1)) >= length
+                and remote["files"].get(fmt.META, {}).get("sha256") == sha256_file(os.path.join(self.root, fmt.META))):
+            return False  # the remote already holds this cache, complete
+        with _lease(fs, rroot) as held:
+            if not held:
+                return False
+            push(self.root, self.url, callback=callback, storage_options=self.storage_options)
+            return True
 
 
 def working_copy_dir(url: str, storage_options: dict | None = None) -> str:

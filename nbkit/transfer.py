@@ -11,9 +11,15 @@ push resumable and a pull verifiable:
   sees a half-pushed cache as complete. A failed push re-raises with what to do; rerunning it
   resumes (the manifest is checkpointed after every large file).
 * **pull** refuses a prefix without ``nbkit.json``, downloads into a temporary sibling of the
-  target, checks every file's sha256 against the manifest and every sample's checksum
-  (:meth:`nbkit.CachedDataset.verify`), and only then renames the directory into place. Files that
-  the target already holds with the right hash are copied locally instead of downloaded.
+  target (large files as several ranged reads in flight at once), hashes each file as it arrives
+  and checks it against the manifest, and only then renames the directory into place. A file whose
+  sha256 matches is byte-identical to what was pushed, so samples are not re-verified one by one
+  (the engine still checks each sample's CRC the first time it reads it). Files that the target
+  already holds with the right hash are copied locally instead of downloaded.
+
+An endpoint that cannot be reached (wrong ``endpoint_url``, no network) fails at once with an
+``OSError`` naming the URL, the endpoint and the fix, instead of after gcsfs's ~30 s of retries;
+a connection lost in the middle of a transfer fails the same way once gcsfs's retries give up.
 
 Example:
     >>> import tempfile, torch, nbkit
@@ -29,16 +35,21 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import queue
 import shutil
+import socket
+import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from . import format as fmt
 from .errors import CorruptCacheError
@@ -52,6 +63,14 @@ MANIFEST_FORMAT = "nbkit-manifest"
 # resumable-upload granularity and measured fastest against the emulator.
 BLOCK = 32 << 20
 _CHUNK = 4 << 20
+# Downloads fetch a large file as ranged reads of PART bytes, at most PARTS_IN_FLIGHT of them
+# (over all files) fetched and not yet written: this bounds pull's memory to ~100 MiB. Against the
+# emulator, 16 MiB parts with 4+ in flight, hashed as they arrive, match gcsfs's get_file (no hash).
+PART = 16 << 20
+PARTS_IN_FLIGHT = 6
+# A TCP connect to the endpoint before the first request: an unreachable endpoint then fails at
+# once rather than after gcsfs's retries (6 tries, ~30 s, per request).
+PROBE_SECONDS = 10.0
 # After a file finishes, checkpoint the manifest if at least this much was uploaded since the
 # last checkpoint: a failed push then resumes after the large files, at the cost of one small
 # extra object write.
@@ -182,6 +201,81 @@ def _write_remote(fs, rpath: str, data: bytes) -> None:
         f.write(data)
 
 
+# -- reaching the endpoint -------------------------------------------------------------------------
+
+
+def endpoint_of(fs) -> str | None:
+    """The HTTP(S) endpoint an object-store filesystem talks to, or ``None`` (local, memory …).
+
+    Example:
+        >>> import fsspec
+        >>> endpoint_of(fsspec.filesystem("memory")) is None
+        True
+    """
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if "gs" in protocols:
+        base = getattr(fs, "base", None)  # gcsfs: "<endpoint>/storage/v1/"; honours endpoint_url and STORAGE_EMULATOR_HOST
+        return base.split("/storage/v1", 1)[0] if base else None
+    return getattr(fs, "endpoint_url", None)  # s3fs and others that take endpoint_url
+
+
+def _connection_errors() -> tuple:
+    """Exception types that mean "the endpoint could not be reached or dropped the connection"."""
+    types = [ConnectionError, socket.gaierror, TimeoutError]
+    # Only look at HTTP stacks that are already loaded: if they are not, they raised nothing.
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
+        types.append(aiohttp.ClientConnectionError)  # connect refused, server disconnected, timeouts
+    requests = sys.modules.get("requests")
+    if requests is not None:
+        types.append(requests.exceptions.ConnectionError)
+    return tuple(types)
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure to reach the storage endpoint (rather than, say, a missing file)."""
+    return isinstance(exc, _connection_errors())
+
+
+def _unreachable(url: str, endpoint: str | None, exc: BaseException, doing: str, fix: str) -> OSError:
+    where = f"the endpoint {endpoint}" if endpoint else "the storage backend"
+    return OSError(
+        f"could not reach {where} while {doing} {url} ({type(exc).__name__}: {exc}). Check the URL, the endpoint "
+        f"(storage_options['endpoint_url'] or STORAGE_EMULATOR_HOST), the network and the credentials, then {fix}."
+    )
+
+
+def _check_reachable(fs, url: str, doing: str, fix: str) -> None:
+    """Open (and close) one TCP connection to the endpoint; raise the clear ``OSError`` if that fails."""
+    endpoint = endpoint_of(fs)
+    if not endpoint or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")):
+        return  # nothing to probe, or the HTTP stack may reach it through a proxy we cannot see
+    parts = urlsplit(endpoint)
+    if not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=PROBE_SECONDS).close()
+    except OSError as e:
+        raise _unreachable(url, endpoint, e, doing, fix) from e
+
+
+@contextlib.contextmanager
+def network_errors(fs, url: str, doing: str, fix: str):
+    """Check that the endpoint answers, then turn connection failures inside the block into the clear ``OSError``.
+
+    Example:
+        >>> import fsspec
+        >>> with network_errors(fsspec.filesystem("memory"), "memory://x", "pushing to", "rerun"):
+        ...     pass
+    """
+    _check_reachable(fs, url, doing, fix)
+    try:
+        yield
+    except _connection_errors() as e:
+        raise _unreachable(url, endpoint_of(fs), e, doing, fix) from e
+
+
 # -- parallel copy with progress on the calling thread --------------------------------------------
 
 
@@ -209,17 +303,26 @@ def _run_parallel(jobs, cb, max_workers: int, on_done=None):
             finished, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
             drain()
             for fut in finished:
+                if fut.cancelled():
+                    continue
                 name = futures[fut]
                 exc = fut.exception()
                 if exc is None:
                     done.append(name)
                     if on_done is not None and failure is None and not stop.is_set():
-                        on_done(name, pending_names=[futures[p] for p in pending])
+                        try:
+                            on_done(name, pending_names=[futures[p] for p in pending])
+                        except Exception as e:  # noqa: BLE001 - e.g. the checkpoint write failed: stop like any failure
+                            failure = (name, e)
+                            stop.set()
                 elif not isinstance(exc, _Stopped) and failure is None:
                     failure = (name, exc)
                     stop.set()
             if getattr(cb, "stop_requested", False):
                 stop.set()
+            if stop.is_set():
+                for fut in pending:
+                    fut.cancel()  # jobs not started yet never start (a dead endpoint would make each wait out its retries)
         drain()
     return done, failure, stop.is_set() and failure is None
 
@@ -242,7 +345,8 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
         A :class:`TransferReport`.
 
     Raises:
-        OSError: an upload failed; the message says what to do (rerun to resume).
+        OSError: the endpoint cannot be reached, or an upload failed; the message names the URL,
+            the endpoint and what to do (rerun to resume).
 
     Example:
         >>> import tempfile, torch, nbkit
@@ -256,6 +360,12 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
     cb = as_callback(callback)
     root = cache_root(cache_path)
     fs, rroot = _fs(url, storage_options)
+    fix = f"rerun nbkit.push({root!r}, {url!r}): it resumes, skipping the files already uploaded"
+    with network_errors(fs, url, "pushing to", fix):
+        return _push(root, url, fs, rroot, cb, max_workers, start, fix)
+
+
+def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     cb.set_description("hashing")
     manifest = build_manifest(root)
     files = manifest["files"]
@@ -307,19 +417,28 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
 
     def upload(name):
         def job(report, stop):
-            with open(os.path.join(root, name), "rb") as src, fs.open(f"{rroot}/{name}", "wb", block_size=BLOCK) as dst:
-                while chunk := src.read(_CHUNK):
-                    if stop.is_set():
-                        _discard(dst)
-                        raise _Stopped()
-                    dst.write(chunk)
-                    report(len(chunk))
+            with open(os.path.join(root, name), "rb") as src:
+                dst = fs.open(f"{rroot}/{name}", "wb", block_size=BLOCK)
+                try:
+                    while chunk := src.read(_CHUNK):
+                        if stop.is_set():
+                            raise _Stopped()
+                        dst.write(chunk)
+                        report(len(chunk))
+                except BaseException as e:
+                    _abandon(dst, tell_backend=not is_connection_error(e))
+                    raise
+                dst.close()  # the last part goes up here: the object exists only once it is whole
         return job
 
     done, failure, stopped = _run_parallel([(n, upload(n)) for n in todo], cb, max_workers, on_done)
     nbytes = sum(files[n]["size"] for n in done)
     if failure is not None:
         name, exc = failure
+        if is_connection_error(exc):
+            # The checkpoint would only wait for the same dead endpoint; files confirmed before the
+            # last checkpoint are skipped by the rerun, the few since then are sent again.
+            raise _unreachable(url, endpoint_of(fs), exc, f"uploading {name} (nothing was published) to", fix) from exc
         note = ""
         if state["since_checkpoint"]:
             try:
@@ -329,7 +448,7 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
         raise OSError(
             f"push of {root} to {url} failed while uploading {name}: {type(exc).__name__}: {exc}{note}. "
             f"Nothing was published ({url}/{fmt.META} is absent, so no reader sees a cache there). "
-            f"Rerun nbkit.push({root!r}, {url!r}) to resume: files already uploaded are skipped."
+            f"To resume, {fix}."
         ) from exc
     if stopped:
         if state["since_checkpoint"]:
@@ -348,36 +467,50 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
     return TransferReport(tuple(done) + (fmt.META,), skipped, nbytes + len(meta), time.perf_counter() - start)
 
 
-def _discard(f) -> None:
-    """Abandon an fsspec file being written, without committing it where the backend allows."""
-    discard = getattr(f, "discard", None)
-    if discard is not None:
+def _abandon(f, *, tell_backend: bool) -> None:
+    """Drop a file being written without committing it.
+
+    fsspec files commit what they hold on ``close()`` (also from ``__del__``), so a failed or
+    stopped upload must never be closed normally: that would publish a truncated object.
+    ``discard()`` cancels it at the backend (the resumable upload session on GCS); when the backend
+    is unreachable that would only wait through the same retries, so the file is just marked closed.
+    """
+    from fsspec.spec import AbstractBufferedFile
+
+    if tell_backend:
         try:
-            discard()
-        except RuntimeError:
-            pass  # writes straight through (local files): the partial file is not in the manifest, so never trusted
+            f.discard()
+        except Exception:  # noqa: BLE001 - best effort: a failed cancel leaves an upload session that expires on its own
+            pass
+    if isinstance(f, AbstractBufferedFile):
+        f.closed = True
+    elif not getattr(f, "closed", True):
+        # Local and memory files: the partial file is not in the manifest, so it is never trusted.
+        f.close()
 
 
 # -- pull -------------------------------------------------------------------------------------------
 
 
 def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = None, max_workers: int = 8) -> TransferReport:
-    """Copy the cache at ``url`` to the local directory ``cache_path``, verifying every checksum first.
+    """Copy the cache at ``url`` to the local directory ``cache_path``, verifying every file's sha256 first.
 
-    Downloads into a temporary sibling of ``cache_path`` and renames it into place only after every
-    file's sha256 and every sample's checksum passed, so ``cache_path`` is never a half-copied cache.
-    An existing cache at ``cache_path`` is replaced; files it already holds unchanged are reused.
+    Downloads into a temporary sibling of ``cache_path``, hashing each file as it arrives, and
+    renames the directory into place only after every file matched the manifest, so
+    ``cache_path`` is never a half-copied or damaged cache. An existing cache at ``cache_path`` is
+    replaced; files it already holds unchanged are reused.
 
     Args:
         url: where the cache was pushed, e.g. ``"gs://bucket/caches/mnist"``.
         cache_path: local directory to create or replace.
-        callback: progress in bytes, then in samples while verifying.
+        callback: progress in bytes.
         storage_options: passed to fsspec.
         max_workers: files downloaded at once.
 
     Raises:
         FileNotFoundError: ``url`` holds no complete cache (never pushed, or a push is unfinished).
-        CorruptCacheError: a file or sample fails its checksum; nothing at ``cache_path`` changed.
+        CorruptCacheError: a file fails its sha256; nothing at ``cache_path`` changed.
+        OSError: the endpoint cannot be reached or a download failed; ``cache_path`` is unchanged.
 
     Example:
         >>> import tempfile, torch, nbkit
@@ -390,6 +523,13 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
     start = time.perf_counter()
     cb = as_callback(callback)
     fs, rroot = _fs(url, storage_options)
+    dest = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
+    fix = f"rerun nbkit.pull({url!r}, {dest!r}) ({dest} is unchanged)"
+    with network_errors(fs, url, "pulling from", fix):
+        return _pull(url, dest, fs, rroot, cb, max_workers, start, fix)
+
+
+def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     fs.invalidate_cache()
     if not fs.exists(f"{rroot}/{fmt.META}"):
         raise FileNotFoundError(
@@ -405,7 +545,6 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
     for name in files:
         _check_name(name, f"{url}/{MANIFEST}")
 
-    dest = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
     _check_replaceable(dest)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
@@ -421,27 +560,25 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
         cb.set_size(sum(files[n]["size"] for n in todo) + files[fmt.META]["size"])
         cb.absolute_update(0)
         cb.set_description(f"pulling from {url}")
+        budget = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
 
-        def download(name):
-            def job(report, stop):
-                h = hashlib.sha256()
-                with fs.open(f"{rroot}/{name}", "rb", block_size=BLOCK) as src, open(os.path.join(tmp, name), "wb") as dst:
-                    while chunk := src.read(_CHUNK):
-                        if stop.is_set():
-                            raise _Stopped()
-                        h.update(chunk)
-                        dst.write(chunk)
-                        report(len(chunk))
-                _check_hash(url, name, files[name], h.hexdigest(), os.path.getsize(os.path.join(tmp, name)))
-            return job
+        with ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="nbkit-fetch") as fetchers:
+            def download(name):
+                def job(report, stop):
+                    sha = _download(fs, f"{rroot}/{name}", os.path.join(tmp, name), files[name]["size"],
+                                    fetchers, budget, report, stop)
+                    _check_hash(url, name, files[name], sha, os.path.getsize(os.path.join(tmp, name)))
+                return job
 
-        done, failure, stopped = _run_parallel([(n, download(n)) for n in todo], cb, max_workers)
+            done, failure, stopped = _run_parallel([(n, download(n)) for n in todo], cb, max_workers)
         if failure is not None:
             name, exc = failure
             if isinstance(exc, CorruptCacheError):
                 raise exc
+            if is_connection_error(exc):
+                raise _unreachable(url, endpoint_of(fs), exc, f"downloading {name} from", fix) from exc
             raise OSError(f"pull of {url} failed while downloading {name}: {type(exc).__name__}: {exc}. "
-                          f"{dest} is unchanged; rerun nbkit.pull to try again.") from exc
+                          f"{dest} is unchanged; {fix}.") from exc
         if stopped:
             cb.set_description("stopped")
             return TransferReport(tuple(done), tuple(reused), sum(files[n]["size"] for n in done), time.perf_counter() - start, stopped=True)
@@ -451,7 +588,6 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
         with open(os.path.join(tmp, fmt.META), "wb") as f:
             f.write(meta)
         cb.relative_update(len(meta))
-        _verify(tmp, cb)
         _swap_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -459,6 +595,52 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
     cb.set_description("pulled")
     nbytes = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
     return TransferReport(tuple(todo) + (fmt.META,), tuple(reused), nbytes, time.perf_counter() - start)
+
+
+def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, stop) -> str:
+    """Copy ``rpath`` to ``lpath`` as ranged reads fetched ahead in ``fetchers``; return its sha256.
+
+    Parts are written and hashed in order while the next ones are in flight, so the file is read
+    once and hashed once. ``budget`` (shared by all files) bounds the parts held in memory.
+    """
+    h = hashlib.sha256()
+    offsets = range(0, size, PART)
+    ahead: deque = deque()
+    k = 0  # the next part to request
+
+    def request_more():
+        nonlocal k
+        while k < len(offsets) and len(ahead) < PARTS_IN_FLIGHT and not stop.is_set():
+            # Wait for budget only while none of this file's parts is in flight; otherwise two files
+            # could each hold part of the budget and wait for the rest forever.
+            if not budget.acquire(blocking=not ahead):
+                return
+            begin = offsets[k]
+            k += 1
+            ahead.append(fetchers.submit(fs.cat_file, rpath, start=begin, end=min(begin + PART, size)))
+
+    if stop.is_set():
+        raise _Stopped()
+    try:
+        with open(lpath, "wb") as out:
+            request_more()
+            while ahead:
+                fut = ahead.popleft()
+                try:
+                    data = fut.result()
+                finally:
+                    budget.release()
+                request_more()
+                if stop.is_set():
+                    raise _Stopped()
+                h.update(data)  # hashlib and the write release the GIL: the fetches go on meanwhile
+                out.write(data)
+                report(len(data))
+    finally:
+        for fut in ahead:  # failed or stopped: drop the parts in flight and give their budget back
+            fut.cancel()
+            budget.release()
+    return h.hexdigest()
 
 
 def _check_name(name: str, where: str) -> None:

@@ -5,6 +5,9 @@ import os
 
 import pytest
 
+# Scripts the tests run in subprocesses (they do real work at import): never collected.
+collect_ignore = ["tpu_scripts", "notebooks", "widgets7"]
+
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 

@@ -9,6 +9,9 @@ Import the fixtures into a test module with ``from fixtures_gcs import gcs, gcs_
 * ``gcs_emulator`` (function): a private emulator a test may :meth:`~GCSEmulator.kill` and
   :meth:`~GCSEmulator.start` again mid-test. It stores objects on disk (``-backend filesystem``), so
   what was uploaded before the kill is still there after the restart, as on real GCS.
+* ``short_gcsfs_retries`` (function): gcsfs tries each request 2 times instead of 6, so a test that
+  keeps the server down sees the failure after ~1-2 s instead of ~31 s of back-off. Same gcsfs
+  code, only the count passed to its own ``retry_request`` decorator differs.
 
 We start the binary ourselves because the wrapper's ``FakeGCSServer`` pipes the server's log and
 never reads it (a chatty server then blocks on a full pipe); here the log goes to a file, which is
@@ -33,10 +36,10 @@ import pytest
 # control API the emulator does not have.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
-__all__ = ["GCSEmulator", "Bucket", "gcs_server", "gcs", "gcs_emulator"]
+__all__ = ["GCSEmulator", "Bucket", "gcs_server", "gcs", "gcs_emulator", "short_gcsfs_retries", "free_port"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,7 +57,7 @@ class GCSEmulator:
     def __init__(self, workdir: Path, *, backend: str = "filesystem"):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.backend = backend
         self.data_dir = self.workdir / "data"
         self.log_path = self.workdir / "fake-gcs-server.log"
@@ -159,3 +162,15 @@ def gcs_emulator(tmp_path):
     emu = GCSEmulator(tmp_path / "gcs-emulator").start()
     yield emu
     emu.kill()
+
+
+@pytest.fixture
+def short_gcsfs_retries(monkeypatch):
+    """gcsfs with 2 tries per request (one back-off of 1-2 s) instead of 6 (~31 s), for dead-server tests."""
+    import gcsfs
+    from gcsfs.retry import retry_request
+
+    # GCSFileSystem._request is wrapped by ``@retry_request(retries=6)`` at class creation, so the count
+    # cannot be passed per call; wrap the same undecorated method again with a smaller count.
+    undecorated = gcsfs.GCSFileSystem._request.__wrapped__
+    monkeypatch.setattr(gcsfs.GCSFileSystem, "_request", retry_request(retries=2)(undecorated))

@@ -29,7 +29,7 @@ def test_reset_and_pickle():
     c.add(hits=3, stored=4)
     c.reset()
     c.add(hits=1)
-    assert c.totals() == {"hits": 1, "misses": 0, "recomputed": 0, "stored": 0}
+    assert c.totals() == {"hits": 1, "misses": 0, "recomputed": 0, "stored": 0, "refused": 0}
     clone = pickle.loads(pickle.dumps(c))
     clone.add(misses=1)
     assert c.totals()["misses"] == 1

@@ -134,3 +134,14 @@ def test_remote_without_cache_leaves_working_copy_alone(tmp_path, monkeypatch, r
     assert loc.prepare() is False and not os.path.exists(loc.root)
     with pytest.raises(FileNotFoundError):
         nbkit.CachedDataset.open(url, storage_options=so)
+
+
+def test_unreachable_bucket_fails_at_once_naming_the_endpoint(tmp_path, monkeypatch):
+    from fixtures_gcs import free_port
+
+    host(monkeypatch, tmp_path, "host-a")
+    nothing_listens = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "token": "anon", "project": "test"}
+    with pytest.raises(OSError, match=r"could not reach the endpoint http://127\.0\.0\.1:\d+ while looking for a "
+                                      r"cache at gs://nbkit-nowhere/mnist .*open the cache again") as err:
+        nbkit.CachedDataset(TupleSource(n=8), "gs://nbkit-nowhere/mnist", storage_options=nothing_listens)
+    assert isinstance(err.value.__cause__, ConnectionRefusedError)

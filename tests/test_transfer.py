@@ -1,13 +1,15 @@
 """push / pull: one shared suite over a local directory, memory:// and the GCS emulator, then the
 failure cases that need a real server (killed mid-push, tampered object)."""
 
+import asyncio
+import json
 import os
 
 import pytest
 import torch
 
 import nbkit
-from fixtures_gcs import gcs, gcs_emulator, gcs_server  # noqa: F401 - pytest fixtures
+from fixtures_gcs import free_port, gcs, gcs_emulator, gcs_server, short_gcsfs_retries  # noqa: F401 - pytest fixtures
 from nbkit import format as fmt
 from nbkit import transfer
 from nbkit.errors import CorruptCacheError
@@ -161,48 +163,130 @@ def test_pull_refuses_to_replace_a_directory_that_is_not_a_cache(tmp_path):
     assert (tmp_path / "precious" / "thesis.tex").read_text() == "do not delete"
 
 
-def test_emulator_killed_mid_push(tmp_path, gcs_emulator, monkeypatch):
-    """Kill the server while a file is being uploaded: a clear error, the prefix is never a cache
-    before the push is whole, and the rerun skips what the first run finished."""
-    # Small blocks, so the second column is a multi-request resumable upload in flight at the kill.
+class Watch:
+    """aiohttp trace hooks on nbkit's own gcsfs session (``storage_options["session_kwargs"]``).
+
+    Before each request nbkit sends, records (through a separate client) whether the prefix is
+    published, and can kill the emulator just before a chosen request, so the failure point is
+    certain rather than a race with the upload.
+    """
+
+    def __init__(self, emulator, prefix, kill=None):
+        self.emulator, self.prefix, self.kill = emulator, prefix, kill
+        self.observer = emulator.fs()
+        self.published = []  # nbkit.json existed, before each request of the transfer
+        self.requests = []  # (method, object name or "", has upload_id)
+        self.killed = False
+
+    def storage_options(self):
+        import aiohttp
+
+        trace = aiohttp.TraceConfig()
+        trace.on_request_start.append(self._on_start)
+        return dict(self.emulator.storage_options, session_kwargs={"trace_configs": [trace]})
+
+    async def _on_start(self, session, ctx, params):
+        if self.killed:
+            return
+        self.observer.invalidate_cache()
+        self.published.append(await self.observer._exists(f"{self.prefix}/{fmt.META}"))
+        q = params.url.query
+        self.requests.append((params.method, q.get("name", ""), "upload_id" in q))
+        if self.kill is not None and await self.kill(self):
+            self.emulator.kill()  # and it stays down: every retry is refused, the failure is certain
+            self.killed = True
+
+    def parts_of(self, name):
+        """Upload parts of ``name`` sent so far (resumable-upload requests with an upload id)."""
+        return sum(1 for m, n, part in self.requests if part and n.endswith("/" + name))
+
+    async def manifest_lists(self, name):
+        try:
+            raw = await self.observer._cat_file(f"{self.prefix}/{transfer.MANIFEST}")
+        except FileNotFoundError:
+            return False
+        return name in json.loads(raw)["files"]
+
+
+def test_emulator_killed_mid_push(tmp_path, gcs_emulator, short_gcsfs_retries, monkeypatch):
+    """Kill the server in the middle of uploading a file and keep it down: a clear error; the prefix
+    is never a cache before the push is whole; after a restart the rerun skips what was finished."""
+    # Small blocks: the second column goes up as several parts of one resumable upload.
     monkeypatch.setattr(transfer, "BLOCK", 1 << 20)
     bucket = gcs_emulator.make_bucket()
-    url, so = f"{bucket.url}/cache", bucket.storage_options
+    url = f"{bucket.url}/cache"
     ds = make_cache(tmp_path / "c", TwoImages())
-    first_file = os.path.getsize(os.path.join(ds.root, "col-0.bin"))
+
+    async def second_part_of_col1_after_checkpoint(watch):
+        if watch.parts_of("col-1.bin") < 2:
+            return False
+        # col-0.bin is done; its checkpoint is written by the calling thread while col-1.bin goes
+        # up. Wait for it (the loop serves it meanwhile), so what the rerun may skip is certain.
+        for _ in range(1000):
+            if await watch.manifest_lists("col-0.bin"):
+                return True
+            await asyncio.sleep(0.01)
+        raise AssertionError("the checkpoint after col-0.bin never appeared")
+
+    watch = Watch(gcs_emulator, f"{bucket.name}/cache", kill=second_part_of_col1_after_checkpoint)
+    with pytest.raises(OSError, match=r"could not reach the endpoint http://127\.0\.0\.1:\d+ while uploading col-1\.bin"
+                                      r".*nothing was published.*Rerun nbkit\.push|rerun nbkit\.push") as err:
+        nbkit.push(ds.root, url, storage_options=watch.storage_options(), max_workers=1)
+    assert watch.killed and watch.published and not any(watch.published)
+    assert "resumes" in str(err.value) and url in str(err.value)
+
+    gcs_emulator.start()  # same port, same disk
     observer = gcs_emulator.fs()
-    meta_path = f"{bucket.name}/cache/{fmt.META}"
-    seen = []
+    assert not observer.exists(f"{bucket.name}/cache/{fmt.META}")
+    assert not observer.exists(f"{bucket.name}/cache/col-1.bin")  # the cut upload was not committed
+    with pytest.raises(FileNotFoundError, match="no complete nbkit cache"):
+        nbkit.pull(url, tmp_path / "early", storage_options=gcs_emulator.storage_options)
 
-    class KillOnce(Callback):
-        killed = False
-
-        def call(self, *args, **kwargs):
-            if self.size and self.value < self.size and gcs_emulator.running:
-                observer.invalidate_cache()
-                seen.append(observer.exists(meta_path))
-            if not KillOnce.killed and self.value > first_file + (3 << 20):
-                KillOnce.killed = True
-                gcs_emulator.kill()
-                gcs_emulator.start()  # same port, same disk: the upload session in flight is gone
-
-    with pytest.raises(OSError, match=r"failed while uploading col-1\.bin.*Rerun nbkit\.push"):
-        nbkit.push(ds.root, url, callback=KillOnce(), storage_options=so, max_workers=1)
-    assert KillOnce.killed and seen and not any(seen)
-    observer.invalidate_cache()
-    assert not observer.exists(meta_path)
-    with pytest.raises(FileNotFoundError):
-        nbkit.pull(url, tmp_path / "early", storage_options=so)
-
-    seen.clear()
-    report = nbkit.push(ds.root, url, callback=KillOnce(), storage_options=so, max_workers=1)
-    assert "col-0.bin" in report.skipped and "col-1.bin" in report.transferred
-    assert seen and not any(seen)
-    nbkit.pull(url, tmp_path / "copy", storage_options=so)
+    again = Watch(gcs_emulator, f"{bucket.name}/cache")
+    report = nbkit.push(ds.root, url, storage_options=again.storage_options(), max_workers=1)
+    assert report.skipped == ("col-0.bin",)  # finished and checkpointed before the kill
+    assert report.transferred[0] == "col-1.bin" and report.transferred[-1] == fmt.META
+    assert again.published and not any(again.published)  # not published before the last request
+    assert observer.exists(f"{bucket.name}/cache/{fmt.META}")
+    nbkit.pull(url, tmp_path / "copy", storage_options=gcs_emulator.storage_options)
     copy = nbkit.CachedDataset.open(tmp_path / "copy")
     src = TwoImages()
     for i in (0, 199, 399):
         assert_equal(copy[i], src[i], f"sample {i}")
+
+
+def test_emulator_killed_mid_pull(tmp_path, gcs_emulator, short_gcsfs_retries, monkeypatch):
+    monkeypatch.setattr(transfer, "PART", 1 << 20)  # several ranged reads per column
+    bucket = gcs_emulator.make_bucket()
+    url = f"{bucket.url}/cache"
+    so = gcs_emulator.storage_options
+    old = make_cache(tmp_path / "old", TupleSource(n=50))
+    nbkit.push(old.root, url, storage_options=so)
+    nbkit.pull(url, tmp_path / "dst", storage_options=so)  # an older copy, which the failed pull must leave alone
+    ds = make_cache(tmp_path / "c", TwoImages())
+    nbkit.push(ds.root, url, storage_options=so)
+
+    async def sixth_get(watch):  # a few ranged reads into the first column
+        return sum(1 for method, _, _ in watch.requests if method == "GET") >= 6
+
+    watch = Watch(gcs_emulator, f"{bucket.name}/cache", kill=sixth_get)
+    with pytest.raises(OSError, match=r"could not reach the endpoint .* while downloading col-\d\.bin from .*unchanged"):
+        nbkit.pull(url, tmp_path / "dst", storage_options=watch.storage_options(), max_workers=1)
+    assert watch.killed
+    assert len(nbkit.CachedDataset.open(tmp_path / "dst")) == 50  # the old copy, untouched
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".dst")]  # no temporary directory left
+
+
+def test_unreachable_endpoint_fails_at_once_naming_the_fix(tmp_path):
+    ds = make_cache(tmp_path / "c")
+    nothing_listens = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "token": "anon", "project": "test"}
+    with pytest.raises(OSError, match=r"could not reach the endpoint http://127\.0\.0\.1:\d+ while pushing to "
+                                      r"gs://nbkit-nowhere/c .*Check the URL.*rerun nbkit\.push") as err:
+        nbkit.push(ds.root, "gs://nbkit-nowhere/c", storage_options=nothing_listens)
+    assert isinstance(err.value.__cause__, ConnectionRefusedError)  # from the probe, not after gcsfs's retries
+    with pytest.raises(OSError, match=r"could not reach .* while pulling from gs://nbkit-nowhere/c .*rerun nbkit\.pull"):
+        nbkit.pull("gs://nbkit-nowhere/c", tmp_path / "copy", storage_options=nothing_listens)
+    assert not (tmp_path / "copy").exists()
 
 
 def test_objects_pushed_stay_few(tmp_path, gcs):

@@ -1,0 +1,159 @@
+"""Real ``redis-server`` processes for tests (Debian package ``redis-server``; CI installs it through
+``scripts/install-system-deps.sh``), each on a free 127.0.0.1 port, with persistence off
+(``--save '' --appendonly no``) and its own temporary directory and log file.
+
+Import the fixtures into a test module with ``from fixtures_redis import redis_server, redis_url, …``.
+
+* ``redis_server`` (session): one server shared by every test that needs a namespace.
+* ``redis_url`` (function): ``redis://127.0.0.1:<port>/0/<fresh namespace>`` on that server.
+* ``redis_trio`` (session): three servers, for sharding.
+* ``redis_factory`` (function): ``redis_factory(*extra_args)`` starts a private server (e.g. with
+  ``--maxmemory 4mb``) that the test may :meth:`~RedisServer.kill` and :meth:`~RedisServer.start`
+  again on the same port; all are killed at teardown.
+
+Without ``redis-server`` on the PATH, the tests that use these fixtures are skipped.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+__all__ = ["RedisServer", "redis_server", "redis_url", "redis_trio", "redis_factory", "namespace"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def namespace() -> str:
+    """A fresh cache name, so tests sharing a server never see each other's keys."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+class RedisServer:
+    """One ``redis-server`` on 127.0.0.1 that can be killed and started again on the same port.
+
+    Nothing is persisted: a restart comes back empty, as a server that lost its memory does.
+    """
+
+    def __init__(self, workdir: Path, *extra_args: str):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise FileNotFoundError("redis-server is not installed: run `sh scripts/install-system-deps.sh` (apt-get install redis-server)")
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = _free_port()
+        self.extra_args = list(extra_args)
+        self.log_path = self.workdir / "redis-server.log"
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def url(self, name: str | None = None, db: int = 0) -> str:
+        return f"redis://{self.address}/{db}/{name or namespace()}"
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port)
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        if self.running:
+            return self
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(self.workdir), "--protected-mode", "no", *self.extra_args]
+        self._log = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}; log: {self.log_path}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"redis-server did not answer within {timeout}s; log: {self.log_path}")
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would: every key it held is gone."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self) -> "RedisServer":
+        self.kill()
+        return self.start()
+
+    def keys(self, pattern: str = "*") -> list[bytes]:
+        return list(self.client().scan_iter(match=pattern, count=1000))
+
+
+def _need_redis():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (sh scripts/install-system-deps.sh installs it)")
+    pytest.importorskip("redis", reason="the redis package is not installed: pip install 'nbkit[redis]'")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A redis-server shared by the whole session."""
+    _need_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis-shared")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """A fresh namespace on the shared server: ``redis://127.0.0.1:<port>/0/<name>``."""
+    return redis_server.url()
+
+
+@pytest.fixture(scope="session")
+def redis_trio(tmp_path_factory):
+    """Three servers, for a cache sharded across them."""
+    _need_redis()
+    servers = [RedisServer(tmp_path_factory.mktemp(f"redis-shard{k}")).start() for k in range(3)]
+    yield servers
+    for s in servers:
+        s.kill()
+
+
+@pytest.fixture
+def redis_factory(tmp_path):
+    """``redis_factory(*extra_args)`` starts a private server; every one is killed at teardown."""
+    _need_redis()
+    started = []
+
+    def start(*extra_args: str) -> RedisServer:
+        server = RedisServer(tmp_path / f"redis-{len(started)}", *extra_args).start()
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.kill()

@@ -1,0 +1,389 @@
+"""The Redis store (nbkit.redis_store): samples in real redis-server processes on 127.0.0.1."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import nbkit
+from fixtures_redis import namespace, redis_factory, redis_server, redis_trio, redis_url  # noqa: F401
+from sources import (CountingSource, DictSource, IrregularSource, TupleSource, VarShapeSource, assert_equal,
+                     computed_counts)
+
+
+def check_all(ds, src):
+    """Every sample equal to the source, one at a time and in batches."""
+    n = len(src)
+    for i in range(n):
+        assert_equal(ds[i], src[i], f"sample {i}")
+    for start in range(0, n, 37):
+        idx = list(range(start, min(n, start + 37)))
+        batch = ds.__getitems__(idx)
+        for j, i in enumerate(idx):
+            assert_equal(batch[j], src[i], f"batch sample {i}")
+
+
+@pytest.mark.parametrize("make", [TupleSource, DictSource, VarShapeSource, IrregularSource])
+def test_round_trip_equals_source(redis_url, make):
+    src = make()
+    ds = nbkit.CachedDataset(src, redis_url)
+    assert ds.warmup().computed == len(src)
+    check_all(ds, src)
+    assert ds.verify() == len(src)
+    s = ds.stats
+    assert s.cached == s.total == len(src) and s.complete and s.bytes > 0
+    # Another process's view: a fresh dataset, the same server, no recomputation.
+    again = nbkit.CachedDataset(make(), redis_url)
+    assert again.warmup().computed == 0
+    check_all(again, src)
+
+
+def test_batches_are_one_mget_per_server(redis_url):
+    src = TupleSource(300)
+    ds = nbkit.CachedDataset(src, redis_url)
+    ds.warmup()
+    store = ds._files
+    calls = []
+    client = store._clients[0]
+    original = client.mget
+    client.mget = lambda *a, **k: calls.append(len(a[0])) or original(*a, **k)
+    try:
+        x, y = nbkit.collate(ds.__getitems__(list(range(0, 300, 3))))
+    finally:
+        client.mget = original
+    assert calls == [101]  # the live marker and 100 samples, in one round trip
+    assert torch.equal(x, torch.stack([src[i][0] for i in range(0, 300, 3)]))
+    assert y.tolist() == [i % 10 for i in range(0, 300, 3)]
+
+
+def test_large_writes_are_split(redis_url, monkeypatch):
+    from nbkit import redis_store
+
+    monkeypatch.setattr(redis_store, "_PUT_BYTES", 1)  # every sample is over it: one sample a call
+    src = DictSource(40)
+    ds = nbkit.CachedDataset(src, redis_url)
+    calls = []
+    store = ds._files
+    script = store._put[0]
+    store._put[0] = lambda **kw: calls.append(len(kw["keys"]) - 3) or script(**kw)
+    ds.warmup()
+    assert calls == [1] * 40
+    check_all(nbkit.CachedDataset.open(redis_url), src)
+
+
+def test_open_without_source(redis_url):
+    src = TupleSource(50)
+    ds = nbkit.CachedDataset(src, redis_url)
+    ds.__getitems__(list(range(20)))  # only the first 20 are stored
+    opened = nbkit.CachedDataset.open(redis_url)
+    assert opened.source is None and len(opened) == 50
+    check_all(opened, TupleSource(20))
+    with pytest.raises(nbkit.MissingSampleError, match="holds 20 of 50"):
+        opened[30]
+    with pytest.raises(FileNotFoundError):
+        nbkit.CachedDataset.open(redis_url.rsplit("/", 1)[0] + "/" + namespace())
+
+
+def test_dataloader_workers_and_stats(redis_url):
+    src = TupleSource(600)
+    ds = nbkit.CachedDataset(src, redis_url)
+    report = ds.warmup(num_workers=2, chunk_size=50)
+    assert report.computed == 600 and ds.stats.cached == 600
+    ds.reset_stats()
+    seen = []
+    order = torch.randperm(600, generator=torch.Generator().manual_seed(0)).tolist()  # a shuffled epoch
+    for x, y in DataLoader(ds, batch_size=64, sampler=order, num_workers=2, collate_fn=nbkit.collate):
+        seen.append((x, y))
+    xs, ys = torch.cat([x for x, _ in seen]), torch.cat([y for _, y in seen])
+    assert torch.equal(xs, torch.stack([src[i][0] for i in order]))
+    assert ys.tolist() == [i % 10 for i in order]
+    s = ds.stats
+    assert (s.hits, s.misses, s.cached) == (600, 0, 600)  # counted in the workers, seen here
+    assert s.bytes == 600 * (5 + 8 * 8 * 4 + 8)
+
+
+def test_misses_in_dataloader_workers_are_stored_once(redis_url, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    ds = nbkit.CachedDataset(CountingSource(256, str(logs)), redis_url)
+    probes = computed_counts(logs)  # the fingerprint's
+    for _ in DataLoader(ds, batch_size=32, num_workers=2, collate_fn=nbkit.collate):
+        pass
+    for _ in DataLoader(ds, batch_size=32, num_workers=2, collate_fn=nbkit.collate):
+        pass
+    counts = computed_counts(logs)
+    assert all(counts[i] - probes.get(i, 0) == 1 for i in range(256))  # each computed once, in two epochs
+    assert ds.stats.hits == 256 and ds.stats.misses == 256
+
+
+def test_sharded_across_three_servers(redis_trio, tmp_path):
+    name = namespace()
+    url = "redis://" + ",".join(s.address for s in redis_trio) + f"/0/{name}"
+    src = TupleSource(300)
+    ds = nbkit.CachedDataset(src, url)
+    ds.warmup()
+    per_server = [len(s.keys(f"nbkit:{name}:*:s:*")) for s in redis_trio]
+    assert per_server == [100, 100, 100]  # sample i on server i % 3
+    for s in redis_trio:
+        assert s.client().exists(f"nbkit:{name}:meta")  # metadata everywhere
+    check_all(nbkit.CachedDataset.open(url), src)
+    assert ds.stats.cached == 300
+    # The same servers in a list of another length are refused, not silently read from the wrong shards.
+    two = "redis://" + ",".join(s.address for s in redis_trio[:2]) + f"/0/{name}"
+    with pytest.raises(ValueError, match="sharded over 3 server"):
+        nbkit.CachedDataset.open(two)
+
+
+def test_two_caches_side_by_side_in_one_server(redis_server):
+    a_url, b_url = redis_server.url("team/a"), redis_server.url("team/a-b")
+    a_src, b_src = TupleSource(80), DictSource(40)
+    a = nbkit.CachedDataset(a_src, a_url, overwrite=True)
+    b = nbkit.CachedDataset(b_src, b_url, overwrite=True)
+    a.warmup()
+    b.warmup()
+    check_all(nbkit.CachedDataset.open(a_url), a_src)
+    check_all(nbkit.CachedDataset.open(b_url), b_src)
+    # Rebuilding one leaves the other whole.
+    nbkit.CachedDataset(TupleSource(10), a_url, overwrite=True)
+    assert nbkit.CachedDataset.open(a_url).stats.cached == 0
+    check_all(nbkit.CachedDataset.open(b_url), b_src)
+    assert nbkit.CachedDataset.open(b_url).stats.cached == 40
+
+
+def test_stale_fingerprint_and_overwrite(redis_url, redis_server):
+    nbkit.CachedDataset(TupleSource(100), redis_url).warmup()
+    with pytest.raises(nbkit.StaleCacheError, match="overwrite=True"):
+        nbkit.CachedDataset(TupleSource(100, shape=(1, 4, 4)), redis_url)
+    with pytest.raises(nbkit.StaleCacheError, match="length"):
+        nbkit.CachedDataset(TupleSource(120), redis_url)
+    name = redis_url.rsplit("/", 1)[1]
+    assert len(redis_server.keys(f"nbkit:{name}:*")) > 100
+    fresh = nbkit.CachedDataset(TupleSource(100, shape=(1, 4, 4)), redis_url, overwrite=True)
+    assert fresh.stats.cached == 0
+    assert len(redis_server.keys(f"nbkit:{name}:*:s:*")) == 0  # the old samples are gone, not orphaned
+    fresh.warmup()
+    check_all(nbkit.CachedDataset.open(redis_url), TupleSource(100, shape=(1, 4, 4)))
+
+
+def test_damaged_value_recomputed_with_source_refused_without(redis_url, redis_server):
+    src = TupleSource(20)
+    nbkit.CachedDataset(src, redis_url).warmup()
+    c = redis_server.client()
+    (key,) = redis_server.keys(f"nbkit:{redis_url.rsplit('/', 1)[1]}:*:s:7")
+    value = bytearray(c.get(key))
+    value[40] ^= 0xFF
+    c.set(key, bytes(value))
+    with pytest.raises(nbkit.CorruptCacheError, match="1 sample"):
+        nbkit.CachedDataset.open(redis_url).verify()
+    with pytest.raises(nbkit.CorruptCacheError, match="sample 7"):
+        nbkit.CachedDataset.open(redis_url)[7]
+    ds = nbkit.CachedDataset(src, redis_url)
+    assert_equal(ds[7], src[7])
+    assert ds.stats.recomputed == 1
+    assert nbkit.CachedDataset.open(redis_url).verify() == 20
+
+
+def test_full_server_stops_storing_and_serves_from_source(redis_factory):
+    server = redis_factory("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+    src = TupleSource(1500, shape=(1, 32, 32))  # 4 KiB a sample: about 6 MB in all
+    ds = nbkit.CachedDataset(src, server.url())
+    with pytest.warns(UserWarning, match=r"is full \(maxmemory 3.0 MiB.*not stored") as caught:
+        report = ds.warmup(chunk_size=100)
+    assert len([w for w in caught if "is full" in str(w.message)]) == 1  # said once
+    stored = ds.stats.cached
+    assert 100 <= stored < 1500 and report.computed == 1500
+    assert ds._files.not_stored == 1500 - stored
+    assert int(server.client().info("memory")["used_memory"]) <= 4 * 2**20
+    ds.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        for start in range(0, 1500, 128):
+            idx = list(range(start, min(1500, start + 128)))
+            x, y = nbkit.collate(ds.__getitems__(idx))
+            assert torch.equal(x, torch.stack([src[i][0] for i in idx]))
+    s = ds.stats
+    assert s.hits == stored and s.misses == 1500 - stored  # the rest came from the source
+    # A reader without the source gets what is stored, and a clear error for the rest.
+    opened = nbkit.CachedDataset.open(server.url(ds.path.rsplit("/", 1)[1]))
+    missing = opened.missing()
+    assert len(missing) == 1500 - stored
+    with pytest.raises(nbkit.MissingSampleError):
+        opened[int(missing[0])]
+
+
+def test_damaged_value_on_a_full_server_is_dropped_not_served(redis_factory):
+    server = redis_factory("--maxmemory-policy", "noeviction")
+    src = TupleSource(100, shape=(1, 32, 32))
+    url = server.url()
+    nbkit.CachedDataset(src, url).warmup()
+    c = server.client()
+    (key,) = server.keys(f"nbkit:{url.rsplit('/', 1)[1]}:*:s:7")
+    value = bytearray(c.get(key))
+    value[100] ^= 0xFF
+    c.set(key, bytes(value))
+    c.config_set("maxmemory", "1mb")  # below what it holds: every write is refused from now on
+    ds = nbkit.CachedDataset(src, url)
+    with pytest.warns(UserWarning, match="is full"):
+        assert_equal(ds[7], src[7])  # recomputed; the replacement is refused, so the damaged value is deleted
+    assert ds.stats.recomputed == 1 and not c.exists(key) and ds.stats.cached == 99
+    assert_equal(ds[7], src[7])
+    with pytest.raises(nbkit.MissingSampleError):
+        nbkit.CachedDataset.open(url)[7]
+
+
+def test_evicting_policy_is_refused(redis_factory):
+    server = redis_factory("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+    with pytest.raises(ValueError, match=r"allkeys-lru.*CONFIG SET maxmemory-policy noeviction"):
+        nbkit.CachedDataset(TupleSource(10), server.url())
+    server.client().config_set("maxmemory-policy", "volatile-lru")  # never evicts keys without a TTL
+    ds = nbkit.CachedDataset(TupleSource(10), server.url())
+    assert ds.warmup().computed == 10
+
+
+def test_policy_unreadable_is_a_warning_not_a_refusal(redis_factory):
+    server = redis_factory()
+    server.client().acl_setuser("reader", enabled=True, passwords=["+pw"], keys=["*"],
+                                commands=["+@all", "-info", "-config"])
+    url = f"redis://reader:pw@{server.address}/0/{namespace()}"
+    with pytest.warns(UserWarning, match="cannot read the maxmemory-policy"):
+        ds = nbkit.CachedDataset(TupleSource(10), url)
+    assert ds.warmup().computed == 10
+
+
+def test_dataset_pickles_without_connections(redis_url):
+    import pickle
+
+    src = TupleSource(30)
+    ds = nbkit.CachedDataset(src, redis_url)
+    ds.warmup()
+    assert ds._location._clients is not None
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy._location._clients is None  # each process opens its own
+    check_all(copy, src)
+    assert copy._location._clients[0] is not ds._location._clients[0]
+
+
+def test_server_restarted_mid_epoch_recomputes_with_source(redis_factory, tmp_path):
+    server = redis_factory()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    n = 512
+    src = TupleSource(n)
+    ds = nbkit.CachedDataset(CountingSource(n, str(logs)), server.url())
+    ds.warmup()
+    ds.reset_stats()
+    before = sum(computed_counts(logs).values())
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(1)).tolist()
+    for b, start in enumerate(range(0, n, 64)):
+        if b == 4:
+            server.restart()  # mid-epoch: every stored sample is gone
+        idx = order[start:start + 64]
+        x, y = nbkit.collate(ds.__getitems__(idx))
+        assert torch.equal(x, torch.stack([src[i][0] for i in idx])) and y.tolist() == [i % 10 for i in idx]
+    s = ds.stats
+    assert s.hits == 256 and s.misses == 256 and s.cached == 256  # the second half recomputed and stored again
+    assert sum(computed_counts(logs).values()) - before == 256  # exactly the lost samples that were asked for
+    # The metadata came back too: another host can open the cache, without its source, and read what is stored.
+    opened = nbkit.CachedDataset.open(ds.path)
+    for i in order[256:]:
+        assert_equal(opened[i], src[i])
+
+
+def test_one_shard_restarted_mid_epoch(redis_factory):
+    servers = [redis_factory() for _ in range(3)]
+    url = "redis://" + ",".join(s.address for s in servers) + f"/0/{namespace()}"
+    n = 600
+    src = TupleSource(n)
+    ds = nbkit.CachedDataset(src, url)
+    ds.warmup()
+    ds.reset_stats()
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(2)).tolist()
+    for b, start in enumerate(range(0, n, 100)):
+        if b == 3:
+            servers[1].restart()  # its connections break under the batched reads of the others
+        idx = order[start:start + 100]
+        x, _ = nbkit.collate(ds.__getitems__(idx))
+        assert torch.equal(x, torch.stack([src[i][0] for i in idx]))
+    lost = sum(1 for i in order[300:] if i % 3 == 1)
+    assert ds.stats.misses == lost and ds.stats.hits == n - lost
+    assert len(nbkit.CachedDataset.open(url).missing()) == 200 - lost
+    servers[2].kill()  # down for good: an error naming it, never a partial batch
+    with pytest.raises(ConnectionError, match=f"{servers[2].address} .*does not answer"):
+        ds.__getitems__(list(range(30)))
+    x, _ = nbkit.collate(ds.__getitems__([0, 1, 3, 4]))  # the other shards still serve
+    assert torch.equal(x, torch.stack([src[i][0] for i in (0, 1, 3, 4)]))
+
+
+def test_server_restarted_without_source_is_a_clear_error(redis_factory):
+    server = redis_factory()
+    src = TupleSource(64)
+    url = server.url()
+    nbkit.CachedDataset(src, url).warmup()
+    reader = nbkit.CachedDataset.open(url)
+    assert_equal(reader[3], src[3])
+    server.restart()
+    with pytest.raises(nbkit.MissingSampleError, match=r"no longer holds the cache .*restarted"):
+        reader.__getitems__([1, 2, 3])
+    server.kill()
+    with pytest.raises(ConnectionError, match=rf"{server.address}.*does not answer"):
+        reader[5]
+
+
+def test_server_restarted_during_parallel_warmup(redis_factory):
+    server = redis_factory()
+    src = TupleSource(400)
+    ds = nbkit.CachedDataset(src, server.url())
+    ds.warmup(chunk_size=50, num_workers=0)
+    server.restart()
+    report = ds.warmup(num_workers=2, chunk_size=50)
+    assert report.computed == 400
+    check_all(nbkit.CachedDataset.open(ds.path), src)
+
+
+def test_byte_budget_in_redis(redis_url):
+    n = 400
+    src = TupleSource(n)
+    ds = nbkit.CachedDataset(src, redis_url, max_bytes=n * 24 + n * (8 * 8 * 4 + 8) // 4)
+    ds.warmup()
+    assert ds.stats.cached == ds.stats.capacity == 100
+    ds.reset_stats()
+    for x, y in DataLoader(ds, batch_size=50, shuffle=True, collate_fn=nbkit.collate):
+        pass
+    assert ds.stats.hit_rate == 0.25
+    check_all(ds, src)
+
+
+def test_urls_and_options():
+    from nbkit.redis_store import parse_url, resolve_redis
+
+    u = parse_url("rediss://user:p%40ss@h1,h2:7000,[::1]:7001/5/a/b.c")
+    assert u.servers == [("h1", 6379), ("h2", 7000), ("::1", 7001)] and u.db == 5 and u.name == "a/b.c"
+    assert (u.username, u.password, u.ssl) == ("user", "p@ss", True)
+    assert parse_url("redis://h/mnist").db == 0
+    for bad in ("redis://h:6379/0/", "redis://h/0/a:b", "redis://h/0/a*", "redis:///0/x", "redis://h:port/0/x"):
+        with pytest.raises(ValueError):
+            parse_url(bad)
+    with pytest.raises(ValueError, match="local_max_bytes"):
+        resolve_redis("redis://h/0/x", local_max_bytes=10)
+    from nbkit.storage import resolve
+
+    loc = resolve("redis://h1:1,h2:2/0/x", {"socket_timeout": 3})
+    assert loc.is_remote and loc.root == "redis://h1:1,h2:2/0/x" and loc.prepare() is False and loc.publish() is False
+
+
+def test_import_nbkit_does_not_import_redis_and_missing_package_names_the_extra():
+    code = (
+        "import sys, nbkit\n"
+        "assert 'redis' not in sys.modules\n"
+        "sys.modules['redis'] = None\n"
+        "try:\n"
+        "    nbkit.CachedDataset(None, 'redis://127.0.0.1:1/0/x')\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'nbkit[redis]'" in out.stdout
