@@ -137,21 +137,10 @@ class RuntimeInfo:
         ]
 
     def __str__(self) -> str:
-        rows = self.rows()
-        width = max(len(k) for k, _ in rows)
-        lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
-        lines += [f"warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
+        return _text_table(self.rows(), [f"warning: {w}" for w in self.warnings])
 
     def _repr_html_(self) -> str:
-        body = "".join(
-            f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
-            f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
-            for k, v in self.rows()
-        )
-        warn = "".join(f"<li>{html.escape(w)}</li>" for w in self.warnings)
-        warn_html = f"<ul style='color:#b45309'>{warn}</ul>" if warn else ""
-        return f"<table class='nbkit-runtime'>{body}</table>{warn_html}"
+        return _html_table("nbkit-runtime", self.rows(), self.warnings, "color:#b45309")
 
 
 def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> RuntimeInfo:
@@ -423,20 +412,25 @@ class SetupReport:
         ]
 
     def __str__(self) -> str:
-        rows = self.rows()
-        width = max(len(k) for k, _ in rows)
-        lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
-        lines += [f"- {m}" for m in self.messages]
-        return "\n".join(lines)
+        return _text_table(self.rows(), [f"- {m}" for m in self.messages])
 
     def _repr_html_(self) -> str:
-        body = "".join(
-            f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
-            f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
-            for k, v in self.rows()
-        )
-        notes = "".join(f"<li>{html.escape(m)}</li>" for m in self.messages)
-        return f"<table class='nbkit-setup'>{body}</table><ul>{notes}</ul>"
+        return _html_table("nbkit-setup", self.rows(), self.messages, "")
+
+
+def _text_table(rows: list, notes: list) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([f"{k.ljust(width)}  {v}" for k, v in rows] + notes)
+
+
+def _html_table(css_class: str, rows: list, notes: list, note_style: str) -> str:
+    body = "".join(
+        f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+        f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
+        for k, v in rows
+    )
+    items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    return f"<table class='{css_class}'>{body}</table>" + (f"<ul style='{note_style}'>{items}</ul>" if items else "")
 
 
 def setup(
