@@ -419,6 +419,12 @@ class CachedDataset(Dataset):
             self._location.publish(callback=callback)
         return report
 
+    def prefetch(self, indices) -> int:
+        """Ask the store to fetch ``indices`` ahead of reading them (read-through caches); return
+        how many it queued (``0`` for stores that hold everything locally)."""
+        fn = getattr(self._files, "prefetch", None)
+        return int(fn(self._index_array(indices)) or 0) if fn is not None else 0
+
     def sync(self, callback=None) -> None:
         """Push the local working copy of a remote cache (``gs://…``) to its URL; no-op for local paths."""
         self._location.publish(callback=callback)
