@@ -147,7 +147,8 @@ class ReadThroughLocation(Location):
             files = manifest["files"]
             _check_entry(self.url, fmt.META, files, meta_raw)
             meta = _parse_meta(meta_raw, f"{self.url}/{fmt.META}")
-            geometry = Geometry.of(meta, manifest, self.local_max_bytes, self.piece_bytes, self.url)
+            Geometry.of(  # checks now that the limit can hold the index and two pieces
+                meta, manifest, self.local_max_bytes, self.piece_bytes, self.url)
             os.makedirs(self.root, exist_ok=True)
             with _area_lock(self.root):
                 if _read_local_manifest(self.root) != manifest or not os.path.exists(os.path.join(self.root, fmt.INDEX)):

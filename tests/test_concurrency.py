@@ -7,7 +7,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 import nbkit

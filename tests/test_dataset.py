@@ -3,13 +3,11 @@
 import os
 import pickle
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
 
 import nbkit
-from nbkit import format as fmt
 from sources import (BareTensorSource, CollatableDictSource, DictSource, IrregularSource, PickleSource, RandomSource, TupleSource,
                      VarShapeSource, assert_equal, Opaque)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import nbkit
 from nbkit.widgets import EpochStats, HitRateMeter, PanelState, WarmupPanel
