@@ -45,4 +45,12 @@ def __getattr__(name):
         from . import transfer
 
         return getattr(transfer, name)
+    if name in _SUBMODULES:
+        # nbkit.tpu, nbkit.widgets … load (with their optional dependencies) on first use.
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'nbkit' has no attribute {name!r}")
+
+
+_SUBMODULES = ("tpu", "widgets", "bench", "offline", "readthrough", "redis_store", "storage", "progress", "stats")

@@ -21,3 +21,9 @@ def test_public_api_is_small_and_complete():
     for name in nbkit.__all__:
         assert getattr(nbkit, name) is not None, name
     assert len(nbkit.__all__) <= 16
+
+
+def test_submodules_load_on_first_attribute_access():
+    code = "import sys, nbkit; assert 'nbkit.tpu' not in sys.modules; nbkit.tpu.describe; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
