@@ -202,11 +202,13 @@ class CachedDataset(Dataset):
         """Fetch a batch: one vectorised gather per fixed-shape field (used by DataLoader)."""
         return self._fetch(self._index_array(indices), single=False)
 
-    def _fetch(self, idx: np.ndarray, single: bool):
+    def _fetch(self, idx: np.ndarray, single: bool, count: bool = True):
         f = self._files
         stored = f.is_stored(idx)
         misses = 0
-        if not stored.all():
+        if not count:
+            pass
+        elif not stored.all():
             misses = int(np.count_nonzero(~stored))
             todo = np.unique(idx[~stored])
             admitted = f.admitted(todo)
@@ -216,8 +218,7 @@ class CachedDataset(Dataset):
             unkept.update((int(i), None) for i in todo[~admitted])
             self._counters.add(hits=len(idx) - misses, misses=misses)
             if unkept:
-                return self._finish([self._from_source(int(i), unkept) if int(i) in unkept else self._read_one(int(i))
-                                     for i in idx], single)
+                return self._mixed(idx, unkept, single)
         else:
             self._counters.add(hits=len(idx))
 
@@ -260,6 +261,39 @@ class CachedDataset(Dataset):
             return batch[0] if single else batch
         batch = SampleBatch(schema, idx, columns, var_values)
         return batch[0] if single else batch
+
+    def _mixed(self, idx: np.ndarray, unkept: dict, single: bool):
+        """A batch where some samples come from the store and others straight from the source.
+
+        When every sample fits the schema's columns, the stored ones are gathered in one read and
+        the computed ones are laid into the same arrays, so ``nbkit.collate`` stays vectorised (a
+        byte budget's epoch then costs what its hit rate says); otherwise sample by sample.
+        """
+        f = self._files
+        schema = f.schema
+        from_source = np.fromiter((int(i) in unkept for i in idx), dtype=bool, count=len(idx))
+        computed = {int(i): self._from_source(int(i), unkept) for i in np.unique(idx[from_source])}
+        parts = {i: schema.split(s, "sample", self.allow_pickle) for i, s in computed.items()} \
+            if schema.structure is not None and not schema.has_var and self.transform is None else {}
+        kept_idx = idx[~from_source]
+        if computed and len(parts) == len(computed) and all(p is not None for p in parts.values()) and \
+                not (f.flags_of(kept_idx) & fmt.FLAG_FREEFORM).any():
+            kept = self._fetch(kept_idx, single=False, count=False) if len(kept_idx) else None
+            kept_columns = ([kept.stacked] if isinstance(kept, TensorBatch) else kept._columns) if kept is not None else None
+            columns = []
+            for k, leaf in enumerate(schema.columns):
+                col = np.empty((len(idx), *leaf.shape), dtype=schema.column_dtype(leaf))
+                if kept_columns is not None:
+                    col[~from_source] = np.asarray(kept_columns[k])
+                col[from_source] = schema.stack(k, [parts[int(i)][0][k] for i in idx[from_source]])
+                columns.append(col)
+            if schema.structure == "*" and schema.leaves[0].kind == "tensor":
+                stacked = torch.from_numpy(columns[0])
+                batch = TensorBatch(stacked.view(torch.bfloat16) if schema.leaves[0].dtype == "bfloat16" else stacked)
+            else:
+                batch = SampleBatch(schema, idx, columns, None)
+            return batch[0] if single else batch
+        return self._finish([computed[int(i)] if from_source[j] else self._read_one(int(i)) for j, i in enumerate(idx)], single)
 
     def _where(self, i) -> str:
         return f"sample {int(i)} of {type(self._source).__name__}"

@@ -95,3 +95,21 @@ def test_zero_budget_caches_nothing(tmp_path):
     assert_equal(ds[3], src[3])
     with pytest.raises(ValueError, match="max_bytes"):
         nbkit.CachedDataset(src, tmp_path / "x", max_bytes=-1)
+
+
+def test_mixed_batches_collate_like_the_source(tmp_path):
+    from torch.utils.data import default_collate
+
+    from sources import BareTensorSource, CollatableDictSource
+
+    for make, row in ((BareTensorSource, 2 * 3 * 4), (TupleSource, ROW)):
+        src = make(200)
+        ds = nbkit.CachedDataset(src, tmp_path / make.__name__, max_bytes=200 * 24 + 80 * row)
+        ds.warmup()
+        idx = list(range(0, 200, 3))
+        assert_equal(nbkit.collate(ds.__getitems__(idx)), default_collate([src[i] for i in idx]))
+        assert_equal(default_collate(list(ds.__getitems__(idx))), default_collate([src[i] for i in idx]))
+    src = CollatableDictSource(60)  # has var leaves: served sample by sample, still right
+    ds = nbkit.CachedDataset(src, tmp_path / "dict", max_bytes=60 * 24 + 20 * 600)
+    ds.warmup()
+    assert_equal(nbkit.collate(ds.__getitems__(list(range(60)))), default_collate([src[i] for i in range(60)]))
