@@ -66,6 +66,7 @@ import torch
 from . import format as fmt
 from .codec import Schema
 from .errors import CorruptCacheError
+from .stats import process_alive
 from .storage import Location, working_copy_dir
 
 __all__ = ["ReadThroughLocation", "ReadThroughStore", "PrefetchSampler", "resolve_read_through", "store_of"]
@@ -423,16 +424,6 @@ def area_usage(root: str) -> int:
     """
     seen: set = set()
     return _top_usage(root, seen) + _top_usage(os.path.join(root, "pieces"), seen)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- the store -----------------------------------------------------------------------------------
@@ -794,7 +785,7 @@ class ReadThroughStore:
                         continue
                     if e.name.endswith(".tmp"):
                         pid = _tmp_pid(e.name)
-                        if pid is not None and not _pid_alive(pid):
+                        if pid is not None and not process_alive(pid):
                             os.unlink(e.path)  # left by a process that died mid-fetch
                             continue
                         used += _rounded(st.st_size)

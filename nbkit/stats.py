@@ -96,7 +96,8 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (owned by us or not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -161,7 +162,7 @@ class SharedCounters:
                 fcntl.lockf(fd, fcntl.LOCK_EX)
             for s in range(_SLOTS - 1):
                 owner = int(arr[s, 0])
-                if owner == 0 or owner == pid or not _alive(owner):
+                if owner == 0 or owner == pid or not process_alive(owner):
                     slot = s
                     break
             arr[slot, 0] = pid
