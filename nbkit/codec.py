@@ -251,10 +251,7 @@ def array_to_leaf(kind: str, dtype_name: str, arr: np.ndarray):
 def batch_leaf_values(kind: str, dtype_name: str, col: np.ndarray) -> list:
     """Per-sample leaf values from a gathered column of shape ``(n, *shape)``."""
     if kind == "tensor":
-        t = torch.from_numpy(col)
-        if dtype_name == "bfloat16":
-            t = t.view(torch.bfloat16)
-        return list(torch.unbind(t))
+        return list(torch.unbind(array_to_leaf(kind, dtype_name, col)))
     if kind == "ndarray" or kind == "npscalar":
         return list(col)
     return col.tolist()
@@ -269,9 +266,7 @@ _FREEFORM_MAGIC = b"NBKF"
 def _leaf_header_and_payload(value, where: str, allow_pickle: bool):
     kind = leaf_kind(value, where, allow_pickle)
     if kind in ("int", "float", "bool", "none"):
-        if kind == "float" and value != value:  # NaN: JSON would lose nothing, but keep it explicit
-            return {"k": "float", "v": "nan"}, b""
-        return {"k": kind, "v": value}, b""
+        return {"k": kind, "v": value}, b""  # Python's JSON keeps NaN and ±inf
     if kind == "complex":
         return {"k": "complex", "v": [value.real, value.imag]}, b""
     if kind == "str":
@@ -386,13 +381,18 @@ class Schema:
     structure: object
     leaves: tuple
 
-    @property
+    # Cached: the read path asks for these on every batch.
+    @cached_property
     def columns(self) -> list:
         return [leaf for leaf in self.leaves if leaf.store == "col"]
 
+    @cached_property
+    def var_leaves(self) -> list:
+        return [leaf for leaf in self.leaves if leaf.store == "var"]
+
     @property
     def has_var(self) -> bool:
-        return any(leaf.store == "var" for leaf in self.leaves)
+        return bool(self.var_leaves)
 
     def column_dtype(self, leaf: Leaf) -> np.dtype:
         return storage_dtype(leaf.kind, leaf.dtype)
@@ -479,7 +479,7 @@ class Schema:
     def var_values(self, blob, where: str, allow_pickle: bool) -> list:
         """Decode the var leaves of one conforming sample from its blob."""
         mv = memoryview(blob)
-        var_leaves = [leaf for leaf in self.leaves if leaf.store == "var"]
+        var_leaves = self.var_leaves
         try:
             (n,) = struct.unpack_from("<I", mv, 0)
             if n != len(var_leaves):

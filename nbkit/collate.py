@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from .codec import batch_leaf_values, unflatten_columns
+from .codec import array_to_leaf, batch_leaf_values, unflatten_columns
 
 __all__ = ["SampleBatch", "collate"]
 
@@ -81,15 +81,11 @@ class SampleBatch(Sequence):
         for leaf in self._schema.leaves:
             if leaf.store == "col":
                 col = self._columns[leaf.column]
-                if leaf.kind in ("str", "bytes"):
-                    leaf_batches.append(col.tolist())
-                elif col.dtype.kind in "SU":
+                if col.dtype.kind in "SU":  # fixed-width numpy strings: default_collate decides
                     leaf_batches.append(default_collate(list(col)))
                 else:
-                    t = torch.from_numpy(col)
-                    if leaf.dtype == "bfloat16":
-                        t = t.view(torch.bfloat16)
-                    leaf_batches.append(t)
+                    leaf_batches.append(array_to_leaf("tensor", leaf.dtype, col) if leaf.kind == "tensor"
+                                        else torch.from_numpy(col))
             elif leaf.store == "var":
                 values = next(var_iter)
                 leaf_batches.append(values if leaf.kind in ("str", "bytes") else default_collate(values))

@@ -28,16 +28,13 @@ from torch.utils.data import Dataset
 
 from . import format as fmt
 from . import storage
-from .codec import decode_freeform, encode_freeform, infer_schema
+from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import SampleBatch, TensorBatch
 from .errors import CorruptCacheError, MissingSampleError
 from .fingerprint import fingerprint
 from .stats import SharedCounters, Stats
 
 __all__ = ["CachedDataset"]
-
-_NOT_GIVEN = object()
-
 
 class CachedDataset(Dataset):
     """A map-style dataset whose samples are computed once and then read from a persistent cache.
@@ -202,36 +199,39 @@ class CachedDataset(Dataset):
         """Fetch a batch: one vectorised gather per fixed-shape field (used by DataLoader)."""
         return self._fetch(self._index_array(indices), single=False)
 
-    def _fetch(self, idx: np.ndarray, single: bool, count: bool = True):
+    def _fetch(self, idx: np.ndarray, single: bool):
         f = self._files
         stored = f.is_stored(idx)
-        misses = 0
-        if not count:
-            pass
-        elif not stored.all():
-            misses = int(np.count_nonzero(~stored))
-            todo = np.unique(idx[~stored])
-            admitted = f.admitted(todo)
-            # Samples the store did not keep (beyond a byte budget, or refused by a full store) are
-            # served straight from the source: correct, just not cached.
-            unkept = self._compute_and_store(todo[admitted]) if admitted.any() else {}
-            unkept.update((int(i), None) for i in todo[~admitted])
-            self._counters.add(hits=len(idx) - misses, misses=misses)
-            if unkept:
-                return self._mixed(idx, unkept, single)
-        else:
+        if stored.all():
             self._counters.add(hits=len(idx))
+            return self._read_stored(idx, single)
+        misses = int(np.count_nonzero(~stored))
+        todo = np.unique(idx[~stored])
+        admitted = f.admitted(todo)
+        # Samples the store did not keep (beyond a byte budget, or refused by a full store) are
+        # served straight from the source: correct, just not cached.
+        unkept = self._compute_and_store(todo[admitted]) if admitted.any() else {}
+        unkept.update((int(i), None) for i in todo[~admitted])
+        self._counters.add(hits=len(idx) - misses, misses=misses)
+        if unkept:
+            return self._mixed(idx, unkept, single)
+        return self._read_stored(idx, single)
 
-        flags = f.flags_of(idx)
+    def _read_stored(self, idx: np.ndarray, single: bool):
+        got = self._gather(idx)
+        if isinstance(got, list):
+            return self._finish(got, single)
+        return self._assemble(idx, *got, single)
+
+    def _gather(self, idx: np.ndarray):
+        """``(columns, var_values)`` of the stored samples ``idx`` with their checksums verified, or
+        a list of samples when they must be served one by one (free-form, or repaired but refused)."""
+        f = self._files
         schema = f.schema
-        if schema.structure is None or (flags & fmt.FLAG_FREEFORM).any():
-            return self._finish([self._read_one(int(i)) for i in idx], single)
-
+        if schema.structure is None or (f.flags_of(idx) & fmt.FLAG_FREEFORM).any():
+            return [self._read_one(int(i)) for i in idx]
         columns = f.gather(idx)
-        var_values = None
-        blobs = None
-        if schema.has_var:
-            blobs = [f.read_blob(int(i)) for i in idx]
+        blobs = [f.read_blob(int(i)) for i in idx] if schema.has_var else None
         unverified = ~self._verified[idx]
         if unverified.any():
             pos = np.flatnonzero(unverified)
@@ -244,22 +244,25 @@ class CachedDataset(Dataset):
                 for i in idx[pos[~ok]]:
                     unkept.update(self._repair(int(i)))
                 if unkept:
-                    return self._finish([self._from_source(int(i), unkept) if int(i) in unkept else self._read_one(int(i))
-                                         for i in idx], single)
-                return self._fetch(idx, single)
+                    return [self._from_source(int(i), unkept) if int(i) in unkept else self._read_one(int(i)) for i in idx]
+                return self._gather(idx)
+        var_values = None
         if blobs is not None:
-            n_var = sum(1 for leaf in schema.leaves if leaf.store == "var")
             per_sample = [schema.var_values(b, f"sample {int(i)} of {self.path}", self.allow_pickle) for i, b in zip(idx, blobs)]
-            var_values = [list(v) for v in zip(*per_sample)] if per_sample else [[] for _ in range(n_var)]
+            var_values = [list(v) for v in zip(*per_sample)] if per_sample else [[] for _ in schema.var_leaves]
+        return columns, var_values
+
+    def _assemble(self, idx: np.ndarray, columns: list, var_values, single: bool):
+        """What ``__getitems__`` returns for gathered columns: a :class:`SampleBatch` (or a
+        :class:`TensorBatch` for bare-tensor samples), or transformed samples."""
+        schema = self._files.schema
         if self.transform is not None:
             return self._finish(SampleBatch(schema, idx, columns, var_values).samples(), single)
-        if schema.structure == "*" and not schema.has_var and schema.leaves[0].kind == "tensor":
-            stacked = torch.from_numpy(columns[0])
-            if schema.leaves[0].dtype == "bfloat16":
-                stacked = stacked.view(torch.bfloat16)
-            batch = TensorBatch(stacked)
-            return batch[0] if single else batch
-        batch = SampleBatch(schema, idx, columns, var_values)
+        leaf = schema.leaves[0]
+        if schema.structure == "*" and leaf.store == "col" and leaf.kind == "tensor":
+            batch = TensorBatch(array_to_leaf("tensor", leaf.dtype, columns[0]))
+        else:
+            batch = SampleBatch(schema, idx, columns, var_values)
         return batch[0] if single else batch
 
     def _mixed(self, idx: np.ndarray, unkept: dict, single: bool):
@@ -269,31 +272,29 @@ class CachedDataset(Dataset):
         the computed ones are laid into the same arrays, so ``nbkit.collate`` stays vectorised (a
         byte budget's epoch then costs what its hit rate says); otherwise sample by sample.
         """
-        f = self._files
-        schema = f.schema
+        schema = self._files.schema
         from_source = np.fromiter((int(i) in unkept for i in idx), dtype=bool, count=len(idx))
         computed = {int(i): self._from_source(int(i), unkept) for i in np.unique(idx[from_source])}
-        parts = {i: schema.split(s, "sample", self.allow_pickle) for i, s in computed.items()} \
-            if schema.structure is not None and not schema.has_var and self.transform is None else {}
         kept_idx = idx[~from_source]
-        if computed and len(parts) == len(computed) and all(p is not None for p in parts.values()) and \
-                not (f.flags_of(kept_idx) & fmt.FLAG_FREEFORM).any():
-            kept = self._fetch(kept_idx, single=False, count=False) if len(kept_idx) else None
-            kept_columns = ([kept.stacked] if isinstance(kept, TensorBatch) else kept._columns) if kept is not None else None
-            columns = []
-            for k, leaf in enumerate(schema.columns):
-                col = np.empty((len(idx), *leaf.shape), dtype=schema.column_dtype(leaf))
-                if kept_columns is not None:
-                    col[~from_source] = np.asarray(kept_columns[k])
-                col[from_source] = schema.stack(k, [parts[int(i)][0][k] for i in idx[from_source]])
-                columns.append(col)
-            if schema.structure == "*" and schema.leaves[0].kind == "tensor":
-                stacked = torch.from_numpy(columns[0])
-                batch = TensorBatch(stacked.view(torch.bfloat16) if schema.leaves[0].dtype == "bfloat16" else stacked)
-            else:
-                batch = SampleBatch(schema, idx, columns, None)
-            return batch[0] if single else batch
-        return self._finish([computed[int(i)] if from_source[j] else self._read_one(int(i)) for j, i in enumerate(idx)], single)
+        got = self._gather(kept_idx) if len(kept_idx) else None
+        if schema.structure is not None and not schema.has_var and not isinstance(got, list):
+            parts = {i: schema.split(s, "sample", self.allow_pickle) for i, s in computed.items()}
+            if all(p is not None for p in parts.values()):
+                columns = []
+                for k, leaf in enumerate(schema.columns):
+                    col = np.empty((len(idx), *leaf.shape), dtype=schema.column_dtype(leaf))
+                    if got is not None:
+                        col[~from_source] = got[0][k]
+                    col[from_source] = schema.stack(k, [parts[int(i)][0][k] for i in idx[from_source]])
+                    columns.append(col)
+                return self._assemble(idx, columns, None, single)
+        if got is None:
+            kept = iter(())
+        elif isinstance(got, list):
+            kept = iter(got)
+        else:
+            kept = iter(SampleBatch(schema, kept_idx, *got).samples())
+        return self._finish([computed[int(i)] if from_source[j] else next(kept) for j, i in enumerate(idx)], single)
 
     def _where(self, i) -> str:
         return f"sample {int(i)} of {type(self._source).__name__}"
@@ -486,9 +487,9 @@ class CachedDataset(Dataset):
                     blobs[int(m)] = f.read_blob(int(chunk[m]))
                 except CorruptCacheError:
                     blobs[int(m)] = b""  # a record pointing past the heap: fails its crc below
-            crc = fmt.batch_crc(cols, len(chunk), blobs)
+            crc = fmt.batch_crc(cols, len(chunk), {m: b for m, b in blobs.items() if flags[m] == fmt.FLAG_VAR})
             for m in np.flatnonzero(flags & fmt.FLAG_FREEFORM):
-                crc[m] = f.row_crc([], blobs[int(m)])
+                crc[m] = f.row_crc([], blobs[int(m)])  # free-form: the blob alone
             ok = crc == f.crc_of(chunk)
             self._verified[chunk[ok]] = True
             bad.extend(int(i) for i in chunk[~ok])

@@ -405,16 +405,13 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None) -> np.ndarray:
     """
     if columns:
         parts = [np.ascontiguousarray(c).reshape(n, c.size // n if n else 0).view(np.uint8) for c in columns]
-        if len(parts) == 1:
-            out = np.fromiter(map(zlib.crc32, parts[0]), dtype=np.uint32, count=n)
-        elif sum(p.shape[1] for p in parts) <= 16384:
-            # Small rows: one call per sample over the rows laid side by side.
-            out = np.fromiter(map(zlib.crc32, np.concatenate(parts, axis=1)), dtype=np.uint32, count=n)
-        else:
-            # Large rows: chain per column rather than copy them side by side.
-            out = np.fromiter(map(zlib.crc32, parts[0]), dtype=np.uint32, count=n)
-            for p in parts[1:]:
-                out = np.fromiter(map(zlib.crc32, p, out.tolist()), dtype=np.uint32, count=n)
+        if len(parts) > 1 and sum(p.shape[1] for p in parts) <= 16384:
+            # Small rows: lay them side by side, one call per sample. (Large rows: chain per column
+            # rather than copy them.)
+            parts = [np.concatenate(parts, axis=1)]
+        out = np.fromiter(map(zlib.crc32, parts[0]), dtype=np.uint32, count=n)
+        for p in parts[1:]:
+            out = np.fromiter(map(zlib.crc32, p, out.tolist()), dtype=np.uint32, count=n)
     else:
         out = np.zeros(n, np.uint32)
     for j, blob in (blobs or {}).items():
@@ -446,8 +443,6 @@ def check_compatible(root: str, existing: dict, wanted: dict) -> None:
     diffs = differences(existing["fingerprint"], wanted["fingerprint"])
     if existing.get("max_bytes") != wanted.get("max_bytes") and wanted.get("max_bytes") is not None:
         diffs.append(f"byte budget: cached max_bytes={existing.get('max_bytes')}, asked max_bytes={wanted.get('max_bytes')}")
-    if existing["length"] != wanted["length"] and not any(d.startswith("length") for d in diffs):
-        diffs.append(f"length: cached {existing['length']}, source {wanted['length']}")
     if diffs:
         raise StaleCacheError(
             f"the cache at {root} was built from a different source: " + "; ".join(diffs) + ". "
