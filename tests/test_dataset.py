@@ -166,6 +166,7 @@ def test_corrupt_sample_recomputed_with_source_and_refused_without(tmp_path):
     with_source = nbkit.CachedDataset(src, tmp_path)
     assert_equal(nbkit.collate(with_source.__getitems__([7, 8])), default_collate([src[7], src[8]]))
     assert with_source.stats.recomputed == 1
+    assert (with_source.stats.hits, with_source.stats.misses) == (2, 0)  # a repair is not counted twice
     assert nbkit.CachedDataset.open(tmp_path).verify() == 20
 
 
