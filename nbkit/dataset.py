@@ -456,7 +456,14 @@ class CachedDataset(Dataset):
 
     def prefetch(self, indices) -> int:
         """Ask the store to fetch ``indices`` ahead of reading them (read-through caches); return
-        how many it queued (``0`` for stores that hold everything locally)."""
+        how many it queued (``0`` for stores that hold everything locally).
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
+            >>> ds.prefetch([1, 2, 3])   # a local cache has nothing to fetch
+            0
+        """
         fn = getattr(self._files, "prefetch", None)
         return int(fn(self._index_array(indices)) or 0) if fn is not None else 0
 
@@ -469,6 +476,13 @@ class CachedDataset(Dataset):
 
         Raises:
             CorruptCacheError: listing the first damaged samples.
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
+            >>> _ = ds.warmup()
+            >>> ds.verify()
+            10
         """
         from .progress import as_callback
 
