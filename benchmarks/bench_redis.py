@@ -38,7 +38,7 @@ for p in (str(ROOT), str(HERE), str(ROOT / "tests")):
         sys.path.insert(0, p)
 
 import workloads  # noqa: E402
-from fixtures_redis import RedisServer  # noqa: E402
+from fixtures_redis import RedisServer, sharded_url  # noqa: E402
 
 MiB = 1 << 20
 BATCH = 256
@@ -76,6 +76,11 @@ def first_batch_ok(batch, src):
     return torch.equal(x, torch.stack([src[i][0] for i in idx])) and y.tolist() == [int(src[i][1]) for i in idx]
 
 
+def used_memory(servers) -> int:
+    """Bytes of memory the Redis ``servers`` use together."""
+    return sum(int(s.client().info("memory")["used_memory"]) for s in servers)
+
+
 def run(args):
     import nbkit
 
@@ -105,13 +110,13 @@ def run(args):
         setups = [("Redis, 1 server", servers[:1], 0), ("Redis, 3 servers", servers, 0),
                   ("Redis, 1 server, `num_workers=2`", servers[:1], 2)]
         for label, group, workers in setups:
-            url = "redis://" + ",".join(s.address for s in group) + f"/0/mnist-{len(group)}"
-            before = sum(int(s.client().info("memory")["used_memory"]) for s in group)
+            url = sharded_url(group, f"mnist-{len(group)}")
+            before = used_memory(group)
             ds = nbkit.CachedDataset(src, url)
             t = time.perf_counter()
             report = ds.warmup()
             warm = time.perf_counter() - t
-            used = sum(int(s.client().info("memory")["used_memory"]) for s in group) - before
+            used = used_memory(group) - before
             ds.reset_stats()
             times, first = epochs(ds, args.epochs, nbkit.collate, num_workers=workers)
             best = min(times[1:] or times)
@@ -125,12 +130,15 @@ def run(args):
             s.kill()
         shutil.rmtree(work, ignore_errors=True)
 
+    import redis  # imported by the servers' clients above
+    from redis.utils import HIREDIS_AVAILABLE
+
     head = (
         "## Redis store (issue 7)\n\n"
         f"MNIST {n:,} samples (torchvision MNIST + ToTensor + Normalize), batch {BATCH}, shuffled, "
         f"`collate_fn=nbkit.collate` for the caches; {args.epochs} epochs each (raw: 2), `num_workers=0` unless stated. "
         "Redis: real redis-server processes on 127.0.0.1 (`--save '' --appendonly no`), redis-py "
-        f"{_redis_version()} {'with' if _has_hiredis() else 'without'} hiredis; one `MGET` per server per batch."
+        f"{redis.__version__} {'with' if HIREDIS_AVAILABLE else 'without'} hiredis; one `MGET` per server per batch."
         + (" **Quick mode: small sizes, not comparable.**" if args.quick else "")
         + "\n\n| setup | warmup s | epoch 1 s | later epochs s (best) | samples/s | vs raw | first batch | size |\n"
         "|---|---|---|---|---|---|---|---|\n"
@@ -143,23 +151,6 @@ def run(args):
         "`num_workers=2` pays the DataLoader's inter-process copy on top, as for a local cache.\n"
     )
     return head + body + note
-
-
-def _redis_version():
-    try:
-        import redis
-
-        return redis.__version__
-    except ImportError:
-        return "?"
-
-
-def _has_hiredis():
-    try:
-        import hiredis  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def main(argv=None):

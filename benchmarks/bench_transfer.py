@@ -93,6 +93,7 @@ def per_sample_objects(fs, bucket, ds, n):
 
 def run(args):
     import nbkit
+    from nbkit import format as fmt
 
     work = Path(tempfile.mkdtemp(prefix="nbkit-bench-transfer-"))
     try:
@@ -115,10 +116,9 @@ def run(args):
 
             single = work / "single.bin"
             with open(single, "wb") as f:
-                for name in sorted(os.listdir(ds.root)):
-                    if name.endswith((".bin", ".json")):
-                        with open(os.path.join(ds.root, name), "rb") as g:
-                            shutil.copyfileobj(g, f, 16 * MiB)
+                for name in fmt.list_cache_files(ds.root):
+                    with open(os.path.join(ds.root, name), "rb") as g:
+                        shutil.copyfileobj(g, f, 16 * MiB)
             single_size = single.stat().st_size
             put_t = min(timed(lambda r=r: fs.put_file(str(single), f"{bucket.name}/single-{r}.bin"))[0] for r in range(args.repeat))
             get_t = min(timed(lambda: fs.get_file(f"{bucket.name}/single-0.bin", str(work / "single.back")))[0] for _ in range(args.repeat))

@@ -40,15 +40,23 @@ from . import format as fmt
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .progress import as_callback
 from .transfer import (
+    _CHUNK,
+    BLOCK,
     MANIFEST,
     TransferReport,
+    _abandon,
     _check_hash,
     _check_replaceable,
+    _fs,
+    _is_local,
+    _Stopped,
     _swap_into_place,
     _verify,
     cache_root,
     data_files,
+    is_connection_error,
     manifest_bytes,
+    new_manifest,
     parse_manifest,
     stored_count,
 )
@@ -56,7 +64,6 @@ from .transfer import (
 __all__ = ["export_tar", "import_tar"]
 
 COMPRESSIONS = (None, "gz", "zst")
-_CHUNK = 4 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -69,10 +76,6 @@ def _zstandard():
     return zstandard
 
 
-class _Stop(Exception):
-    """The callback asked to stop."""
-
-
 class _HashingReader:
     """Reads a file for :meth:`tarfile.TarFile.addfile`, hashing and reporting progress as it goes."""
 
@@ -81,7 +84,7 @@ class _HashingReader:
 
     def read(self, n=-1):
         if getattr(self.cb, "stop_requested", False):
-            raise _Stop()
+            raise _Stopped()
         chunk = self.f.read(n)
         self.sha.update(chunk)
         self.cb.relative_update(len(chunk))
@@ -132,16 +135,13 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
     cb.absolute_update(0)
     cb.set_description(f"exporting to {tar_path}")
 
-    from fsspec.core import url_to_fs
-    from fsspec.implementations.local import LocalFileSystem
-
-    fs, path = url_to_fs(os.fspath(tar_path), **(storage_options or {}))
-    local = isinstance(fs, LocalFileSystem)
+    fs, path = _fs(os.fspath(tar_path), storage_options)
+    local = _is_local(fs)
     if local:
         fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     # Locally the tar is written under a temporary name and renamed when done; remote uploads
     # (GCS) only appear once finished, and are cancelled on failure.
-    raw = fs.open(path, "wb", autocommit=False) if local else fs.open(path, "wb", block_size=32 << 20)
+    raw = fs.open(path, "wb", autocommit=False) if local else fs.open(path, "wb", block_size=BLOCK)
     try:
         if compression == "gz":
             stream = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6)
@@ -161,32 +161,24 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
             with open(os.path.join(root, fmt.META), "rb") as f:
                 meta = f.read()
             files[fmt.META] = {"size": len(meta), "sha256": hashlib.sha256(meta).hexdigest()}
-            manifest = manifest_bytes({"format": "nbkit-manifest", "version": 1, "stored": stored, "length": length, "files": files})
+            manifest = manifest_bytes(new_manifest(files, stored, length))
             tar.addfile(_member(MANIFEST, len(manifest)), io.BytesIO(manifest))
             tar.addfile(_member(fmt.META, len(meta)), io.BytesIO(meta))
             cb.relative_update(len(meta))
         if stream is not raw:
             stream.close()
-    except _Stop:
-        _abort(raw)
+    except _Stopped:
+        _abandon(raw, tell_backend=True)
         cb.set_description("stopped")
         return TransferReport(seconds=time.perf_counter() - start, stopped=True)
-    except BaseException:
-        _abort(raw)
+    except BaseException as e:
+        _abandon(raw, tell_backend=not is_connection_error(e))
         raise
     raw.close()
     if local:
         raw.commit()
     cb.set_description("exported")
     return TransferReport(tuple(names) + (MANIFEST, fmt.META), (), sum(sizes.values()), time.perf_counter() - start)
-
-
-def _abort(raw) -> None:
-    discard = getattr(raw, "discard", None)
-    if discard is not None:
-        discard()  # local temporary file removed; GCS resumable upload cancelled
-    else:
-        raw.close()
 
 
 def _open_decompressed(raw):
@@ -267,7 +259,6 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
         try:
             hashes, sizes, names = {}, {}, []
             stream = _open_decompressed(raw)
-            last = 0
             # "r|" reads the tar as a stream: members are checked and written one at a time.
             with tarfile.open(fileobj=stream, mode="r|", bufsize=_CHUNK) as tar:
                 for m in tar:
@@ -283,12 +274,10 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
                     with open(target, "wb") as out:
                         while chunk := src.read(_CHUNK):
                             if getattr(cb, "stop_requested", False):
-                                raise _Stop()
+                                raise _Stopped()
                             h.update(chunk)
                             out.write(chunk)
-                            pos = raw.tell()
-                            cb.relative_update(pos - last)
-                            last = pos
+                            cb.absolute_update(raw.tell())  # compressed bytes read, like the size
                     hashes[name], sizes[name] = h.hexdigest(), m.size
                     names.append(name)
             if fmt.META not in hashes:
@@ -311,7 +300,7 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
                 # A plain tar of a cache directory has no sha256 to check against: check every sample.
                 _verify(tmp, cb)
             _swap_into_place(tmp, dest)
-        except _Stop:
+        except _Stopped:
             shutil.rmtree(tmp, ignore_errors=True)
             cb.set_description("stopped")
             return TransferReport(seconds=time.perf_counter() - start, stopped=True)

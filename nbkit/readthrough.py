@@ -68,10 +68,17 @@ from .codec import Schema
 from .errors import CorruptCacheError
 from .stats import process_alive
 from .storage import Location, working_copy_dir
+from .transfer import (
+    MANIFEST,
+    _fs,
+    is_connection_error,
+    manifest_bytes,
+    network_errors,
+    read_remote_manifest,
+)
 
 __all__ = ["ReadThroughLocation", "ReadThroughStore", "PrefetchSampler", "resolve_read_through", "store_of"]
 
-MANIFEST = "manifest.json"  # as written by nbkit.push
 PIECE_MAX = 8 << 20  # largest piece: big enough for object-store throughput, small enough to evict
 MIN_PIECES = 12  # pieces shrink until the local area holds at least this many
 BLOCK = 4096  # files are accounted rounded up to this, so blocks on disk never exceed the limit
@@ -116,6 +123,11 @@ class ReadThroughLocation(Location):
     Attributes:
         local_max_bytes: the most bytes the local area holds.
         piece_bytes: the piece size asked for (``None``: chosen from ``local_max_bytes``).
+
+    Example:
+        >>> loc = resolve_read_through("memory://doctest/location", local_max_bytes=1 << 20)
+        >>> isinstance(loc, ReadThroughLocation), loc.local_max_bytes, loc.publish()
+        (True, 1048576, False)
     """
 
     local_max_bytes: int = 0
@@ -131,8 +143,6 @@ class ReadThroughLocation(Location):
             CorruptCacheError: the remote metadata, manifest or index is damaged.
             ValueError: ``local_max_bytes`` cannot hold the index and two pieces.
         """
-        from .transfer import network_errors, read_remote_manifest
-
         fs, rroot = _fs(self.url, self.storage_options)
         fix = "then open it again"
         with network_errors(fs, self.url, "opening (read-through)", fix):
@@ -177,13 +187,6 @@ class ReadThroughLocation(Location):
 
     def publish(self, callback=None) -> bool:
         return False  # read-only: nothing is ever written to the bucket
-
-
-def _fs(url: str, storage_options: dict):
-    from fsspec.core import url_to_fs
-
-    fs, path = url_to_fs(url, **(storage_options or {}))
-    return fs, path.rstrip("/")
 
 
 def _absent(fs, url: str, rroot: str) -> str:
@@ -257,7 +260,7 @@ def _replace_area(root: str, fs, rroot: str, url: str, manifest: dict, meta_raw:
     _check_entry(url, fmt.INDEX, manifest["files"], index)
     _write_atomic(os.path.join(root, fmt.INDEX), index)
     _write_atomic(os.path.join(root, fmt.META), meta_raw)
-    _write_atomic(os.path.join(root, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
+    _write_atomic(os.path.join(root, MANIFEST), manifest_bytes(manifest))
 
 
 def _tag(manifest: dict) -> str:
@@ -299,7 +302,7 @@ class Geometry:
         if files.get(fmt.INDEX, {}).get("size") != length * fmt.RECORD.itemsize:
             raise CorruptCacheError(f"{url}/{fmt.INDEX} does not hold {length} records; push the cache again with nbkit.push.")
         heap_size = int(files.get(fmt.HEAP, {}).get("size", 0))
-        fixed = sum(_rounded(files[n]["size"]) for n in (fmt.INDEX, fmt.META)) + _rounded(len(json.dumps(manifest, indent=1, sort_keys=True))) + BLOCK
+        fixed = sum(_rounded(files[n]["size"]) for n in (fmt.INDEX, fmt.META)) + _rounded(len(manifest_bytes(manifest))) + BLOCK
         usable = limit - fixed
         total_row = sum(row_bytes)
         target = int(piece_bytes) if piece_bytes else min(PIECE_MAX, max(usable // MIN_PIECES, 1))
@@ -318,10 +321,6 @@ class Geometry:
     @property
     def n_column_pieces(self) -> int:
         return -(-self.capacity // self.rows_per_piece) if self.row_bytes else 0
-
-    @property
-    def n_heap_pieces(self) -> int:
-        return -(-self.heap_size // self.heap_piece)
 
     def rows_of(self, p: int) -> tuple[int, int]:
         a = p * self.rows_per_piece
@@ -478,8 +477,8 @@ class ReadThroughStore:
             self._sample_of_slot[self.slot_of[admitted]] = admitted
         self._leaves = [(self.schema.column_dtype(leaf), tuple(leaf.shape)) for leaf in self.schema.columns]
         self._overlay: dict[int, tuple] = {}  # samples recomputed after a failed checksum: (flags, crc, rows, blob)
-        self._maps: OrderedDict = OrderedDict()  # key -> (mmap, views) of pieces mapped in this process
-        self._max_maps = max(2, g.usable // max(1, max(g.piece_size(("c", 0)) if g.row_bytes else 0, g.heap_piece)))
+        self._maps: OrderedDict = OrderedDict()  # key -> (mmap, views, inode) of pieces mapped in this process
+        self._max_maps = max(2, g.usable // max(g.piece_size(("c", 0)) if g.row_bytes else 0, g.heap_piece))
         self._generation = self._read_generation()
         self._good: set = set()  # pieces whose fetched bytes passed every sample's checksum here
         self._ever: set = set()
@@ -501,9 +500,6 @@ class ReadThroughStore:
     def n_columns(self) -> int:
         return len(self._leaves)
 
-    def _budget_admitted(self, idx: np.ndarray) -> np.ndarray:
-        return np.ones(len(idx), dtype=bool) if self.slot_of is None else self.slot_of[idx] >= 0
-
     def _in_overlay(self, idx: np.ndarray) -> np.ndarray:
         if not self._overlay:
             return np.zeros(len(idx), dtype=bool)
@@ -511,7 +507,7 @@ class ReadThroughStore:
 
     def admitted(self, idx: np.ndarray) -> np.ndarray:
         """With a source, only samples the remote cache holds: the others are computed on every read."""
-        ok = self._budget_admitted(idx)
+        ok = np.ones(len(idx), dtype=bool) if self.slot_of is None else self.slot_of[idx] >= 0
         if self.writable:
             ok &= self._stored[idx] | self._in_overlay(idx)
         return ok
@@ -570,9 +566,10 @@ class ReadThroughStore:
         sorted_pieces = pieces[order]
         starts = np.flatnonzero(np.r_[True, sorted_pieces[1:] != sorted_pieces[:-1]])
         ends = np.r_[starts[1:], n]
+        self._forget_evicted()
         for s in starts:
             # Mark every piece of the batch used first: fetching one of them must not evict another.
-            self._touch(("c", int(sorted_pieces[s])))
+            _stamp(self._path(("c", int(sorted_pieces[s]))))
         for s, e in zip(starts, ends):
             p = int(sorted_pieces[s])
             pos = order[s:e]
@@ -599,8 +596,9 @@ class ReadThroughStore:
             raise CorruptCacheError(f"sample {i} of {self.url}: the index points past the end of {fmt.HEAP}; the cache is damaged.")
         h = self.geometry.heap_piece
         parts = []
+        self._forget_evicted()
         for q in range(off // h, (off + n - 1) // h + 1):
-            self._touch(("h", q))
+            _stamp(self._path(("h", q)))
             buf = self._views(("h", q))[0]
             a, b = max(off, q * h) - q * h, min(off + n, (q + 1) * h) - q * h
             parts.append(bytes(buf[a:b]))
@@ -608,10 +606,6 @@ class ReadThroughStore:
 
     def _views(self, key: tuple) -> list:
         """The arrays of a piece mapped in this process (fetching it if no process has it)."""
-        gen = self._read_generation()
-        if gen != self._generation:
-            self._generation = gen
-            self._drop_stale_maps()
         entry = self._maps.get(key)
         if entry is not None:
             self._maps.move_to_end(key)
@@ -646,7 +640,12 @@ class ReadThroughStore:
             pos += nbytes
         return views
 
-    def _drop_stale_maps(self) -> None:
+    def _forget_evicted(self) -> None:
+        """Drop this process's maps of pieces evicted since the last read (checked once a read, not once a piece)."""
+        gen = self._read_generation()
+        if gen == self._generation:
+            return
+        self._generation = gen
         for key in list(self._maps):
             try:
                 alive = os.stat(self._path(key)).st_ino == self._maps[key][2]
@@ -661,9 +660,6 @@ class ReadThroughStore:
                 return int.from_bytes(f.read(8), "little")
         except FileNotFoundError:
             return 0
-
-    def _touch(self, key: tuple) -> None:
-        _stamp(self._path(key))
 
     def _path(self, key: tuple) -> str:
         return os.path.join(self.root, "pieces", f"{self.geometry.tag}-{key[0]}{key[1]:07d}.bin")
@@ -709,8 +705,6 @@ class ReadThroughStore:
         return path
 
     def _fetch(self, key: tuple) -> bytes:
-        from .transfer import is_connection_error
-
         fs = self._fs()
         g = self.geometry
         try:
@@ -788,14 +782,13 @@ class ReadThroughStore:
                         if pid is not None and not process_alive(pid):
                             os.unlink(e.path)  # left by a process that died mid-fetch
                             continue
-                        used += _rounded(st.st_size)
                     else:
                         evictable.append((st.st_mtime_ns, _rounded(st.st_size), e.path))
-                        used += _rounded(st.st_size)
-                evictable.sort()
+                    used += _rounded(st.st_size)
                 evicted = 0
-                while used + need > self.limit and evictable:
-                    _, size, path = evictable.pop(0)
+                for _, size, path in sorted(evictable):  # least recently used first
+                    if used + need <= self.limit:
+                        break
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(path)
                     used -= size
@@ -1021,19 +1014,22 @@ class PrefetchSampler(torch.utils.data.Sampler):
         windows = self.windows()
         self.epoch += 1
         for w, win in enumerate(windows):
+            order = win.tolist()
+            half = len(order) // 2
             if w == 0:
                 store.prefetch(win)
-            half = len(win) // 2
-            for j, i in enumerate(win.tolist()):
-                if j == half and w + 1 < len(windows):
-                    store.prefetch(windows[w + 1])
-                yield i
+            yield from order[:half]
+            if w + 1 < len(windows):
+                store.prefetch(windows[w + 1])  # halfway through this window
+            yield from order[half:]
 
 
 def plan_windows(store: ReadThroughStore, rng, window_bytes: int, shuffle: bool = True) -> list:
     """Group every index by the piece it lives in, order the pieces, cut them into windows of about
     ``window_bytes``, shuffle within each window (see :class:`PrefetchSampler`)."""
     n = store.length
+    if n == 0:
+        return []
     g = store.geometry
     idx = np.arange(n)
     key = np.full(n, -1, dtype=np.int64)  # -1: no piece (not stored, or outside a byte budget)
@@ -1048,10 +1044,10 @@ def plan_windows(store: ReadThroughStore, rng, window_bytes: int, shuffle: bool 
     key[free] = base + store._off[free].astype(np.int64) // g.heap_piece  # noqa: SLF001
     order = np.argsort(key, kind="stable")
     sorted_keys = key[order]
-    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]]) if n else np.zeros(0, np.int64)
-    groups = np.split(order, starts[1:]) if n else []
+    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+    groups = np.split(order, starts[1:])
     loose = np.zeros(0, np.int64)
-    if groups and sorted_keys[0] == -1:
+    if sorted_keys[0] == -1:
         loose, groups = groups[0], groups[1:]
     keys = [int(key[grp[0]]) for grp in groups]
     heap_bytes = np.zeros(n, np.int64)

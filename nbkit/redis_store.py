@@ -60,8 +60,7 @@ FULL_RETRY_SECONDS = 30.0  # after a write hit maxmemory, skip writes to that se
 _HEADER = struct.Struct("<BI")  # flags, crc: the record fields stored in front of each sample
 _PUT_BYTES = 16 << 20  # at most this much sample data per write call (large samples, bounded buffers)
 _BITMAP_ABOVE = 8192  # is_stored() of more indices than this reads the bitmap, not the samples
-_NAME = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
-_EVICTS_ANY_KEY = "allkeys-"
+_NAME = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")  # no glob character: key patterns need no escaping
 
 # Store samples on one server, atomically: nothing if the server lost this cache (returns -1, the
 # caller re-creates its metadata and retries) or is at maxmemory (the first write, SET, fails with
@@ -116,6 +115,10 @@ class RedisURL:
         name: the cache's namespace.
         username, password: from the URL's user info, if any.
         ssl: ``True`` for ``rediss://``.
+
+    Example:
+        >>> parse_url("rediss://h1,h2:7000/0/mnist").ssl
+        True
     """
 
     servers: list
@@ -176,7 +179,12 @@ def parse_url(url: str) -> RedisURL:
 
 
 def resolve_redis(url: str, storage_options: dict | None = None, **location_options) -> "RedisLocation":
-    """The :class:`RedisLocation` of a ``redis://`` URL; no network access (``nbkit.storage.resolve`` calls this)."""
+    """The :class:`RedisLocation` of a ``redis://`` URL; no network access (``nbkit.storage.resolve`` calls this).
+
+    Example:
+        >>> resolve_redis("redis://127.0.0.1:6379/0/team/mnist").meta_key
+        'nbkit:team/mnist:meta'
+    """
     if location_options.get("local_max_bytes") is not None:
         raise ValueError(f"local_max_bytes applies to a gs:// cache read through a local area, not to the Redis cache {url}")
     unknown = set(location_options) - {"local_max_bytes"}
@@ -188,6 +196,11 @@ def resolve_redis(url: str, storage_options: dict | None = None, **location_opti
 def meta_tag(meta: dict) -> str:
     """A short hash of the metadata: sample keys of different caches (or generations) never collide."""
     return hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _meta_body(meta: dict) -> bytes:
+    """The metadata as stored under ``nbkit:<name>:meta``."""
+    return json.dumps(meta, indent=1, sort_keys=True).encode()
 
 
 class RedisLocation(Location):
@@ -233,11 +246,10 @@ class RedisLocation(Location):
                 options["ssl"] = True
             options.update(self.storage_options)
             clients = []
-            for host, port in p.servers:
+            for k, (host, port) in enumerate(p.servers):
                 retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 4)  # rides over a restart or a dropped connection
                 clients.append(redis.Redis(host=host, port=port, db=p.db, retry=retry, **options))
-            for k, c in enumerate(clients):
-                self._check_policy(k, c)
+                self._check_policy(k, clients[-1])
             self._clients, self._clients_pid = clients, os.getpid()
         return self._clients
 
@@ -251,6 +263,10 @@ class RedisLocation(Location):
                 f"the Redis server {self.addresses[k]} of the cache {self.root} does not answer ({e}). Start it again "
                 "(a server that comes back empty is refilled from the source), or check the URL and storage_options."
             ) from e
+
+    def tag_prefix(self, meta: dict) -> str:
+        """The prefix of the keys of the cache with metadata ``meta``: its samples, bitmap, byte counter, live marker."""
+        return f"{self.prefix}{meta_tag(meta)}:"
 
     # -- the engine's hooks ------------------------------------------------------------------------
 
@@ -273,11 +289,11 @@ class RedisLocation(Location):
 
     def publish_meta(self, meta: dict) -> dict:
         clients = self.clients()
-        body = json.dumps(dict(meta, shards=len(clients)), indent=1, sort_keys=True).encode()
+        body = _meta_body(dict(meta, shards=len(clients)))
         self._write(0, clients[0].set, self.meta_key, body, nx=True)
         won = self.call(0, clients[0].get, self.meta_key) or body  # the first creator wins; take its metadata
         winner = self._parse(won)
-        live = self.prefix + meta_tag(winner) + ":live"
+        live = self.tag_prefix(winner) + "live"
         for k, c in enumerate(clients):
             if k:
                 self._write(k, c.set, self.meta_key, won, nx=True)
@@ -292,16 +308,8 @@ class RedisLocation(Location):
         clients = self.clients()
         for k, c in enumerate(clients):
             self.call(k, c.delete, self.meta_key)
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"
         for k, c in enumerate(clients):
-            batch = []
-            for key in self.call(k, c.scan_iter, match=pattern, count=1000):
-                batch.append(key)
-                if len(batch) >= 1000:
-                    self.call(k, c.unlink, *batch)
-                    batch = []
-            if batch:
-                self.call(k, c.unlink, *batch)
+            self.call(k, _unlink_matching, c, self.prefix + "*")  # scan_iter is lazy: iterate inside call()
 
     def prepare(self, callback=None) -> bool:
         return False  # nothing to pull: every host reads the servers directly
@@ -366,7 +374,26 @@ class RedisLocation(Location):
                 stacklevel=4,
             )
             return
-        _refuse_evicting_policy(str(policy), address)
+        if str(policy).startswith("allkeys-"):
+            host, port = self.parsed.servers[k]
+            raise ValueError(
+                f"the Redis server {address} has maxmemory-policy {policy}: when full it would silently evict cached samples "
+                f"(and nbkit's metadata). Use a policy that never evicts keys without a TTL: run "
+                f"`redis-cli -h {host} -p {port} CONFIG SET maxmemory-policy noeviction` (or volatile-lru), or start "
+                "redis-server with --maxmemory-policy noeviction. nbkit then stops storing when the server is full."
+            )
+
+
+def _unlink_matching(client, pattern: str, batch: int = 1000) -> None:
+    """Delete the keys matching ``pattern`` on one server, ``batch`` at a time (SCAN, never KEYS)."""
+    keys = []
+    for key in client.scan_iter(match=pattern, count=batch):
+        keys.append(key)
+        if len(keys) >= batch:
+            client.unlink(*keys)
+            keys = []
+    if keys:
+        client.unlink(*keys)
 
 
 def _pieces(pos: np.ndarray, values: list):
@@ -394,17 +421,6 @@ def _is_oom(e: Exception) -> bool:
     return isinstance(e, oom) or "OOM" in str(e) or "maxmemory" in str(e)
 
 
-def _refuse_evicting_policy(policy: str, address: str) -> None:
-    if policy.startswith(_EVICTS_ANY_KEY):
-        host, _, port = address.rpartition(":")
-        raise ValueError(
-            f"the Redis server {address} has maxmemory-policy {policy}: when full it would silently evict cached samples "
-            f"(and nbkit's metadata). Use a policy that never evicts keys without a TTL: run "
-            f"`redis-cli -h {host} -p {port} CONFIG SET maxmemory-policy noeviction` (or volatile-lru), or start "
-            "redis-server with --maxmemory-policy noeviction. nbkit then stops storing when the server is full."
-        )
-
-
 class RedisStore:
     """The samples of one cache in Redis, for one process (see ``docs/DESIGN.md``, "Store protocol").
 
@@ -414,6 +430,10 @@ class RedisStore:
 
     Attributes:
         not_stored: samples this process could not store because their server was full.
+
+    Example:
+        >>> RedisStore.row_crc([b"abc"]) == __import__("zlib").crc32(b"abc")  # the same checksums as a local cache
+        True
     """
 
     row_crc = staticmethod(fmt.CacheFiles.row_crc)
@@ -430,12 +450,12 @@ class RedisStore:
             self.slot_of = fmt.admission_slots(self.length, self.capacity, int(meta.get("admit_seed", 0)))
         self._clients = location.clients()
         self._n = len(self._clients)
-        base = location.prefix + meta_tag(meta) + ":"
+        base = location.tag_prefix(meta)
         self._sample_prefix = (base + "s:").encode()
         self._live = base + "live"
         self._bits = base + "bits"
         self._bytes = base + "bytes"
-        self._meta_body = json.dumps(meta, indent=1, sort_keys=True).encode()
+        self._meta_body = _meta_body(meta)
         self._cols = []  # (offset in the rows, row bytes, dtype, shape) per column
         offset = 0
         for leaf in self.schema.columns:
@@ -495,13 +515,11 @@ class RedisStore:
                     conns.append((k, conn))
                     conn.send_command("MGET", *keys)
                 return [conn.read_response() for _, conn in conns]
-            except (_redis().exceptions.ConnectionError, _redis().exceptions.TimeoutError, OSError):
+            except BaseException as e:
                 for _, conn in conns:
                     conn.disconnect()  # an unread reply must never be taken for the next command's
-            except BaseException:
-                for _, conn in conns:
-                    conn.disconnect()
-                raise
+                if not isinstance(e, (_redis().exceptions.ConnectionError, _redis().exceptions.TimeoutError, OSError)):
+                    raise
             finally:
                 for k, conn in conns:
                     self._clients[k].connection_pool.release(conn)
@@ -601,7 +619,7 @@ class RedisStore:
         """The admitted indices (of ``idx``, or of all) not stored yet."""
         idx = np.arange(self.length) if idx is None else np.asarray(idx, dtype=np.int64)
         self._buf = {}
-        keep = ~self._stored_bits(idx) if len(idx) else np.zeros(0, dtype=bool)
+        keep = ~self._stored_bits(idx)
         if self.slot_of is not None:
             keep &= self.slot_of[idx] >= 0
         return idx[keep]
@@ -624,17 +642,19 @@ class RedisStore:
 
         Returns which samples were kept (a full server refuses some)."""
         kept = np.ones(len(idx), dtype=bool)
-        values = [_HEADER.pack(int(f), int(c)) for f, c in zip(flags, crc)]
+        ids = idx.tolist()
+        pieces = [[_HEADER.pack(f, c)] for f, c in zip(flags.tolist(), crc.tolist())]
         if len(cpos) and stacked:
             m = len(cpos)
             parts = [np.ascontiguousarray(s).reshape(m, -1).view(np.uint8) for s in stacked]
             rows = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
             for r, j in zip(rows, cpos.tolist()):
-                values[j] += r.tobytes()
+                pieces[j].append(r)
         for j, blob in zip(bpos.tolist(), blobs):
-            values[j] += bytes(blob)
-        replaced = {i for i in idx.tolist() if self._buf.get(i) is not None}
-        self._buf.update(zip(idx.tolist(), values))  # served from here even if a full server refuses them
+            pieces[j].append(blob)
+        values = [b"".join(p) for p in pieces]  # one copy per sample
+        replaced = {i for i in ids if self._buf.get(i) is not None}
+        self._buf.update(zip(ids, values))  # served from here even if a full server refuses them
         for k, pos in self._groups(idx):
             for part in _pieces(pos, values):
                 sub = idx[part].tolist()
@@ -643,7 +663,7 @@ class RedisStore:
                     kept[part] = False
                     continue
                 keys = [self._live, self._bits, self._bytes] + [self._key(i) for i in sub]
-                args = [x for j in part.tolist() for x in (int(idx[j]), values[j])]
+                args = [x for i, j in zip(sub, part.tolist()) for x in (i, values[j])]
                 try:
                     if self.location.call(k, self._put[k], keys=keys, args=args) == -1:
                         self._heal(k)  # the server lost this cache since we last looked: mark it again, then store
@@ -652,22 +672,21 @@ class RedisStore:
                     if not _is_oom(e):
                         raise
                     self._full(k, len(sub))
-                    self._refused(k, sub, replaced, count=False)
+                    self._refused(k, sub, replaced)
                     kept[part] = False
         return kept
 
-    def _refused(self, k: int, sub: list, replaced: set, count: bool = True) -> None:
+    def _refused(self, k: int, sub: list, replaced: set) -> None:
         """Samples server ``k`` could not store: count them, and drop older values they were meant to replace."""
-        if count:
-            self.not_stored += len(sub)
+        self.not_stored += len(sub)
         old = [i for i in sub if i in replaced]
         if old:
             # A sample rewritten after failing its checksum must not stay readable in its damaged form.
             self.location.call(k, self._drop[k], keys=[self._bits, self._bytes] + [self._key(i) for i in old], args=old)
 
     def _full(self, k: int, refused: int) -> None:
+        """Server ``k`` hit maxmemory refusing ``refused`` samples: skip it for a while, and warn once."""
         self._full_until[k] = time.monotonic() + FULL_RETRY_SECONDS
-        self.not_stored += refused
         if self._warned:
             return
         self._warned = True

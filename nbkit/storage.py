@@ -45,7 +45,9 @@ from .errors import CorruptCacheError
 
 __all__ = ["Location", "resolve", "working_copy_dir", "LEASE", "LEASE_SECONDS"]
 
+#: The object a host creates under a remote prefix while it publishes there.
 LEASE = ".nbkit-publish-lease"
+#: A lease older than this (seconds) is taken as abandoned.
 LEASE_SECONDS = 15 * 60
 _LOCAL_PROTOCOLS = (None, "file", "local")
 
@@ -59,6 +61,12 @@ class Location:
         root: the local directory the engine reads and writes.
         is_remote: ``True`` when ``root`` is a working copy of ``url``.
         storage_options: passed to fsspec for ``url``.
+
+    Example:
+        >>> import tempfile
+        >>> loc = resolve(tempfile.mkdtemp())
+        >>> loc.read_meta() is None, loc.prepare(), loc.publish()
+        (True, False, False)
     """
 
     url: str
@@ -105,20 +113,15 @@ class Location:
         """
         if not self.is_remote:
             return False
-        from .transfer import _fs, network_errors, pull, read_remote_manifest
+        from .transfer import _fs, network_errors, pull, trusted_remote_manifest
 
-        os.makedirs(os.path.dirname(self.root), exist_ok=True)
         fs, rroot = _fs(self.url, self.storage_options)
         fix = "open the cache again: a complete remote cache is pulled, otherwise warming starts from the working copy"
         with _file_lock(self.root + ".lock"), network_errors(fs, self.url, "looking for a cache at", fix):
             fs.invalidate_cache()
             if not fs.exists(f"{rroot}/{fmt.META}"):
                 return False
-            try:
-                remote = read_remote_manifest(fs, rroot)
-            except CorruptCacheError:
-                remote = None
-            remote_stored = int((remote or {}).get("stored", 0))
+            remote_stored = int((trusted_remote_manifest(fs, rroot) or {}).get("stored", 0))
             local_stored = _local_stored(self.root)
             if local_stored is not None and local_stored >= remote_stored:
                 return False
@@ -147,13 +150,10 @@ class Location:
                 return self._publish(fs, rroot, length, callback)
 
     def _publish(self, fs, rroot: str, length: int, callback) -> bool:
-        from .transfer import push, read_remote_manifest, sha256_file
+        from .transfer import push, sha256_file, trusted_remote_manifest
 
         fs.invalidate_cache()
-        try:
-            remote = read_remote_manifest(fs, rroot)
-        except CorruptCacheError:
-            remote = None
+        remote = trusted_remote_manifest(fs, rroot)
         if (remote is not None and fs.exists(f"{rroot}/{fmt.META}") and int(remote.get("stored", -1)) >= length
                 and remote["files"].get(fmt.META, {}).get("sha256") == sha256_file(os.path.join(self.root, fmt.META))):
             return False  # the remote already holds this cache, complete

@@ -57,6 +57,7 @@ from .progress import as_callback
 
 __all__ = ["push", "pull", "TransferReport", "MANIFEST", "build_manifest", "read_remote_manifest"]
 
+#: The object (and archive member) listing every file's size and sha256.
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "nbkit-manifest"
 # Bytes in flight per upload; also the unit of progress. 32 MiB is a multiple of GCS's 256 KiB
@@ -87,6 +88,10 @@ class TransferReport:
         bytes: bytes copied.
         seconds: wall time.
         stopped: ``True`` if the callback's ``stop_requested`` ended it early (nothing was published).
+
+    Example:
+        >>> TransferReport(transferred=("index.bin", "nbkit.json"), bytes=1024).stopped
+        False
     """
 
     transferred: tuple = ()
@@ -97,7 +102,7 @@ class TransferReport:
 
 
 class _Stopped(Exception):
-    """Raised inside worker threads when the user asked to stop."""
+    """Raised where the work is done (a worker thread, a tar reader) when the callback asked to stop."""
 
 
 # -- manifest ---------------------------------------------------------------------------------------
@@ -149,6 +154,11 @@ def build_manifest(root: str, progress=None) -> dict:
     for name in data_files(root) + [fmt.META]:
         path = os.path.join(root, name)
         files[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path, progress)}
+    return new_manifest(files, stored, length)
+
+
+def new_manifest(files: dict, stored: int, length: int) -> dict:
+    """The manifest of a cache holding ``files`` (``name -> {"size", "sha256"}``), as push and export write it."""
     return {"format": MANIFEST_FORMAT, "version": 1, "stored": stored, "length": length, "files": files}
 
 
@@ -180,12 +190,28 @@ def _is_local(fs) -> bool:
 
 
 def read_remote_manifest(fs, rroot: str) -> dict | None:
-    """The manifest at ``rroot``, or ``None`` if there is none."""
+    """The manifest at ``rroot``, or ``None`` if there is none; ``CorruptCacheError`` if it is damaged.
+
+    Example:
+        >>> import fsspec, tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+        >>> _ = nbkit.push(ds.root, "memory://doctest/manifest")
+        >>> read_remote_manifest(fsspec.filesystem("memory"), "/doctest/manifest")["length"]
+        4
+    """
     try:
         raw = fs.cat_file(f"{rroot}/{MANIFEST}")
     except FileNotFoundError:
         return None
     return parse_manifest(raw, f"{rroot}/{MANIFEST}")
+
+
+def trusted_remote_manifest(fs, rroot: str) -> dict | None:
+    """The manifest at ``rroot``, or ``None`` if there is none or it is damaged (then nothing in it is trusted)."""
+    try:
+        return read_remote_manifest(fs, rroot)
+    except CorruptCacheError:
+        return None
 
 
 def _remote_sizes(fs, rroot: str) -> dict:
@@ -280,8 +306,9 @@ def network_errors(fs, url: str, doing: str, fix: str):
 
 
 def _run_parallel(jobs, cb, max_workers: int, on_done=None):
-    """Run ``jobs`` (``name -> fn(report, stop_event)``) in threads; progress goes through ``cb`` on
-    this thread. Returns ``(done_names, stopped)``; re-raises the first failure as ``(name, exc)``."""
+    """Run ``jobs`` (``(name, fn(report, stop_event))`` pairs) in threads; progress goes through ``cb`` on
+    this thread, and so does ``on_done(name, last=...)`` after each job that succeeds. Returns
+    ``(done_names, failure, stopped)``: ``failure`` is the first ``(name, exc)`` or ``None``."""
     progress: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
     done, failure = [], None
@@ -311,7 +338,7 @@ def _run_parallel(jobs, cb, max_workers: int, on_done=None):
                     done.append(name)
                     if on_done is not None and failure is None and not stop.is_set():
                         try:
-                            on_done(name, pending_names=[futures[p] for p in pending])
+                            on_done(name, last=not pending)
                         except Exception as e:  # noqa: BLE001 - e.g. the checkpoint write failed: stop like any failure
                             failure = (name, e)
                             stop.set()
@@ -374,10 +401,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     fs.invalidate_cache()
     if _is_local(fs):
         fs.makedirs(rroot, exist_ok=True)  # object stores have no directories to create
-    try:
-        remote = read_remote_manifest(fs, rroot)
-    except CorruptCacheError:
-        remote = None  # a damaged manifest is simply not trusted: everything is uploaded again
+    remote = trusted_remote_manifest(fs, rroot)  # a damaged one: everything is uploaded again
     remote_files = (remote or {}).get("files", {})
     sizes = _remote_sizes(fs, rroot)
 
@@ -408,11 +432,11 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         _write_remote(fs, f"{rroot}/{MANIFEST}", manifest_bytes(partial))
         state["since_checkpoint"] = 0
 
-    def on_done(name, pending_names):
+    def on_done(name, last):
         state["confirmed"].add(name)
         state["since_checkpoint"] += files[name]["size"]
         # The last file needs no checkpoint: the final manifest follows at once.
-        if pending_names and state["since_checkpoint"] >= CHECKPOINT_BYTES:
+        if not last and state["since_checkpoint"] >= CHECKPOINT_BYTES:
             checkpoint()
 
     def upload(name):
@@ -557,7 +581,8 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
                 shutil.copyfile(old, os.path.join(tmp, name))
                 reused.append(name)
         todo = sorted((n for n in files if n not in reused and n != fmt.META), key=lambda n: -files[n]["size"])
-        cb.set_size(sum(files[n]["size"] for n in todo) + files[fmt.META]["size"])
+        nbytes = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
+        cb.set_size(nbytes)
         cb.absolute_update(0)
         cb.set_description(f"pulling from {url}")
         budget = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
@@ -593,7 +618,6 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     cb.set_description("pulled")
-    nbytes = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
     return TransferReport(tuple(todo) + (fmt.META,), tuple(reused), nbytes, time.perf_counter() - start)
 
 

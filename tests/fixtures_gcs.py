@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from servers import LoopbackServer, free_port
+from servers import LoopbackServer
 
 # Must be set before gcsfs is imported: otherwise every call first spends ~60 s probing a gRPC
 # control API the emulator does not have.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
-__all__ = ["GCSEmulator", "Bucket", "gcs_server", "gcs", "gcs_emulator", "short_gcsfs_retries", "free_port"]
+__all__ = ["GCSEmulator", "Bucket", "gcs_server", "gcs", "gcs_emulator", "short_gcsfs_retries"]
 
 
 def _binary() -> Path:
@@ -44,7 +44,16 @@ def _binary() -> Path:
 
 
 class GCSEmulator(LoopbackServer):
-    """One fake-gcs-server process on 127.0.0.1 that can be killed and started again on the same port."""
+    """One fake-gcs-server process on 127.0.0.1 that can be killed and started again on the same port.
+
+    Example:
+        >>> import tempfile
+        >>> emu = GCSEmulator(tempfile.mkdtemp(), backend="memory").start()
+        >>> bucket = emu.make_bucket("doctest")
+        >>> _ = bucket.fs.pipe_file("doctest/a", b"x"); bucket.fs.cat_file("doctest/a")
+        b'x'
+        >>> emu.kill()
+    """
 
     name = "fake-gcs-server"
 
@@ -91,7 +100,12 @@ class GCSEmulator(LoopbackServer):
 
 @dataclass
 class Bucket:
-    """A bucket on an emulator. ``url`` is ``gs://<name>``."""
+    """A bucket on an emulator. ``url`` is ``gs://<name>``.
+
+    Example:
+        >>> Bucket(name="b", emulator=None).url
+        'gs://b'
+    """
 
     name: str
     emulator: GCSEmulator

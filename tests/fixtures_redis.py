@@ -24,18 +24,42 @@ from pathlib import Path
 import pytest
 from servers import LoopbackServer
 
-__all__ = ["RedisServer", "redis_server", "redis_url", "redis_trio", "redis_factory", "namespace"]
+__all__ = ["RedisServer", "redis_server", "redis_url", "redis_trio", "redis_factory", "namespace", "sharded_url"]
 
 
 def namespace() -> str:
-    """A fresh cache name, so tests sharing a server never see each other's keys."""
+    """A fresh cache name, so tests sharing a server never see each other's keys.
+
+    Example:
+        >>> namespace().startswith("t-"), namespace() != namespace()
+        (True, True)
+    """
     return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def sharded_url(servers, name: str | None = None) -> str:
+    """The URL of a cache sharded over ``servers`` (in that order), database 0.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> sharded_url([SimpleNamespace(address="10.0.0.1:6379"), SimpleNamespace(address="10.0.0.2:6379")], "mnist")
+        'redis://10.0.0.1:6379,10.0.0.2:6379/0/mnist'
+    """
+    return "redis://" + ",".join(s.address for s in servers) + f"/0/{name or namespace()}"
 
 
 class RedisServer(LoopbackServer):
     """One ``redis-server`` on 127.0.0.1 that can be killed and started again on the same port.
 
     Nothing is persisted: a restart comes back empty, as a server that lost its memory does.
+
+    Example:
+        >>> import shutil, tempfile
+        >>> if shutil.which("redis-server"):  # the tests that need it are skipped without it
+        ...     with tempfile.TemporaryDirectory() as d:
+        ...         server = RedisServer(d).start()
+        ...         assert server.ready() and server.url("mnist").endswith("/0/mnist")
+        ...         server.kill()
     """
 
     name = "redis-server"

@@ -113,7 +113,7 @@ def test_epoch_equals_source_within_a_quarter_of_the_cache(source, tmp_path, gcs
     assert n_pieces <= c["fetched"] <= n_pieces * 1.1 and c["refetched"] <= n_pieces * 0.1, c
     assert ds.stats.hits == len(src) and ds.stats.misses == 0
     # Nothing was pulled whole: the local area never held more than the limit, and holds the index.
-    assert (ds.root and area_usage(ds.root)) <= limit
+    assert area_usage(ds.root) <= limit
 
 
 def test_pieces_are_evicted_and_refetched_and_a_plain_shuffle_is_still_right(source, tmp_path, gcs):

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import nbkit
-from fixtures_redis import namespace, redis_factory, redis_server, redis_trio, redis_url  # noqa: F401
+from fixtures_redis import namespace, redis_factory, redis_server, redis_trio, redis_url, sharded_url  # noqa: F401
 from sources import (CountingSource, DictSource, IrregularSource, TupleSource, VarShapeSource, assert_equal,
                      computed_counts)
 
@@ -121,7 +121,7 @@ def test_misses_in_dataloader_workers_are_stored_once(redis_url, tmp_path):
 
 def test_sharded_across_three_servers(redis_trio, tmp_path):
     name = namespace()
-    url = "redis://" + ",".join(s.address for s in redis_trio) + f"/0/{name}"
+    url = sharded_url(redis_trio, name)
     src = TupleSource(300)
     ds = nbkit.CachedDataset(src, url)
     ds.warmup()
@@ -132,7 +132,7 @@ def test_sharded_across_three_servers(redis_trio, tmp_path):
     check_all(nbkit.CachedDataset.open(url), src)
     assert ds.stats.cached == 300
     # The same servers in a list of another length are refused, not silently read from the wrong shards.
-    two = "redis://" + ",".join(s.address for s in redis_trio[:2]) + f"/0/{name}"
+    two = sharded_url(redis_trio[:2], name)
     with pytest.raises(ValueError, match="sharded over 3 server"):
         nbkit.CachedDataset.open(two)
 
@@ -294,7 +294,7 @@ def test_server_restarted_mid_epoch_recomputes_with_source(redis_factory, tmp_pa
 
 def test_one_shard_restarted_mid_epoch(redis_factory):
     servers = [redis_factory() for _ in range(3)]
-    url = "redis://" + ",".join(s.address for s in servers) + f"/0/{namespace()}"
+    url = sharded_url(servers)
     n = 600
     src = TupleSource(n)
     ds = nbkit.CachedDataset(src, url)

@@ -11,6 +11,7 @@ import nbkit
 from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
 from nbkit import format as fmt
 from nbkit import storage, transfer
+from servers import free_port
 from sources import CountingSource, TupleSource, assert_equal, computed_counts
 
 
@@ -137,8 +138,6 @@ def test_remote_without_cache_leaves_working_copy_alone(tmp_path, monkeypatch, r
 
 
 def test_unreachable_bucket_fails_at_once_naming_the_endpoint(tmp_path, monkeypatch):
-    from fixtures_gcs import free_port
-
     host(monkeypatch, tmp_path, "host-a")
     nothing_listens = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "token": "anon", "project": "test"}
     with pytest.raises(OSError, match=r"could not reach the endpoint http://127\.0\.0\.1:\d+ while looking for a "

@@ -4,16 +4,18 @@ failure cases that need a real server (killed mid-push, tampered object)."""
 import asyncio
 import json
 import os
+import uuid
 
 import pytest
 import torch
 
 import nbkit
-from fixtures_gcs import free_port, gcs, gcs_emulator, gcs_server, short_gcsfs_retries  # noqa: F401 - pytest fixtures
+from fixtures_gcs import gcs, gcs_emulator, gcs_server, short_gcsfs_retries  # noqa: F401 - pytest fixtures
 from nbkit import format as fmt
 from nbkit import transfer
 from nbkit.errors import CorruptCacheError
 from nbkit.progress import Callback
+from servers import free_port
 from sources import DictSource, TupleSource, assert_equal
 
 
@@ -40,9 +42,7 @@ def make_cache(path, src=None, warm=True):
 
 @pytest.fixture(params=["local", "memory", "gcs"])
 def remote(request, tmp_path):
-    """(url, storage_options, fs-listing function) for each backend of the shared suite."""
-    import uuid
-
+    """(url, storage_options) for each backend of the shared suite."""
     if request.param == "local":
         return str(tmp_path / "remote" / "cache"), None
     if request.param == "memory":
