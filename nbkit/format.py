@@ -37,7 +37,7 @@ except ImportError:  # Windows: no POSIX record locks; a thread lock and per-pro
 from .codec import Schema
 from .errors import CorruptCacheError, StaleCacheError
 
-__all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "CacheFiles", "list_cache_files", "read_meta"]
+__all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "Store", "CacheFiles", "list_cache_files", "read_meta"]
 
 FORMAT_NAME = "nbkit-cache"
 VERSION = 1
@@ -166,18 +166,59 @@ def _preallocate(fd: int, path: str, actual: int, size: int) -> None:
             raise
 
 
-class CacheFiles:
+def row_crc(rows, blob: bytes = b"") -> int:
+    """CRC-32 of one sample: its column rows in order, then its heap blob (see :func:`batch_crc`)."""
+    c = 0
+    for r in rows:
+        c = zlib.crc32(r, c)
+    if blob:
+        c = zlib.crc32(blob, c)
+    return c
+
+
+class Store:
+    """What every sample store (local files, Redis, read-through) derives from the cache metadata:
+    its length and schema, and, under a byte budget, which samples have a row (their slot).
+
+    Example:
+        >>> int(Store({"length": 4, "schema": None, "capacity": 2}, writable=False).admitted(np.arange(4)).sum())
+        2
+    """
+
+    row_crc = staticmethod(row_crc)
+
+    def __init__(self, meta: dict, *, writable: bool):
+        self.meta = meta
+        self.writable = writable
+        self.length = int(meta["length"])
+        self.schema = Schema.from_json(meta["schema"])
+        # A byte budget (``max_bytes``) gives the columns fewer rows than samples: only the admitted
+        # samples have a row (their slot); the others are always computed from the source.
+        self.capacity = self.length if meta.get("capacity") is None else int(meta["capacity"])
+        self.slot_of = None
+        if self.capacity < self.length:
+            self.slot_of = admission_slots(self.length, self.capacity, int(meta.get("admit_seed", 0)))
+
+    @property
+    def n_columns(self) -> int:
+        return len(self.schema.columns)
+
+    def admitted(self, idx: np.ndarray) -> np.ndarray:
+        """Which of ``idx`` may be stored (all, unless a byte budget limits the cache)."""
+        if self.slot_of is None:
+            return np.ones(len(idx), dtype=bool)
+        return self.slot_of[idx] >= 0
+
+
+class CacheFiles(Store):
     """The memory-mapped files of one cache directory, opened in one process.
 
     Not shared between processes: each process (DataLoader worker, TPU process) opens its own.
     """
 
     def __init__(self, root: str, meta: dict, *, writable: bool):
+        super().__init__(meta, writable=writable)
         self.root = root
-        self.meta = meta
-        self.writable = writable
-        self.length = int(meta["length"])
-        self.schema = Schema.from_json(meta["schema"])
         self._fds = []
         mm, fd = _map(os.path.join(root, INDEX), self.length * RECORD.itemsize, writable)
         self._fds.append(fd)
@@ -191,12 +232,6 @@ class CacheFiles:
         self.crc = self.records["crc"]
         self.off = self.records["off"]
         self.len = self.records["len"]
-        # A byte budget (``max_bytes``) gives the columns fewer rows than samples: only the admitted
-        # samples have a row (their slot); the others are always computed from the source.
-        self.capacity = self.length if meta.get("capacity") is None else int(meta["capacity"])
-        self.slot_of = None
-        if self.capacity < self.length:
-            self.slot_of = admission_slots(self.length, self.capacity, int(meta.get("admit_seed", 0)))
         self.columns = []
         self.column_fds = []
         for leaf, spec in zip(self.schema.columns, meta["columns"]):
@@ -215,12 +250,6 @@ class CacheFiles:
 
     # -- the store interface the engine uses --------------------------------------------------
 
-    def admitted(self, idx: np.ndarray) -> np.ndarray:
-        """Which of ``idx`` may be stored (all, unless a byte budget limits the cache)."""
-        if self.slot_of is None:
-            return np.ones(len(idx), dtype=bool)
-        return self.slot_of[idx] >= 0
-
     def is_stored(self, idx: np.ndarray) -> np.ndarray:
         return self.state[idx] == STORED
 
@@ -229,10 +258,6 @@ class CacheFiles:
 
     def crc_of(self, idx: np.ndarray) -> np.ndarray:
         return self.crc[idx]
-
-    @property
-    def n_columns(self) -> int:
-        return len(self.columns)
 
     def stored_count(self) -> int:
         return int(np.count_nonzero(self.state == STORED))
@@ -345,18 +370,6 @@ class CacheFiles:
             written = 0
             while written < len(data):
                 written += os.pwrite(fd, data[written:], offset + written)
-
-    # -- checksums ----------------------------------------------------------------------------
-
-    @staticmethod
-    def row_crc(rows, blob: bytes = b"") -> int:
-        """CRC-32 of one sample: its column rows in order, then its heap blob."""
-        c = 0
-        for r in rows:
-            c = zlib.crc32(r, c)
-        if blob:
-            c = zlib.crc32(blob, c)
-        return c
 
     def data_bytes(self) -> int:
         """Bytes of sample data stored so far (column rows of stored samples, plus the heap)."""

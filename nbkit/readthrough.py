@@ -428,7 +428,7 @@ def area_usage(root: str) -> int:
 # -- the store -----------------------------------------------------------------------------------
 
 
-class ReadThroughStore:
+class ReadThroughStore(fmt.Store):
     """The sample store of a read-through cache in one process (the engine's store protocol).
 
     Also: :meth:`prefetch` (fetch ahead in a background thread), :meth:`local_bytes`, and
@@ -440,22 +440,16 @@ class ReadThroughStore:
         True
     """
 
-    row_crc = staticmethod(fmt.CacheFiles.row_crc)
-
     def __init__(self, location: ReadThroughLocation, meta: dict, manifest: dict, *, writable: bool):
+        super().__init__(meta, writable=writable)
         self.url = location.url
         self.root = location.root
         self.limit = location.local_max_bytes
-        self.meta = meta
-        self.writable = writable
-        self.length = int(meta["length"])
-        self.schema = Schema.from_json(meta["schema"])
         self.geometry = Geometry.of(meta, manifest, self.limit, location.piece_bytes, self.url)
         self._fs_args = (location.url, location.storage_options)
         self._fs_obj = None
         self._rroot = None
         g = self.geometry
-        self.capacity = g.capacity
         fd = os.open(os.path.join(self.root, fmt.INDEX), os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -468,10 +462,8 @@ class ReadThroughStore:
         records = np.frombuffer(self._index_map, dtype=fmt.RECORD) if size else np.zeros(0, fmt.RECORD)
         self._stored = records["state"] == fmt.STORED
         self._flags, self._crc, self._off, self._len = records["flags"], records["crc"], records["off"], records["len"]
-        self.slot_of = None
         self._sample_of_slot = None
-        if self.capacity < self.length:
-            self.slot_of = fmt.admission_slots(self.length, self.capacity, int(meta.get("admit_seed", 0)))
+        if self.slot_of is not None:
             self._sample_of_slot = np.empty(self.capacity, np.int64)
             admitted = np.flatnonzero(self.slot_of >= 0)
             self._sample_of_slot[self.slot_of[admitted]] = admitted
@@ -496,10 +488,6 @@ class ReadThroughStore:
 
     # -- facts -----------------------------------------------------------------------------------
 
-    @property
-    def n_columns(self) -> int:
-        return len(self._leaves)
-
     def _in_overlay(self, idx: np.ndarray) -> np.ndarray:
         if not self._overlay:
             return np.zeros(len(idx), dtype=bool)
@@ -507,7 +495,7 @@ class ReadThroughStore:
 
     def admitted(self, idx: np.ndarray) -> np.ndarray:
         """With a source, only samples the remote cache holds: the others are computed on every read."""
-        ok = np.ones(len(idx), dtype=bool) if self.slot_of is None else self.slot_of[idx] >= 0
+        ok = super().admitted(idx)
         if self.writable:
             ok &= self._stored[idx] | self._in_overlay(idx)
         return ok

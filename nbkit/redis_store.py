@@ -50,7 +50,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import format as fmt
-from .codec import Schema
 from .errors import CorruptCacheError, MissingSampleError
 from .storage import Location
 
@@ -421,7 +420,7 @@ def _is_oom(e: Exception) -> bool:
     return isinstance(e, oom) or "OOM" in str(e) or "maxmemory" in str(e)
 
 
-class RedisStore:
+class RedisStore(fmt.Store):
     """The samples of one cache in Redis, for one process (see ``docs/DESIGN.md``, "Store protocol").
 
     Reads of a batch fetch every sample of it with one ``MGET`` per server and keep the values until
@@ -436,18 +435,9 @@ class RedisStore:
         True
     """
 
-    row_crc = staticmethod(fmt.CacheFiles.row_crc)
-
     def __init__(self, location: RedisLocation, meta: dict, *, writable: bool):
+        super().__init__(meta, writable=writable)
         self.location = location
-        self.meta = meta
-        self.writable = writable
-        self.length = int(meta["length"])
-        self.schema = Schema.from_json(meta["schema"])
-        self.capacity = self.length if meta.get("capacity") is None else int(meta["capacity"])
-        self.slot_of = None
-        if self.capacity < self.length:
-            self.slot_of = fmt.admission_slots(self.length, self.capacity, int(meta.get("admit_seed", 0)))
         self._clients = location.clients()
         self._n = len(self._clients)
         base = location.tag_prefix(meta)
@@ -469,17 +459,6 @@ class RedisStore:
         self._full_until = [0.0] * self._n
         self.not_stored = 0
         self._warned = False
-
-    # -- facts -----------------------------------------------------------------------------------------
-
-    @property
-    def n_columns(self) -> int:
-        return len(self._cols)
-
-    def admitted(self, idx: np.ndarray) -> np.ndarray:
-        if self.slot_of is None:
-            return np.ones(len(idx), dtype=bool)
-        return self.slot_of[idx] >= 0
 
     # -- reads -------------------------------------------------------------------------------------------
 
