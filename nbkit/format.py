@@ -77,21 +77,34 @@ def read_meta(root: str) -> dict:
             f"no nbkit cache at {root} (it has no {META}). Create one with nbkit.CachedDataset(source, "
             f"{root!r}), or bring one in with nbkit.pull(...) or nbkit.import_tar(...)."
         ) from None
+    return parse_meta(raw, path, "Re-create or re-import the cache.")
+
+
+def parse_meta(raw: bytes, where: str, fix: str) -> dict:
+    """Parse and check cache metadata read from ``where``; damage raises
+    :class:`CorruptCacheError` ending with ``fix`` (what to do, which depends on where it lives).
+
+    Example:
+        >>> parse_meta(b'{"format": "nbkit-cache", "version": 1, "length": 3, "schema": null,'
+        ...            b' "columns": [], "fingerprint": {}}', "nbkit.json", "")["length"]
+        3
+    """
     try:
         meta = json.loads(raw)
     except ValueError as e:
-        raise CorruptCacheError(f"{path} is not valid JSON ({e}); the cache metadata is damaged. Re-create or re-import the cache.") from e
+        raise CorruptCacheError(f"{where} is not valid JSON ({e}); the cache metadata is damaged. {fix}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CorruptCacheError(f"{path} is not nbkit cache metadata (format field is {meta.get('format') if isinstance(meta, dict) else None!r})")
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CorruptCacheError(f"{where} is not nbkit cache metadata (format field is {found!r}). {fix}")
     version = meta.get("version")
     if not isinstance(version, int) or version > VERSION:
         raise CorruptCacheError(
-            f"{path} has format version {version!r}; this nbkit reads version {VERSION}. Upgrade nbkit "
+            f"{where} has format version {version!r}; this nbkit reads version {VERSION}. Upgrade nbkit "
             "(pip install -U nbkit) to open it."
         )
     for key in ("length", "schema", "columns", "fingerprint"):
         if key not in meta:
-            raise CorruptCacheError(f"{path} lacks the field {key!r}; the cache metadata is damaged.")
+            raise CorruptCacheError(f"{where} lacks the field {key!r}; the cache metadata is damaged. {fix}")
     return meta
 
 

@@ -157,7 +157,7 @@ class ReadThroughLocation(Location):
                                         "and read-through needs the manifest. Push the cache with nbkit.push.")
             files = manifest["files"]
             _check_entry(self.url, fmt.META, files, meta_raw)
-            meta = _parse_meta(meta_raw, f"{self.url}/{fmt.META}")
+            meta = fmt.parse_meta(meta_raw, f"{self.url}/{fmt.META}", "Push the cache again with nbkit.push.")
             Geometry.of(  # checks now that the limit can hold the index and two pieces
                 meta, manifest, self.local_max_bytes, self.piece_bytes, self.url)
             os.makedirs(self.root, exist_ok=True)
@@ -202,19 +202,6 @@ def _absent(fs, url: str, rroot: str) -> str:
                     "and storage_options, or create the bucket and nbkit.push a cache there.")
     return (f"{url} holds no complete nbkit cache ({fmt.META} is missing): push one with nbkit.push(cache_dir, {url!r}) "
             "first, check the prefix, or wait until a push in progress has finished.")
-
-
-def _parse_meta(raw: bytes, where: str) -> dict:
-    try:
-        meta = json.loads(raw)
-    except ValueError as e:
-        raise CorruptCacheError(f"{where} is not valid JSON ({e}); push the cache again with nbkit.push") from e
-    if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT_NAME or not isinstance(meta.get("version"), int):
-        raise CorruptCacheError(f"{where} is not nbkit cache metadata; push the cache again with nbkit.push")
-    if meta["version"] > fmt.VERSION:
-        raise CorruptCacheError(f"{where} has format version {meta['version']}; this nbkit reads version {fmt.VERSION}. "
-                                "Upgrade nbkit (pip install -U nbkit).")
-    return meta
 
 
 def _check_entry(url: str, name: str, files: dict, data: bytes) -> None:

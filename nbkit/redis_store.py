@@ -332,18 +332,8 @@ class RedisLocation(Location):
             ) from e
 
     def _parse(self, raw: bytes) -> dict:
-        try:
-            meta = json.loads(raw)
-        except ValueError as e:
-            raise CorruptCacheError(
-                f"{self.meta_key} on {self.root} is not valid JSON ({e}). Pass overwrite=True to rebuild the cache.") from e
-        if not isinstance(meta, dict) or meta.get("format") != fmt.FORMAT_NAME:
-            raise CorruptCacheError(
-                f"{self.meta_key} on {self.root} is not nbkit cache metadata. Use another cache name, or overwrite=True.")
-        version = meta.get("version")
-        if not isinstance(version, int) or version > fmt.VERSION:
-            raise CorruptCacheError(f"the cache {self.root} has format version {version!r}; this nbkit reads version {fmt.VERSION}. "
-                                    "Upgrade nbkit (pip install -U nbkit) to open it.")
+        meta = fmt.parse_meta(raw, f"{self.meta_key} on {self.root}",
+                              "Use another cache name, or pass overwrite=True to rebuild the cache.")
         shards = meta.get("shards", 1)
         if shards != len(self.parsed.servers):
             raise ValueError(

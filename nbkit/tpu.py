@@ -31,6 +31,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import multiprocessing
 import os
 import pickle
@@ -101,6 +102,11 @@ class RuntimeInfo:
         pjrt_device: the current ``PJRT_DEVICE``, if set.
         runtime_initialized: this process already started the XLA runtime (spawning will fail).
         warnings: known-bad states, each naming its fix.
+
+    Example:
+        >>> info = describe(environ={"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_SKIP_MDS_QUERY": "1"}, root="/nonexistent")
+        >>> info.kind, info.accelerator, info.is_tpu
+        ('tpu-vm', 'v5litepod-1', True)
     """
 
     kind: str
@@ -191,7 +197,7 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
         kind, accelerator, count = "cpu", None, None
 
     torch_version = torch.__version__
-    xla_version = _dist_version("torch_xla") or _dist_version("torch-xla")
+    xla_version = _dist_version("torch_xla")  # importlib.metadata normalises "-" and "_"
     libtpu_version = _libtpu_version(env)
     mismatch = _version_mismatch(torch_version, xla_version)
     if mismatch:
@@ -270,10 +276,7 @@ def _chips_from_env(env: Mapping[str, str]) -> Optional[int]:
     if not bounds:
         return None
     try:
-        count = 1
-        for d in bounds.split(","):
-            count *= int(d)
-        return count
+        return math.prod(int(d) for d in bounds.split(","))
     except ValueError:
         return None
 
@@ -382,6 +385,11 @@ class SetupReport:
         device_type: what PJRT ran on (``"TPU"`` / ``"CPU"``), or ``None`` if not verified.
         verified: ``True`` / ``False``, or ``None`` when skipped (``dry_run``).
         messages: what happened, in order, for a person to read.
+
+    Example:
+        >>> report = setup(dry_run=True, environ={}, root="/nonexistent")
+        >>> report.info.kind, report.env, report.verified
+        ('cpu', {'PJRT_DEVICE': 'CPU'}, None)
     """
 
     info: RuntimeInfo
@@ -498,9 +506,9 @@ def setup(
         _run_pip(pip_command)
         importlib.invalidate_caches()
         report.installed = True
-        report.missing = missing = tuple(r for r in requirements if not _satisfied(r, env))
+        report.missing = tuple(r for r in requirements if not _satisfied(r, env))
         messages.append(f"installed: {' '.join(requirements)}")
-        if any(r.startswith(("torch_xla", "torch==")) for r in report.requirements) and "torch_xla" in sys.modules:
+        if "torch_xla" in sys.modules:  # requirements always hold torch_xla, so it may have changed
             messages.append("torch_xla was already imported in this process: restart the runtime to use the new one")
     else:
         messages.append(f"missing: {' '.join(missing)}; install with setup(install=True) or: {_pip_display(pip_command[4:])}")

@@ -57,19 +57,30 @@ def _in_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-def _display_widget(widget) -> None:
-    from IPython.display import display
+class _View:
+    """What both views share: a widget in a kernel, one line of text (``text()``) anywhere else."""
 
-    display(widget)
+    def _ipython_display_(self):
+        if self._terminal:
+            print(self.text())
+        else:
+            from IPython.display import display
+
+            display(self.widget)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.text()})"
 
 
 def _fmt_bytes(n) -> str:
     n = float(n or 0)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in ("KB", "MB", "GB"):
         n /= 1000
-    return f"{n:.1f} TB"  # unreachable; keeps type checkers calm
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} TB"
 
 
 def _fmt_amount(n, unit: str) -> str:
@@ -86,7 +97,12 @@ def _status_html(text: str, color: str = _GREY, *, bold: bool = False) -> str:
 
 
 class PanelState(str, enum.Enum):
-    """What a :class:`WarmupPanel` is doing, shown in its status line."""
+    """What a :class:`WarmupPanel` is doing, shown in its status line.
+
+    Example:
+        >>> PanelState("done") is PanelState.DONE, PanelState.RUNNING.value
+        (True, 'running')
+    """
 
     READY = "ready"  # nothing running; the cache may be partly filled
     RUNNING = "running"  # a warmup, export or upload runs in the background
@@ -149,7 +165,7 @@ class _PanelProgress(Callback):
             self._text.close()
 
 
-class WarmupPanel:
+class WarmupPanel(_View):
     """A click-through panel for one cache: warm it up, stop, resume, export a tar, upload.
 
     Warm up runs ``ds.warmup`` in a background thread, so the notebook stays usable; **Stop** asks
@@ -245,7 +261,7 @@ class WarmupPanel:
 
     def warmup(self) -> None:
         """Start (or resume) filling the cache in the background; same as clicking **Warm up**."""
-        reason = self._warmup_unavailable()
+        reason = self._warmup_unavailable(self.ds.stats)
         if reason:
             self._set_status(reason, _GREY)
             return
@@ -319,12 +335,6 @@ class WarmupPanel:
 
     # -- display --------------------------------------------------------------------------------
 
-    def _ipython_display_(self):
-        if self._terminal:
-            print(self.text())
-        else:
-            _display_widget(self.widget)
-
     def text(self) -> str:
         """The panel as one line of text (what a terminal shows)."""
         if self.state in (PanelState.RUNNING, PanelState.STOPPING):
@@ -338,18 +348,15 @@ class WarmupPanel:
         """The status line without markup."""
         return html.unescape(re.sub(r"<[^>]+>", "", self.status.value))
 
-    def __repr__(self):
-        return f"WarmupPanel({self.text()})"
-
     # -- internals --------------------------------------------------------------------------------
 
-    def _warmup_unavailable(self) -> str:
+    def _warmup_unavailable(self, stats) -> str:
         if self.ds.source is None:
             return (
                 "Warm up is off: this cache was opened without its source dataset. "
                 "To fill it, build it with nbkit.CachedDataset(source, path)."
             )
-        if self.ds.stats.complete:
+        if stats.complete:
             return "Nothing to warm up: every sample is already cached."
         return ""
 
@@ -364,25 +371,20 @@ class WarmupPanel:
         )
 
     def _show_cache_state(self) -> None:
+        """The panel before its first operation: how full the cache is and what Warm up would do."""
         stats = self.ds.stats
-        self._show_title(stats)
-        total = max(int(stats.total), 0)
+        self._finish_buttons(stats)
+        total = int(stats.total)
         self.progress.value = (stats.cached / total) if total else 1.0
+        self.progress.bar_style = "success" if stats.complete else ""
         self.percent_label.value = f"{100.0 * self.progress.value:.0f}%"
         self.done_label.value = f"{int(stats.cached):,}/{total:,} samples"
-        self.bytes_label.value = f"{_fmt_bytes(stats.bytes)} stored"
-        if self.state not in (PanelState.RUNNING, PanelState.STOPPING):
-            self.progress.bar_style = "success" if stats.complete else ""
-        unavailable = self._warmup_unavailable()
-        self.warmup_button.disabled = bool(unavailable) or self.running
-        self.warmup_button.tooltip = unavailable
-        if self.state is PanelState.READY:
-            if stats.complete:
-                self._set_status(f"Cache complete: {total:,} samples, {_fmt_bytes(stats.bytes)} stored.", _GREEN, bold=True)
-            elif self.ds.source is None:
-                self._set_status(unavailable + f" {total - int(stats.cached):,} samples are missing.", _GREY)
-            else:
-                self._set_status(f"Ready: {total - int(stats.cached):,} of {total:,} samples to compute. Click Warm up.")
+        if stats.complete:
+            self._set_status(f"Cache complete: {total:,} samples, {_fmt_bytes(stats.bytes)} stored.", _GREEN, bold=True)
+        elif self.ds.source is None:
+            self._set_status(self._warmup_unavailable(stats) + f" {total - int(stats.cached):,} samples are missing.", _GREY)
+        else:
+            self._set_status(f"Ready: {total - int(stats.cached):,} of {total:,} samples to compute. Click Warm up.")
 
     def _start(self, name: str, unit: str, fn, *, done=None) -> None:
         with self._lock:
@@ -425,8 +427,8 @@ class WarmupPanel:
         stopped = bool(getattr(report, "stopped", False)) or (cb.stop_requested and not cb.finished())
         self.state = PanelState.STOPPED if stopped else PanelState.DONE
         self._render_progress(cb)
-        self._finish_buttons()
         stats = self.ds.stats
+        self._finish_buttons(stats)
         if cb.label == "warmup":
             if stopped:
                 self.progress.bar_style = "warning"
@@ -457,19 +459,19 @@ class WarmupPanel:
             self.last_error = error
             self.state = PanelState.ERROR
             self.progress.bar_style = "danger"
-            self._finish_buttons()
+            self._finish_buttons(self.ds.stats)
             self._set_status(f"Error: {type(error).__name__}: {error}", _RED, bold=True)
         if self._terminal:
             print(self.text(), file=sys.stderr, flush=True)
 
-    def _finish_buttons(self) -> None:
+    def _finish_buttons(self, stats) -> None:
+        """Buttons, stored bytes and title for a panel with nothing running."""
         self.stop_button.disabled = True
         self.export_button.disabled = False
         self.upload_button.disabled = False
-        unavailable = self._warmup_unavailable()
+        unavailable = self._warmup_unavailable(stats)
         self.warmup_button.disabled = bool(unavailable)
         self.warmup_button.tooltip = unavailable
-        stats = self.ds.stats
         self.bytes_label.value = f"{_fmt_bytes(stats.bytes)} stored"
         self._show_title(stats)
 
@@ -509,6 +511,11 @@ class EpochStats:
         hits: samples served from the cache.
         misses: samples computed from the source (and stored).
         seconds: wall time of the epoch so far.
+
+    Example:
+        >>> e = EpochStats(epoch=2, hits=90, misses=10, seconds=0.5)
+        >>> e.reads, e.hit_rate, e.rate, e.filling
+        (100, 0.9, 200.0, True)
     """
 
     epoch: int
@@ -540,7 +547,7 @@ def _pct(x: float) -> str:
     return "–" if x != x else f"{100.0 * x:.1f}%"  # x != x: nan before the first read
 
 
-class HitRateMeter:
+class HitRateMeter(_View):
     """Live cache hit rate, this epoch and overall, while a training loop runs.
 
     It reads ``ds.stats`` (whose counters include reads done in DataLoader worker processes) at
@@ -643,21 +650,12 @@ class HitRateMeter:
     def text(self) -> str:
         """The meter as one line of text (what a terminal shows)."""
         cur, tot = self.current, self.overall()
-        budget = f"  [{self._budget}]" if getattr(self, "_budget", "") else ""
+        budget = f"  [{self._budget}]" if self._budget else ""
         return (
             f"nbkit hit rate: epoch {cur.epoch} {_pct(cur.hit_rate)} ({cur.hits:,} hits, {cur.misses:,} misses, "
             f"{cur.rate:,.0f} samples/s)  overall {_pct(tot.hit_rate)} ({tot.hits:,} hits, {tot.misses:,} misses)"
             f"{budget}"
         )
-
-    def _ipython_display_(self):
-        if self._terminal:
-            print(self.text())
-        else:
-            _display_widget(self.widget)
-
-    def __repr__(self):
-        return f"HitRateMeter({self.text()})"
 
     def _count(self, now: float) -> None:
         stats = self.ds.stats
@@ -672,7 +670,7 @@ class HitRateMeter:
         self._last_time = now
         # Under a byte budget the hit rate cannot exceed the cached fraction: say so next to it.
         self._budget = ""
-        if getattr(stats, "budgeted", False):
+        if stats.budgeted:
             self._budget = (f"budget: {stats.capacity:,} of {stats.total:,} samples cacheable "
                             f"({_pct(stats.capacity / max(stats.total, 1))} max hit rate)")
         cur = self.current
