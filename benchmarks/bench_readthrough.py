@@ -31,20 +31,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for p in (str(ROOT), str(HERE), str(ROOT / "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before gcsfs is imported (see tests/fixtures_gcs.py)
-
-import workloads  # noqa: E402
+import workloads  # noqa: E402  (first: it makes nbkit and tests/ importable)
 from fixtures_gcs import GCSEmulator  # noqa: E402
 
 MiB = 1 << 20
@@ -65,7 +58,6 @@ def run(args):
     from torch.utils.data import DataLoader, RandomSampler
 
     import nbkit
-    from nbkit import format as fmt
     from nbkit.readthrough import PrefetchSampler, area_usage, store_of
 
     work = Path(tempfile.mkdtemp(prefix="nbkit-bench-readthrough-"))
@@ -77,7 +69,7 @@ def run(args):
         n = len(src)
         local = nbkit.CachedDataset(src, work / "cache")
         local.warmup()
-        size = sum(os.path.getsize(os.path.join(local.root, f)) for f in fmt.list_cache_files(local.root))
+        size = workloads.cache_size(local.root)
         emu = GCSEmulator(work / "gcs", backend="memory").start()
         try:
             bucket = emu.make_bucket("bench")

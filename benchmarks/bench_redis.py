@@ -32,12 +32,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for p in (str(ROOT), str(HERE), str(ROOT / "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-import workloads  # noqa: E402
+import workloads  # noqa: E402  (first: it makes nbkit and tests/ importable)
 from fixtures_redis import RedisServer, sharded_url  # noqa: E402
 
 MiB = 1 << 20

@@ -34,20 +34,13 @@ import io
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for p in (str(ROOT), str(HERE), str(ROOT / "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before gcsfs is imported (see tests/fixtures_gcs.py)
-
-import workloads  # noqa: E402
+import workloads  # noqa: E402  (first: it makes nbkit and tests/ importable)
 from fixtures_gcs import GCSEmulator  # noqa: E402
 
 MiB = 1 << 20
@@ -57,12 +50,6 @@ def timed(fn):
     t = time.perf_counter()
     out = fn()
     return time.perf_counter() - t, out
-
-
-def cache_size(root):
-    from nbkit import format as fmt
-
-    return sum(os.path.getsize(os.path.join(root, n)) for n in fmt.list_cache_files(root))
 
 
 def build_cache(args, work):
@@ -99,7 +86,7 @@ def run(args):
     try:
         ds, src = build_cache(args, work)
         n = len(ds)
-        size = cache_size(ds.root)
+        size = workloads.cache_size(ds.root)
         emu = GCSEmulator(work / "gcs", backend="memory").start()
         try:
             bucket = emu.make_bucket("bench")

@@ -29,8 +29,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the benchmarks run from a checkout, nbkit need not be installed
-    sys.path.insert(0, str(ROOT))
+# The benchmarks run from a checkout: nbkit need not be installed, and the server fixtures in tests/
+# (GCS emulator, redis-server) are importable by every benchmark that imports this module first.
+for _p in (str(ROOT), str(ROOT / "tests")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 __all__ = ["DEFAULT_DATA_DIR", "WORKLOADS", "Workload", "build", "describe", "source"]
 
@@ -149,6 +152,13 @@ def _write_jpegs(folder: Path, n: int, seed: int) -> None:
         tmp = path.with_name(path.name + ".tmp")
         img.save(tmp, format="JPEG", quality=90)
         os.replace(tmp, path)
+
+
+def cache_size(root) -> int:
+    """Bytes of the files of the nbkit cache at ``root`` (what a copy of it moves)."""
+    from nbkit import format as fmt
+
+    return sum(os.path.getsize(os.path.join(root, n)) for n in fmt.list_cache_files(root))
 
 
 def describe(workload: Workload) -> dict:
