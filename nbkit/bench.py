@@ -55,6 +55,11 @@ class EpochRow:
         samples: samples loaded in the epoch.
         hit_rate: fraction of samples served from the cache (``None`` for the raw dataset).
         filling: ``True`` when the epoch had cache misses, i.e. it computed and stored samples.
+
+    Example:
+        >>> row = EpochRow("cached", 1, seconds=0.5, samples=1000, hit_rate=0.0, filling=True)
+        >>> row.samples_per_s, row.label
+        (2000.0, 'cached 1 (filling)')
     """
 
     dataset: str
@@ -437,11 +442,11 @@ def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transfor
         finally:
             socket.setdefaulttimeout(previous)
 
-    from nbkit.offline import write_mnist
+    from nbkit.offline import mnist_raw_folder, write_mnist
 
     layout = "MNIST" if name == "EMNIST" else name
     offline_root = Path(root) / f"nbkit-offline-{offline_samples}"
-    raw_dir = offline_root / layout / "raw"
+    raw_dir = mnist_raw_folder(offline_root, layout)
     expected = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                 "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
     if not all((raw_dir / f).exists() for f in expected):

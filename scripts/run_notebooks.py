@@ -78,16 +78,16 @@ def run(name: str, out_dir, parameters: dict | None = None, *, small: bool = Fal
     return output
 
 
+def _has_outputs(cell) -> bool:
+    return cell.cell_type == "code" and bool(cell.get("outputs") or cell.get("execution_count") is not None)
+
+
 def outputs_left(path) -> list[str]:
     """Cells of a notebook that still carry outputs or execution counts (should be none in git)."""
     import nbformat
 
     nb = nbformat.read(str(path), as_version=4)
-    return [
-        f"{Path(path).name}: cell {i}"
-        for i, cell in enumerate(nb.cells)
-        if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)
-    ]
+    return [f"{Path(path).name}: cell {i}" for i, cell in enumerate(nb.cells) if _has_outputs(cell)]
 
 
 def strip(path) -> bool:
@@ -97,7 +97,7 @@ def strip(path) -> bool:
     nb = nbformat.read(str(path), as_version=4)
     changed = False
     for cell in nb.cells:
-        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None):
+        if _has_outputs(cell):
             cell.outputs, cell.execution_count, changed = [], None, True
     if changed:
         nbformat.write(nb, str(path))

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader
 
 import nbkit
 from nbkit.widgets import EpochStats, HitRateMeter, PanelState, WarmupPanel
+from servers import free_port
 from sources import TupleSource
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,12 +64,6 @@ def _filled(tmp_path, n=300, name="cache"):
     ds = nbkit.CachedDataset(TupleSource(n), str(tmp_path / name))
     ds.warmup()
     return ds
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- optional import --------------------------------------------------------------------------------
@@ -292,7 +286,7 @@ def test_failed_upload_to_an_unreachable_server_shows_the_error(tmp_path):
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     pytest.importorskip("nbkit.transfer", reason="nbkit.transfer (push/pull) is not in this checkout yet")
     ds = _filled(tmp_path)
-    nothing_listens = f"http://127.0.0.1:{_free_port()}"
+    nothing_listens = f"http://127.0.0.1:{free_port()}"
     panel = WarmupPanel(
         ds,
         upload_url="gs://nbkit-test/cache",
