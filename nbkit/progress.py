@@ -42,6 +42,11 @@ class Callback(_FsspecCallback):
         self.description = ""
         self.stop_requested = False
 
+    @property
+    def finished(self) -> bool:
+        """All of a known size is done."""
+        return self.size is not None and self.value >= self.size
+
     def request_stop(self) -> None:
         """Ask the running operation to stop after its current unit of work."""
         self.stop_requested = True
@@ -112,7 +117,7 @@ class TextProgress(Callback):
         if self._start_value is None:
             self._start_value = self.value
         now = time.perf_counter()
-        finished = self.size is not None and self.value >= self.size
+        finished = self.finished
         if not finished and now - self._last_print < self.min_interval:
             return
         self._last_print = now
@@ -124,7 +129,7 @@ class TextProgress(Callback):
             self._closed = True
             if self._tty:
                 print(self.line(), file=self.file, flush=True)
-            elif not (self.size is not None and self.value >= self.size):
+            elif not self.finished:
                 print(self.line(), file=self.file, flush=True)
 
 

@@ -507,8 +507,8 @@ def setup(
         importlib.invalidate_caches()
         report.installed = True
         report.missing = tuple(r for r in requirements if not _satisfied(r, env))
-        messages.append(f"installed: {' '.join(requirements)}")
-        if "torch_xla" in sys.modules:  # requirements always hold torch_xla, so it may have changed
+        messages.append(f"installed: {' '.join(missing)}")
+        if "torch_xla" in sys.modules and any(r.startswith("torch_xla") for r in missing):
             messages.append("torch_xla was already imported in this process: restart the runtime to use the new one")
     else:
         messages.append(f"missing: {' '.join(missing)}; install with setup(install=True) or: {_pip_display(pip_command[4:])}")

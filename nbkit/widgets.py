@@ -127,7 +127,7 @@ class _PanelProgress(Callback):
         self._text = None  # a TextProgress when there is no notebook front end
 
     def set_size(self, size):
-        if self.label == "warmup" and self.size is not None and self.value >= self.size:
+        if self.label == "warmup" and self.finished:
             # ds.warmup on a remote (gs://) cache goes on to publish it through the same callback,
             # counting bytes: start a new phase rather than show bytes as samples.
             self.unit, self.value, self.moved, self.first_move, self._text = "bytes", 0, 0, None, None
@@ -146,16 +146,13 @@ class _PanelProgress(Callback):
             return 0.0
         return self.moved / max(time.perf_counter() - self.first_move, 1e-9)
 
-    def finished(self) -> bool:
-        return self.size is not None and self.value >= self.size
-
     def call(self, *args, **kwargs):
         if self._text is not None:
             self._text.size, self._text.value = self.size, self.value
             self._text.description = self.description
             self._text.call()
         now = time.perf_counter()
-        if now - self._last_render < _RENDER_INTERVAL and not self.finished():
+        if now - self._last_render < _RENDER_INTERVAL and not self.finished:
             return
         self._last_render = now
         self.panel._render_progress(self)
@@ -424,7 +421,7 @@ class WarmupPanel(_View):
 
     def _show_result(self, cb: _PanelProgress, report, done) -> None:
         self.report = report
-        stopped = bool(getattr(report, "stopped", False)) or (cb.stop_requested and not cb.finished())
+        stopped = bool(getattr(report, "stopped", False)) or (cb.stop_requested and not cb.finished)
         self.state = PanelState.STOPPED if stopped else PanelState.DONE
         self._render_progress(cb)
         stats = self.ds.stats
@@ -485,7 +482,7 @@ class WarmupPanel(_View):
             self.done_label.value = f"{_fmt_amount(value, unit)} {'' if unit == 'bytes' else unit}".rstrip()
         rate = cb.rate()
         self.rate_label.value = _fmt_rate(rate, unit) if rate else f"0 {unit}/s"
-        if cb.finished():
+        if cb.finished:
             self.eta_label.value = f"took {format_seconds(time.perf_counter() - cb.started)}"
         elif size and rate > 0:
             self.eta_label.value = f"ETA {format_seconds((size - value) / rate)}"
