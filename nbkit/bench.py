@@ -442,14 +442,11 @@ def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transfor
         finally:
             socket.setdefaulttimeout(previous)
 
-    from nbkit.offline import mnist_raw_folder, write_mnist
+    from nbkit.offline import has_mnist, write_mnist
 
     layout = "MNIST" if name == "EMNIST" else name
     offline_root = Path(root) / f"nbkit-offline-{offline_samples}"
-    raw_dir = mnist_raw_folder(offline_root, layout)
-    expected = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-    if not all((raw_dir / f).exists() for f in expected):
+    if not has_mnist(offline_root, layout):
         write_mnist(offline_root, name=layout, n_train=offline_samples,
                     n_test=max(1, offline_samples // 6))
     ds = getattr(datasets, layout)(offline_root, download=False, train=train, transform=transform)

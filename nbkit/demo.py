@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import nbkit
-from nbkit.offline import write_mnist
+from nbkit.offline import has_mnist, write_mnist
 from nbkit.progress import TextProgress
 
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     print(f"nbkit demo: torch {torch.__version__}, {args.samples} MNIST-format samples, workdir {args.workdir}")
     data_root = os.path.join(args.workdir, "data")
     cache_path = os.path.join(args.workdir, "cache")
-    if not os.path.exists(os.path.join(data_root, "MNIST", "raw", "train-labels-idx1-ubyte")):
+    if not has_mnist(data_root):
         print("writing offline MNIST-format files (no download needed) ...")
         write_mnist(data_root, n_train=max(args.samples, 1000), n_test=1000)
     transform = T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))])

@@ -23,7 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write_mnist", "mnist_raw_folder"]
+__all__ = ["write_mnist", "mnist_raw_folder", "has_mnist"]
+
+#: The IDX files torchvision's MNIST-style classes read from ``<root>/<folder>/raw``.
+FILES = tuple(f"{split}-{kind}" for split in ("train", "t10k") for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
 
 # torchvision looks for raw files under root/<folder>/raw; EMNIST uses a split-specific naming
 # scheme of its own, which we do not emulate.
@@ -35,6 +38,19 @@ def mnist_raw_folder(root, name: str = "MNIST") -> Path:
     if name not in _FOLDERS:
         raise ValueError(f"no offline layout for {name!r}; choose one of {sorted(_FOLDERS)}")
     return Path(root) / _FOLDERS[name] / "raw"
+
+
+def has_mnist(root, name: str = "MNIST") -> bool:
+    """Whether ``root`` already holds the raw files of ``name`` (written by :func:`write_mnist` or torchvision).
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> has_mnist(root), (write_mnist(root, n_train=10, n_test=2) and has_mnist(root))
+        (False, True)
+    """
+    raw = mnist_raw_folder(root, name)
+    return all((raw / f).exists() for f in FILES)
 
 
 def _class_templates(rng: np.random.Generator, n_classes: int = 10) -> np.ndarray:
