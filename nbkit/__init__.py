@@ -12,6 +12,7 @@ Example:
 
 from .collate import collate
 from .dataset import CachedDataset
+from .loader import DeviceLoader
 from .errors import (CorruptCacheError, MissingSampleError, NondeterministicSourceError, StaleCacheError,
                      UnsafeArchiveError)
 from .progress import Callback, TextProgress
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CachedDataset",
+    "DeviceLoader",
     "collate",
     "Callback",
     "TextProgress",

@@ -19,19 +19,25 @@ Example:
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import default_collate, get_worker_info
 
 from .codec import array_to_leaf, batch_leaf_values, unflatten_columns
 
-__all__ = ["SampleBatch", "collate"]
+__all__ = ["SampleBatch", "DeferredBatch", "BatchHandle", "collate", "collate_columns"]
 
 
 class SampleBatch(Sequence):
     """The samples of one batch, stored column-wise.
+
+    Indexing or iterating gives each sample as a :class:`TupleRow`, :class:`ListRow` or
+    :class:`DictRow`: a plain tuple, list or dict subclass that ``default_collate`` recognises, so
+    it collates the batch in one step from its columns.
 
     Attributes:
         indices: the dataset indices, in batch order.
@@ -66,32 +72,52 @@ class SampleBatch(Sequence):
         return self._samples
 
     def __getitem__(self, j):
-        return self.samples()[j]
+        if self._samples is None and not isinstance(j, slice):
+            # default_collate looks at batch[0] only, to pick how to collate: build that one sample
+            # (as a row type registered with default_collate, which then collates the columns).
+            j = range(len(self))[j]
+            one = SampleBatch(self._schema, self.indices[j:j + 1], [c[j:j + 1] for c in self._columns],
+                              None if self._var_values is None else [v[j:j + 1] for v in self._var_values])
+            return as_row(one.samples()[0])
+        if isinstance(j, slice):
+            return [as_row(s) for s in self.samples()[j]]
+        return as_row(self.samples()[j])
 
     def __iter__(self):
-        return iter(self.samples())
+        return map(as_row, self.samples())
 
     def __repr__(self) -> str:
         return f"SampleBatch({len(self)} samples)"
 
     def collate(self):
         """The collated batch, as ``default_collate`` would build it, without per-sample objects."""
-        n = len(self.indices)
-        leaf_batches, var_iter = [], iter(self._var_values or ())
-        for leaf in self._schema.leaves:
-            if leaf.store == "col":
-                col = self._columns[leaf.column]
-                if col.dtype.kind in "SU":  # fixed-width numpy strings: default_collate decides
-                    leaf_batches.append(default_collate(list(col)))
-                else:
-                    leaf_batches.append(array_to_leaf("tensor", leaf.dtype, col) if leaf.kind == "tensor"
-                                        else torch.from_numpy(col))
-            elif leaf.store == "var":
-                values = next(var_iter)
-                leaf_batches.append(values if leaf.kind in ("str", "bytes") else default_collate(values))
+        return collate_columns(self._schema, self._columns, self._var_values, len(self.indices))
+
+
+def column_tensor(leaf, col):
+    """One gathered column as the tensor ``default_collate`` would stack for ``leaf``."""
+    return array_to_leaf("tensor", leaf.dtype, col) if leaf.kind == "tensor" else torch.from_numpy(col)
+
+
+def collate_columns(schema, columns: list, var_values: list | None, n: int):
+    """The collated batch of ``n`` samples from their gathered columns (numpy arrays, or tensors
+    already in place, e.g. pinned buffers) and var-leaf values, in ``default_collate``'s structure."""
+    leaf_batches, var_iter = [], iter(var_values or ())
+    for leaf in schema.leaves:
+        if leaf.store == "col":
+            col = columns[leaf.column]
+            if isinstance(col, torch.Tensor):
+                leaf_batches.append(col)
+            elif col.dtype.kind in "SU":  # fixed-width numpy strings: default_collate decides
+                leaf_batches.append(default_collate(list(col)))
             else:
-                leaf_batches.append([None] * n)
-        return _rebuild(self._schema.structure, iter(leaf_batches))
+                leaf_batches.append(column_tensor(leaf, col))
+        elif leaf.store == "var":
+            values = next(var_iter)
+            leaf_batches.append(values if leaf.kind in ("str", "bytes") else default_collate(values))
+        else:
+            leaf_batches.append([None] * n)
+    return _rebuild(schema.structure, iter(leaf_batches))
 
 
 def _rebuild(structure, it, in_sequence: bool = False):
@@ -103,6 +129,132 @@ def _rebuild(structure, it, in_sequence: bool = False):
     if structure[0] == "D":
         return {k: _rebuild(s, it) for k, s in zip(structure[1], structure[2])}
     return [_rebuild(s, it, True) for s in structure[1]]
+
+
+class DeferredBatch(SampleBatch):
+    """A batch whose samples are all stored, gathered only when someone looks at them.
+
+    In a DataLoader worker, collating it returns a small :class:`BatchHandle` instead of the
+    batch's bytes: the handle crosses the process boundary and the main process gathers the rows
+    from the same memory-mapped files, so workers never copy sample data through shared memory.
+
+    Args:
+        schema: the cache's schema.
+        indices: dataset indices, in batch order.
+        read: ``read(idx)`` returns the stored samples ``idx`` as a :class:`SampleBatch` or a list.
+        handle: what ``collate`` returns in the worker process that made this batch.
+    """
+
+    def __init__(self, schema, indices: np.ndarray, read, handle: "BatchHandle"):
+        super().__init__(schema, indices, None, None)
+        self._read = read
+        self._handle = handle
+        self._pid = os.getpid()
+        self._real = None
+
+    def _resolved(self):
+        if self._real is None:
+            self._real = self._read(self.indices)
+        return self._real
+
+    def samples(self) -> list:
+        real = self._resolved()
+        return real.samples() if isinstance(real, SampleBatch) else list(real)
+
+    def __getitem__(self, j):
+        if self._real is None and not isinstance(j, slice):
+            j = range(len(self))[j]
+            return self._read(self.indices[j:j + 1])[0]
+        return self._resolved()[j]
+
+    def __iter__(self):
+        return iter(self._resolved())
+
+    def collate(self):
+        if self._real is None and os.getpid() == self._pid and get_worker_info() is not None:
+            return self._handle
+        return collate(self._resolved())
+
+
+class BatchHandle:
+    """A batch in flight from a DataLoader worker: the dataset's token and the indices. Unpickled
+    in the receiving process, it turns into the collated batch, gathered there."""
+
+    __slots__ = ("token", "indices")
+
+    def __init__(self, token: str, indices: np.ndarray):
+        self.token = token
+        self.indices = indices
+
+    def __reduce__(self):
+        return gather_on_arrival, (self.token, self.indices)
+
+    def __repr__(self) -> str:
+        return f"BatchHandle({len(self.indices)} samples)"
+
+
+_gatherers: dict = {}
+
+
+def register_gatherer(token: str, method) -> None:
+    """Let batch handles carrying ``token`` be gathered by ``method(indices)`` in this process
+    (held weakly: a dataset that is gone unregisters itself)."""
+    _gatherers[token] = weakref.WeakMethod(method, lambda _ref, token=token: _gatherers.pop(token, None))
+
+
+def gather_on_arrival(token: str, indices):
+    """Unpickling a :class:`BatchHandle`: gather its batch from this process's dataset."""
+    ref = _gatherers.get(token)
+    fn = ref() if ref is not None else None
+    if fn is None:
+        raise RuntimeError(
+            "nbkit: a DataLoader worker sent a batch of a CachedDataset that this process does not hold. "
+            "Iterate the DataLoader in the process that created it, or pass collate_fn=None-safe settings "
+            "such as num_workers=0."
+        )
+    return fn(np.asarray(indices))
+
+
+# default_collate picks its method by the type of batch[0]. A SampleBatch hands out its samples as
+# these plain-container subclasses, registered below, so default_collate passes the whole batch to
+# SampleBatch.collate (one step, as nbkit.collate) instead of stacking sample by sample.
+class TupleRow(tuple):
+    __slots__ = ()
+
+
+class ListRow(list):
+    __slots__ = ()
+
+
+class DictRow(dict):
+    __slots__ = ()
+
+
+_ROWS = {tuple: TupleRow, list: ListRow, dict: DictRow}
+
+
+def as_row(sample):
+    row = _ROWS.get(type(sample))
+    return sample if row is None else row(sample)
+
+
+def _collate_rows(batch, *, collate_fn_map=None):
+    if isinstance(batch, SampleBatch):
+        return batch.collate()
+    plain = [type(s).__mro__[1](s) if type(s) in _ROW_TYPES else s for s in batch]
+    return _torch_collate(plain, collate_fn_map=collate_fn_map)
+
+
+_ROW_TYPES = frozenset(_ROWS.values())
+try:
+    from torch.utils.data._utils.collate import collate as _torch_collate
+    from torch.utils.data._utils.collate import default_collate_fn_map
+except ImportError:  # torch < 1.13: default_collate then stacks sample by sample, still correct
+    pass
+else:
+    # torch documents extending default_collate this way (see torch.utils.data.default_collate).
+    for _row in _ROW_TYPES:
+        default_collate_fn_map[_row] = _collate_rows
 
 
 class TensorBatch(list):
@@ -122,6 +274,8 @@ def collate(batch):
     """
     if isinstance(batch, SampleBatch):
         return batch.collate()
+    if isinstance(batch, BatchHandle):
+        return batch
     if isinstance(batch, TensorBatch):
         return batch.stacked
     return default_collate(batch)

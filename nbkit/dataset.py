@@ -21,15 +21,16 @@ Example:
 from __future__ import annotations
 
 import os
+import uuid
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from . import format as fmt
 from . import storage
 from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
-from .collate import SampleBatch, TensorBatch
+from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
 from .fingerprint import fingerprint
 from .stats import SharedCounters, Stats
@@ -85,6 +86,8 @@ class CachedDataset(Dataset):
         self._files_pid = None
         self._counters = SharedCounters.create()
         self._verified = None
+        self._token = uuid.uuid4().hex  # names this dataset to batch handles sent by DataLoader workers
+        register_gatherer(self._token, self._collate_stored)
 
     @classmethod
     def open(cls, path, *, transform=None, allow_pickle: bool = False, storage_options: dict | None = None,
@@ -148,6 +151,10 @@ class CachedDataset(Dataset):
         state["_verified"] = None
         return state
 
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        register_gatherer(self._token, self._collate_stored)
+
     @property
     def _files(self) -> fmt.CacheFiles:
         pid = os.getpid()
@@ -196,8 +203,79 @@ class CachedDataset(Dataset):
         return self._fetch(self._index_array([index]), single=True)
 
     def __getitems__(self, indices):
-        """Fetch a batch: one vectorised gather per fixed-shape field (used by DataLoader)."""
-        return self._fetch(self._index_array(indices), single=False)
+        """Fetch a batch: one vectorised gather per fixed-shape field (used by DataLoader).
+
+        In a DataLoader worker, a batch that is wholly stored comes back as a
+        :class:`~nbkit.collate.DeferredBatch`: collated there, it becomes a small handle, and the
+        main process gathers the rows itself from the shared memory-mapped files.
+        """
+        idx = self._index_array(indices)
+        if self.transform is None and get_worker_info() is not None and self._column_ready(idx):
+            self._counters.add(hits=len(idx))
+            return DeferredBatch(self._files.schema, idx, self._stored_batch, BatchHandle(self._token, idx))
+        return self._fetch(idx, single=False)
+
+    def _column_ready(self, idx: np.ndarray, local: bool = True) -> bool:
+        """Whether every sample of ``idx`` is stored whole in fixed-shape columns (so the batch is
+        one gather per column), in a store this host maps in memory when ``local``."""
+        f = self._files
+        schema = f.schema
+        if schema.structure is None or schema.has_var or (local and not getattr(f, "memory_mapped", False)):
+            return False
+        return bool(f.is_stored(idx).all()) and not (f.flags_of(idx) & fmt.FLAG_FREEFORM).any()
+
+    def _stored_batch(self, idx: np.ndarray):
+        """The stored samples ``idx`` as a SampleBatch (or a list), without counting them again."""
+        return self._read_stored(idx, single=False)
+
+    def _collate_stored(self, idx: np.ndarray):
+        """A worker's batch handle arriving here: gather and collate its (stored) samples."""
+        return collate(self._stored_batch(idx))
+
+    def read_columns(self, idx, out: list | None = None, threads: int | None = None) -> list | None:
+        """The batch ``idx`` as gathered, checksum-verified column arrays, or ``None`` when the batch
+        cannot be served that way (a sample not stored, free-form, with variable-length fields, or
+        failing its checksum): the caller then reads it with ``__getitems__``, which computes,
+        repairs and stores. ``transform`` is not applied. Counts the samples as hits.
+
+        Args:
+            idx: int64 dataset indices.
+            out: arrays to gather into, one per column, each with at least ``len(idx)`` rows.
+            threads: gather threads (``None``: by the batch's size).
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(6)), tempfile.mkdtemp())
+            >>> ds.read_columns(np.array([1, 2])) is None    # not stored yet
+            True
+            >>> _ = ds.warmup()
+            >>> ds.read_columns(np.array([1, 2]))[0].tolist()
+            [1, 2]
+        """
+        idx = self._index_array(idx)
+        if not self._column_ready(idx, local=False):
+            return None
+        f = self._files
+        n = len(idx)
+        dest = None if out is None else [o[:n] for o in out]
+        if getattr(f, "memory_mapped", False):
+            columns = f.gather(idx, out=dest, threads=threads)
+        else:
+            columns = f.gather(idx)
+            if dest is not None:
+                for d, c in zip(dest, columns):
+                    np.copyto(d, c)
+                columns = dest
+        unverified = ~self._verified[idx]
+        if unverified.any():
+            pos = np.flatnonzero(unverified)
+            sub = columns if len(pos) == n else [c[pos] for c in columns]
+            ok = fmt.batch_crc(sub, len(pos), threads=threads or 1) == f.crc_of(idx[pos])
+            self._verified[idx[pos[ok]]] = True
+            if not ok.all():
+                return None
+        self._counters.add(hits=n)
+        return columns
 
     def _fetch(self, idx: np.ndarray, single: bool):
         f = self._files
@@ -263,7 +341,9 @@ class CachedDataset(Dataset):
             batch = TensorBatch(array_to_leaf("tensor", leaf.dtype, columns[0]))
         else:
             batch = SampleBatch(schema, idx, columns, var_values)
-        return batch[0] if single else batch
+        if single:
+            return batch.samples()[0] if isinstance(batch, SampleBatch) else batch[0]
+        return batch
 
     def _mixed(self, idx: np.ndarray, unkept: dict, single: bool):
         """A batch where some samples come from the store and others straight from the source.
@@ -321,7 +401,7 @@ class CachedDataset(Dataset):
             return decode_freeform(blob, allow_pickle=self.allow_pickle, where=where)
         schema = f.schema
         var_values = [[v] for v in schema.var_values(blob, where, self.allow_pickle)] if blob else None
-        return SampleBatch(schema, np.array([i]), [r[None] for r in rows], var_values)[0]
+        return SampleBatch(schema, np.array([i]), [r[None] for r in rows], var_values).samples()[0]
 
     def _from_source(self, i: int, computed: dict):
         """Sample ``i`` as just computed (``computed[i]``), or computed now if it is ``None``."""
@@ -466,6 +546,19 @@ class CachedDataset(Dataset):
         """
         fn = getattr(self._files, "prefetch", None)
         return int(fn(self._index_array(indices)) or 0) if fn is not None else 0
+
+    def loader(self, batch_size: int, **options):
+        """Batches of this cache already on the accelerator: ``nbkit.DeviceLoader(self, batch_size, **options)``.
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
+            >>> [b.tolist() for (b,) in ds.loader(5, shuffle=False)]
+            [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+        """
+        from .loader import DeviceLoader
+
+        return DeviceLoader(self, batch_size, **options)
 
     def sync(self, callback=None) -> None:
         """Push the local working copy of a remote cache (``gs://…``) to its URL; no-op for local paths."""

@@ -35,6 +35,7 @@ except ImportError:  # Windows: no POSIX record locks; a thread lock and per-pro
     fcntl = None
 
 from .codec import Schema
+from .gather import pool, spans, take_rows
 from .errors import CorruptCacheError, StaleCacheError
 
 __all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "Store", "CacheFiles", "list_cache_files", "read_meta"]
@@ -283,10 +284,13 @@ class CacheFiles(Store):
             keep &= self.slot_of[idx] >= 0
         return idx[keep]
 
-    def gather(self, idx: np.ndarray) -> list:
-        """The column rows of stored samples ``idx``: one vectorised read per column."""
+    memory_mapped = True  # gather reads this host's page cache: batches can be gathered anywhere on it
+
+    def gather(self, idx: np.ndarray, out: list | None = None, threads: int | None = None) -> list:
+        """The column rows of stored samples ``idx``: one vectorised read per column, split over
+        several threads for large batches (into ``out`` when given)."""
         rows = idx if self.slot_of is None else self.slot_of[idx]
-        return [c[rows] for c in self.columns]
+        return take_rows(self.columns, rows, out, threads)
 
     def put(self, idx: np.ndarray, flags: np.ndarray, crc: np.ndarray, cpos: np.ndarray, stacked: list,
             bpos: np.ndarray, blobs: list):
@@ -423,12 +427,19 @@ def admission_slots(length: int, capacity: int, seed: int) -> np.ndarray:
     return slots
 
 
-def batch_crc(columns: list, n: int, blobs: dict | None = None) -> np.ndarray:
+def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1) -> np.ndarray:
     """Per-sample CRC-32s of ``n`` samples given their gathered column rows (equal to ``row_crc``).
 
     The rows of all columns are laid side by side so each sample is one ``zlib.crc32`` call.
-    ``blobs`` maps a position to the heap blob that follows that sample's rows.
+    ``blobs`` maps a position to the heap blob that follows that sample's rows. ``threads > 1``
+    splits the rows over the gather pool (``zlib.crc32`` releases the GIL on large rows).
     """
+    parts = spans(n, min(threads, n)) if threads > 1 and n else []
+    if len(parts) > 1:
+        out = np.concatenate(list(pool().map(lambda s: batch_crc([c[s[0]:s[1]] for c in columns], s[1] - s[0]), parts)))
+        for j, blob in (blobs or {}).items():
+            out[j] = zlib.crc32(blob, int(out[j]))
+        return out.astype(np.uint32, copy=False)
     if columns:
         parts = [np.ascontiguousarray(c).reshape(n, c.size // n if n else 0).view(np.uint8) for c in columns]
         if len(parts) > 1 and sum(p.shape[1] for p in parts) <= 16384:

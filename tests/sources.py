@@ -5,6 +5,8 @@ import time
 
 import numpy as np
 import torch
+
+from nbkit.collate import DictRow, ListRow, TupleRow
 from torch.utils.data import Dataset
 
 
@@ -157,7 +159,9 @@ def computed_counts(log_dir):
 
 def assert_equal(a, b, where="sample"):
     """Deep equality for samples: same types, same values, same tensor dtypes."""
-    assert type(a) is type(b) or (isinstance(a, tuple) and isinstance(b, tuple)), f"{where}: {type(a)} != {type(b)}"
+    # a batch's samples are tuple/list/dict subclasses that default_collate recognises (nbkit.collate.TupleRow …)
+    plain = type(a).__mro__[1] if type(a) in (TupleRow, ListRow, DictRow) else type(a)
+    assert plain is type(b) or (isinstance(a, tuple) and isinstance(b, tuple)), f"{where}: {type(a)} != {type(b)}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
         assert torch.equal(a, b), f"{where}: tensor values differ"

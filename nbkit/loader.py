@@ -1,0 +1,395 @@
+"""``DeviceLoader``: batches on the accelerator before the training step asks for them.
+
+A background thread walks this rank's shuffled indices; for each batch it gathers the rows of
+every column straight from the memory-mapped cache into reused pinned host buffers (with several
+threads when rows are large), starts the host-to-device copy on a side CUDA stream, and keeps
+``prefetch`` batches ahead while the caller trains. The caller's stream waits on an event, so the
+accelerator never waits for data that is already cached. On an XLA device the thread sends the
+batch with torch_xla's own transfer, as ``MpDeviceLoader`` does; on the CPU batches are plain host
+tensors, prepared ahead while the step runs.
+
+Batches that cannot be gathered column-wise (samples not cached yet, free-form or variable-size
+fields, a ``transform=``, a dataset that is not a ``CachedDataset``) are read through the
+dataset's own batch path, so misses are computed and stored as with a ``DataLoader``.
+
+Example:
+    >>> import torch, tempfile, nbkit
+    >>> src = torch.utils.data.TensorDataset(torch.randn(10, 3), torch.arange(10))
+    >>> ds = nbkit.CachedDataset(src, tempfile.mkdtemp())
+    >>> loader = ds.loader(4, shuffle=False)            # device=None: host tensors
+    >>> [y.tolist() for x, y in loader]
+    [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from .collate import collate, collate_columns, column_tensor
+from .gather import auto_threads
+from .samplers import EpochSampler
+
+__all__ = ["DeviceLoader"]
+
+# DataLoader arguments people carry over, and what DeviceLoader does instead.
+_DATALOADER_ARGS = {
+    "num_workers": "it gathers in threads of this process (threads=); misses are computed there too",
+    "pin_memory": "it always copies through pinned buffers to a CUDA device",
+    "collate_fn": "batches come in nbkit.collate's structure; use batch_transform= for work on the device batch",
+    "sampler": "it shuffles and shards itself (shuffle=, seed=, rank=, world_size=, set_epoch())",
+    "batch_sampler": "it batches itself (batch_size=, drop_last=)",
+    "persistent_workers": "it has no worker processes",
+    "prefetch_factor": "use prefetch= (batches kept ready on the device)",
+    "worker_init_fn": "it has no worker processes",
+    "generator": "use seed= (the shuffle depends only on seed and epoch)",
+}
+
+
+def _as_device(device) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"DeviceLoader: device={device!r} is not a device. Use 'cuda', 'cuda:1', 'cpu', None (host tensors) "
+            "or an XLA device (torch_xla.device())."
+        ) from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"DeviceLoader: device={device!r} but this runtime has no CUDA GPU (torch.cuda.is_available() is False). "
+            "Pass device=None or 'cpu' for host tensors, or choose a GPU runtime."
+        )
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return None if dev.type == "cpu" else dev
+
+
+def _tensors(batch):
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _tensors(v)
+
+
+def _map_tensors(batch, fn):
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(_map_tensors(v, fn) for v in batch)
+    if isinstance(batch, list):
+        return [_map_tensors(v, fn) for v in batch]
+    return batch
+
+
+class DeviceLoader:
+    """Iterate a dataset in batches already on ``device``, prepared in the background.
+
+    Args:
+        dataset: a :class:`nbkit.CachedDataset` (fast path), or any map-style dataset.
+        batch_size: samples per batch (on this rank).
+        shuffle: reshuffle every epoch, from ``seed`` and the epoch number only.
+        drop_last: drop the samples that do not divide evenly over the ranks and the last
+            incomplete batch (static shapes, e.g. for XLA); otherwise the rank split is padded by
+            repeating samples, as ``DistributedSampler`` does, and the last batch may be smaller.
+        device: ``"cuda"``, a ``torch.device``, an XLA device, or ``None``/``"cpu"`` for host tensors.
+        seed: the shuffle seed: the same seed and epoch give the same order on every host.
+        rank, world_size: this process's shard (default: ``torch.distributed`` when initialised,
+            else the torch_xla runtime when running under it, else the whole dataset).
+        threads: threads gathering one batch (default: from the CPU count and the batch's bytes).
+        prefetch: batches kept ready ahead of the training step.
+        batch_transform: called on each batch once it is on the device, e.g. to normalise a
+            uint8 batch there (cache ``PILToTensor`` output: 4x less to read and copy).
+
+    Example:
+        >>> import torch, tempfile, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), tempfile.mkdtemp())
+        >>> loader = nbkit.DeviceLoader(ds, 2, seed=1, rank=0, world_size=2)   # half of the 8 samples
+        >>> len(loader), [tuple(b.shape) for (b,) in loader]
+        (2, [(2,), (2,)])
+    """
+
+    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = False, device=None,
+                 seed: int = 0, rank: int | None = None, world_size: int | None = None, threads: int | None = None,
+                 prefetch: int = 3, batch_transform=None, **dataloader_args):
+        if dataloader_args:
+            name = next(iter(dataloader_args))
+            why = _DATALOADER_ARGS.get(name)
+            if why is None:
+                raise TypeError(f"DeviceLoader() got an unexpected keyword argument {name!r}")
+            raise TypeError(f"DeviceLoader does not take {name}= (a DataLoader argument): {why}. "
+                            "For a DataLoader with these settings, use torch.utils.data.DataLoader(ds, ...).")
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"DeviceLoader: batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(prefetch, (int, np.integer)) or prefetch < 1:
+            raise ValueError(f"DeviceLoader: prefetch must be an int >= 1 (batches kept ready), got {prefetch!r}")
+        if threads is not None and (not isinstance(threads, (int, np.integer)) or threads < 1):
+            raise ValueError(f"DeviceLoader: threads must be None (automatic) or an int >= 1, got {threads!r}")
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise TypeError(f"DeviceLoader needs a map-style dataset (with __len__ and __getitem__), got {type(dataset).__name__}")
+        if batch_transform is not None and not callable(batch_transform):
+            raise TypeError(f"DeviceLoader: batch_transform must be callable, got {type(batch_transform).__name__}")
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.drop_last = bool(drop_last)
+        self.device = _as_device(device)
+        self.sampler = EpochSampler(dataset, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+                                    drop_last=drop_last)
+        self.prefetch = int(prefetch)
+        self.batch_transform = batch_transform
+        self._columnar = hasattr(dataset, "read_columns") and getattr(dataset, "transform", None) is None
+        self.threads = threads if threads is not None else self._auto_threads()
+        self.wait_seconds = 0.0  # time the last epoch's caller spent waiting for a batch
+
+    def _auto_threads(self) -> int:
+        if not self._columnar:
+            return 1
+        schema = self.dataset.schema
+        row = sum(schema.row_bytes(leaf) for leaf in schema.columns)
+        return auto_threads(row * self.batch_size)
+
+    @property
+    def rank(self) -> int:
+        return self.sampler.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.sampler.world_size
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration use the shuffle of ``epoch`` (each iteration then moves to the next)."""
+        self.sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration will use."""
+        return self.sampler.epoch
+
+    def batches(self, epoch: int | None = None) -> list:
+        """This rank's index arrays, batch by batch, for ``epoch`` (default: the next one)."""
+        idx = self.sampler.indices(epoch)
+        cut = len(self) * self.batch_size
+        return [idx[a:min(a + self.batch_size, cut)] for a in range(0, cut if self.drop_last else len(idx), self.batch_size)]
+
+    def __iter__(self):
+        epoch = self.sampler.epoch
+        self.sampler.set_epoch(epoch + 1)
+        return _Epoch(self, self.batches(epoch))
+
+    def __repr__(self) -> str:
+        where = "host" if self.device is None else str(self.device)
+        return (f"DeviceLoader({type(self.dataset).__name__}, batch_size={self.batch_size}, {len(self)} batches on {where}, "
+                f"rank {self.rank}/{self.world_size}, threads={self.threads}, prefetch={self.prefetch})")
+
+
+class _Failure:
+    def __init__(self, error: BaseException, batch: int):
+        self.error = error
+        self.batch = batch
+
+
+_DONE = object()
+
+
+class _Pipeline:
+    """The producer side of one epoch: a thread filling a bounded queue. Holds no reference to
+    the iterator, so dropping the iterator (``break``) closes it."""
+
+    def __init__(self, loader: DeviceLoader, batches: list):
+        self.loader = loader
+        self.batches = batches
+        self.device = loader.device
+        self.kind = None if self.device is None else self.device.type
+        self.queue = queue.Queue(maxsize=loader.prefetch)
+        self.stop = threading.Event()
+        self.slots = []
+        self.stream = None
+        if self.kind == "cuda":
+            self.stream = torch.cuda.Stream(device=self.device)
+        self.thread = threading.Thread(target=self._run, name="nbkit-device-loader", daemon=True)
+        self.thread.start()
+
+    # -- producer ------------------------------------------------------------------------------
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        b = -1
+        try:
+            if self.kind == "cuda":
+                torch.cuda.set_device(self.device)
+            for b, idx in enumerate(self.batches):
+                if self.stop.is_set():
+                    return
+                if not self._put(self._make(b, idx)):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # handed to the caller's thread, which raises it
+            self._put(_Failure(e, b))
+
+    def _slot(self, b: int):
+        """Pinned host buffers for batch ``b`` (reused round-robin once their copy has finished)."""
+        if self.kind != "cuda" or not self.loader._columnar:
+            return None
+        n_slots = min(self.loader.prefetch + 1, 3)
+        if len(self.slots) < n_slots:
+            schema = self.loader.dataset.schema
+            bs = self.loader.batch_size
+            arrays, tensors = [], []
+            for leaf in schema.columns:
+                dtype = schema.column_dtype(leaf)
+                nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * dtype.itemsize * bs
+                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+                arr = buf.numpy()[:nbytes].view(dtype).reshape(bs, *leaf.shape)
+                tdtype = column_tensor(leaf, np.empty((0, *leaf.shape), dtype)).dtype
+                tensors.append(buf[:nbytes].view(tdtype).view(bs, *leaf.shape))
+                arrays.append(arr)
+            self.slots.append({"arrays": arrays, "tensors": tensors, "event": None})
+        slot = self.slots[b % n_slots]
+        if slot["event"] is not None:
+            slot["event"].synchronize()  # its previous batch's copy must be done before we overwrite it
+        return slot
+
+    def _make(self, b: int, idx: np.ndarray):
+        loader, ds = self.loader, self.loader.dataset
+        n = len(idx)
+        batch, slot = None, None
+        if loader._columnar:
+            slot = self._slot(b)
+            if slot is not None and any(a.dtype.kind in "SU" for a in slot["arrays"]):
+                slot = None
+            cols = ds.read_columns(idx, out=None if slot is None else slot["arrays"], threads=loader.threads)
+            if cols is not None:
+                tensors = ([t[:n] for t in slot["tensors"]] if slot is not None else
+                           [column_tensor(leaf, c) if c.dtype.kind not in "SU" else c
+                            for leaf, c in zip(ds.schema.columns, cols)])
+                batch = collate_columns(ds.schema, tensors, None, n)
+            else:
+                slot = None
+        if batch is None:
+            if hasattr(ds, "__getitems__"):
+                batch = collate(ds.__getitems__(idx.tolist()))
+            else:
+                batch = default_collate([ds[int(i)] for i in idx])
+        return self._send(batch, slot)
+
+    def _send(self, batch, slot):
+        if self.kind is None:
+            return batch
+        if self.kind == "cuda":
+            with torch.cuda.stream(self.stream):
+                moved = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            if slot is not None:
+                slot["event"] = event
+            return moved, event
+        if self.kind == "xla":
+            import torch_xla.core.xla_model as xm
+
+            return xm.send_cpu_data_to_device(batch, self.device)
+        return _map_tensors(batch, lambda t: t.to(self.device))
+
+    # -- consumer ------------------------------------------------------------------------------
+
+    def get(self):
+        item = self.queue.get()
+        if item is _DONE:
+            return _DONE
+        if isinstance(item, _Failure):
+            e = item.error
+            if hasattr(e, "add_note"):
+                e.add_note(f"(raised in nbkit's DeviceLoader thread while preparing batch {item.batch} of the epoch)")
+            raise e
+        if self.kind == "cuda":
+            batch, event = item
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for t in _tensors(batch):
+                t.record_stream(current)  # allocated on the side stream, used on the caller's
+            return batch
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        while True:  # unblock a producer waiting on a full queue
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=60)
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.slots = []
+
+
+class _Epoch:
+    """One pass over the loader: yields device batches; ``close()`` (or dropping it) stops the
+    background thread and frees its buffers."""
+
+    def __init__(self, loader: DeviceLoader, batches: list):
+        self._loader = loader
+        self._remaining = len(batches)
+        self._pipeline = _Pipeline(loader, batches) if batches else None
+        self._xla = loader.device is not None and loader.device.type == "xla"
+        loader.wait_seconds = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self._remaining
+
+    def __next__(self):
+        if self._pipeline is None:
+            raise StopIteration
+        if self._xla:
+            import torch_xla
+
+            torch_xla.sync()  # cut the graph of the step that used the previous batch (as MpDeviceLoader)
+        t0 = time.perf_counter()
+        try:
+            batch = self._pipeline.get()
+        except BaseException:
+            self.close()
+            raise
+        self._loader.wait_seconds += time.perf_counter() - t0
+        if batch is _DONE:
+            self.close()
+            raise StopIteration
+        self._remaining -= 1
+        if self._loader.batch_transform is not None:
+            batch = self._loader.batch_transform(batch)
+        return batch
+
+    def close(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+
+    def __del__(self):
+        self.close()

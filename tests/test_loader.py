@@ -1,0 +1,214 @@
+"""nbkit.DeviceLoader and ds.loader(): correctness on the CPU (every sample once per epoch and
+equal to the source, deterministic shuffles, shards, early break, partial caches, budgets,
+transforms, errors). Speed lives in benchmarks/bench_device.py."""
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from sources import BareTensorSource, CollatableDictSource, TupleSource, assert_equal
+from torch.utils.data import default_collate
+
+import nbkit
+from nbkit.errors import MissingSampleError
+
+HERE = os.path.dirname(__file__)
+
+
+def _loader_threads():
+    return [t for t in threading.enumerate() if t.name == "nbkit-device-loader" and t.is_alive()]
+
+
+def _check_epoch(ds, src, loader):
+    """Iterate one epoch; check every row equals its source sample; return the indices seen."""
+    order = loader.batches(loader.epoch)
+    seen = []
+    for idx, batch in zip(order, loader):
+        want = default_collate([src[int(i)] for i in idx])
+        assert_equal(batch, want, f"batch of {idx.tolist()[:4]}…")
+        seen.extend(idx.tolist())
+    return seen
+
+
+@pytest.mark.parametrize("make", [TupleSource, CollatableDictSource, BareTensorSource], ids=lambda c: c.__name__)
+def test_every_sample_once_per_epoch_and_equal_to_the_source(tmp_path, make):
+    src = make()
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    ds.warmup()
+    loader = ds.loader(8)
+    assert len(loader) == -(-len(src) // 8)
+    for _ in range(2):
+        seen = _check_epoch(ds, src, loader)
+        assert sorted(seen) == list(range(len(src)))
+
+
+def test_a_partial_cache_is_filled_by_the_epoch(tmp_path):
+    src = TupleSource(60)
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    ds.__getitems__(list(range(0, 60, 3)))  # a third stored
+    ds.reset_stats()
+    seen = _check_epoch(ds, src, ds.loader(7, seed=2))
+    assert sorted(seen) == list(range(60))
+    assert ds.is_complete
+    assert ds.stats.misses == 40 and ds.stats.hits == 20
+
+
+def test_shuffles_are_deterministic_and_change_per_epoch(tmp_path):
+    src = TupleSource(40)
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    a, b = ds.loader(10, seed=5), nbkit.DeviceLoader(ds, 10, seed=5)
+    first_a = [x for x, _ in a]
+    first_b = [x for x, _ in b]
+    assert all(torch.equal(p, q) for p, q in zip(first_a, first_b))
+    second_a = [x for x, _ in a]  # iterating again moves to the next epoch
+    assert not all(torch.equal(p, q) for p, q in zip(first_a, second_a))
+    a.set_epoch(0)
+    again = [x for x, _ in a]
+    assert all(torch.equal(p, q) for p, q in zip(first_a, again))
+    assert a.epoch == 1
+    assert [x.tolist() for x in a.batches(0)] == [x.tolist() for x in b.batches(0)]
+    plain = ds.loader(10, shuffle=False)
+    assert np.concatenate(plain.batches(4)).tolist() == list(range(40))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shards_split_every_epoch_like_distributed_sampler(tmp_path, drop_last):
+    src = TupleSource(50)
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    ds.warmup()
+    world = 3
+    loaders = [ds.loader(4, rank=r, world_size=world, drop_last=drop_last, seed=1) for r in range(world)]
+    assert len({len(lo) for lo in loaders}) == 1
+    for epoch in range(2):
+        per_rank = [np.concatenate(lo.batches(epoch)).tolist() for lo in loaders]
+        everything = sum(per_rank, [])
+        if drop_last:
+            assert len(set(everything)) == len(everything) == (50 // world) // 4 * 4 * world
+        else:
+            assert set(everything) == set(range(50))  # padded by repeating, as DistributedSampler
+        for lo, want in zip(loaders, per_rank):
+            got = []
+            for x, y in lo:
+                got.extend(y.tolist())
+            assert got == [i % 10 for i in want]
+
+
+def test_break_leaves_no_thread_and_no_buffer(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(200), tmp_path / "c")
+    ds.warmup()
+    loader = ds.loader(4, prefetch=2)
+    for k, batch in enumerate(loader):
+        if k == 3:
+            break
+    del batch
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _loader_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _loader_threads()
+    it = iter(loader)
+    next(it)
+    it.close()
+    assert not _loader_threads()
+
+
+def test_budget_and_transform_and_variable_fields(tmp_path):
+    src = TupleSource(64)
+    budget = nbkit.CachedDataset(src, tmp_path / "b", max_bytes=64 * 24 + 20 * (8 * 8 * 4 + 8))
+    assert 0 < budget.stats.capacity < 64
+    for _ in range(2):
+        assert sorted(_check_epoch(budget, src, budget.loader(8))) == list(range(64))
+
+    flip = nbkit.CachedDataset(src, tmp_path / "t", transform=lambda s: (s[0].flip(-1), s[1]))
+    for idx, (x, y) in zip(flip.loader(8).batches(0), flip.loader(8)):
+        assert torch.equal(x, torch.stack([src[int(i)][0].flip(-1) for i in idx]))
+
+    var = CollatableDictSource(30)
+    ds = nbkit.CachedDataset(var, tmp_path / "v")
+    ds.warmup()
+    assert sorted(_check_epoch(ds, var, ds.loader(4))) == list(range(30))
+
+
+def test_batch_transform_runs_on_the_device_batch(tmp_path):
+    class Uint8Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            return torch.full((1, 4, 4), i, dtype=torch.uint8), i
+
+    ds = nbkit.CachedDataset(Uint8Images(), tmp_path / "c")
+    ds.warmup()
+    norm = lambda b: ((b[0].float() / 255 - 0.5) / 0.5, b[1])  # noqa: E731
+    for x, y in ds.loader(8, batch_transform=norm):
+        assert x.dtype == torch.float32
+        assert torch.allclose(x[:, 0, 0, 0], (y.float() / 255 - 0.5) / 0.5)
+
+
+def test_any_map_style_dataset_works(tmp_path):
+    src = TupleSource(20)
+    seen = []
+    loader = nbkit.DeviceLoader(src, 6, shuffle=False)
+    for x, y in loader:
+        seen.extend(y.tolist())
+    assert seen == [i % 10 for i in range(20)]
+
+
+def test_missing_sample_without_source_raises_from_the_iteration(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(40), tmp_path / "c")
+    ds.__getitems__(list(range(20)))
+    opened = nbkit.CachedDataset.open(tmp_path / "c")
+    loader = opened.loader(8, shuffle=False)
+    got = []
+    with pytest.raises(MissingSampleError, match=r"sample 2\d is not in the cache"):
+        for x, y in loader:
+            got.append(len(y))
+    assert got == [8, 8]  # the two full batches before the first missing sample
+    assert not _loader_threads()
+
+
+def test_bad_arguments_are_clear(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(10), tmp_path / "c")
+    with pytest.raises(ValueError, match="not a device"):
+        ds.loader(4, device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            ds.loader(4, device="cuda")
+    with pytest.raises(TypeError, match="does not take num_workers=.*threads="):
+        ds.loader(4, num_workers=8)
+    with pytest.raises(TypeError, match="does not take sampler="):
+        ds.loader(4, sampler=None)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        ds.loader(4, colour=1)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        ds.loader(0)
+    with pytest.raises(ValueError, match="rank must be"):
+        ds.loader(4, rank=3, world_size=2)
+    with pytest.raises(ValueError, match="prefetch"):
+        ds.loader(4, prefetch=0)
+
+
+def test_gathers_large_rows_with_several_threads(tmp_path):
+    src = TupleSource(24, shape=(3, 64, 64))
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    ds.warmup()
+    loader = ds.loader(24, threads=4, shuffle=False)
+    (x, y), = list(loader)
+    assert torch.equal(x, torch.stack([src[i][0] for i in range(24)]))
+    assert nbkit.DeviceLoader(ds, 256).threads >= 1
+
+
+def test_xla_device_in_a_subprocess(tmp_path):
+    """Real torch_xla on the CPU: batches arrive on xla:0 and a tiny model trains on them."""
+    pytest.importorskip("torch_xla")
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    out = subprocess.run([sys.executable, os.path.join(HERE, "tpu_scripts", "device_loader_xla.py"), str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ok xla" in out.stdout
