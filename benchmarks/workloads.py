@@ -62,22 +62,24 @@ class Workload:
     n: int
 
 
-def build(name: str, data_dir=DEFAULT_DATA_DIR, *, quick: bool = False, seed: int = 0) -> Workload:
+def build(name: str, data_dir=DEFAULT_DATA_DIR, *, quick: bool = False, seed: int = 0, n: int | None = None) -> Workload:
     """Write the files of workload ``name`` under ``data_dir`` unless an identical build is there.
 
     Args:
         name: ``"mnist"`` or ``"jpeg"``.
         data_dir: the parent directory; each workload gets ``<data_dir>/<name>[-quick]``.
         quick: small sizes, for smoke tests.
-        seed: the files are a pure function of ``(name, quick, seed)``.
+        seed: the files are a pure function of ``(name, quick, seed, n)``.
+        n: another number of samples than the workload's own size.
 
     Returns:
         The :class:`Workload` to pass to :func:`source`.
     """
     if name not in _SIZES:
         raise ValueError(f"unknown workload {name!r}; choose one of {list(_SIZES)}")
-    n = _SIZES[name][1 if quick else 0]
-    root = Path(data_dir) / (f"{name}-quick" if quick else name)
+    size = _SIZES[name][1 if quick else 0]
+    n = size if n is None else int(n)
+    root = Path(data_dir) / ((f"{name}-quick" if quick else name) + ("" if n == size else f"-{n}"))
     params = {"name": name, "n": n, "seed": seed, "version": 1}
     marker = root / _MARKER
     if marker.exists() and json.loads(marker.read_text()) == params:
@@ -115,15 +117,25 @@ def source(workload: Workload):
 
 
 def _write_jpegs(folder: Path, n: int, seed: int) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    for c in range(_JPEG_CLASSES):
+        (folder / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
+    procs = max(1, min(16, os.cpu_count() or 1))
+    bounds = [n * k // procs for k in range(procs + 1)]
+    with ProcessPoolExecutor(procs) as pool:
+        for f in [pool.submit(_write_jpeg_range, folder, a, b, seed) for a, b in zip(bounds[:-1], bounds[1:])]:
+            f.result()
+
+
+def _write_jpeg_range(folder: Path, start: int, stop: int, seed: int) -> None:
     import numpy as np
     from PIL import Image, ImageDraw, ImageFilter
 
     rng = np.random.default_rng(seed)
     palettes = rng.integers(0, 256, size=(_JPEG_CLASSES, 4, 3))
     yy, xx = np.mgrid[0:_JPEG_PX, 0:_JPEG_PX].astype(np.float32) / _JPEG_PX
-    for c in range(_JPEG_CLASSES):
-        (folder / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
-    for i in range(n):
+    for i in range(start, stop):
         c = i % _JPEG_CLASSES
         pal = palettes[c]
         r = np.random.default_rng([seed, i])

@@ -37,6 +37,8 @@ from .samplers import EpochSampler
 
 __all__ = ["DeviceLoader"]
 
+CHUNK_BYTES = 8 << 20  # batches smaller than this are gathered and copied several at a time
+
 # DataLoader arguments people carry over, and what DeviceLoader does instead.
 _DATALOADER_ARGS = {
     "num_workers": "it gathers in threads of this process (threads=); misses are computed there too",
@@ -150,15 +152,20 @@ class DeviceLoader:
         self.prefetch = int(prefetch)
         self.batch_transform = batch_transform
         self._columnar = hasattr(dataset, "read_columns") and getattr(dataset, "transform", None) is None
-        self.threads = threads if threads is not None else self._auto_threads()
+        # Small rows on a GPU: gather and copy several batches at once (one read into reused pinned
+        # buffers, one copy, then views), so the per-batch Python work that competes with the
+        # training step for the GIL is amortised. Not on XLA (a slice at a new offset is a new
+        # graph to compile), nor for host batches (nothing to amortise a copy against).
+        cuda = self.device is not None and self.device.type == "cuda"
+        self.chunk = int(max(1, min(16, CHUNK_BYTES // max(1, self._batch_bytes())))) if cuda and self._columnar else 1
+        self.threads = threads if threads is not None else auto_threads(self._batch_bytes() * self.chunk)
         self.wait_seconds = 0.0  # time the last epoch's caller spent waiting for a batch
 
-    def _auto_threads(self) -> int:
+    def _batch_bytes(self) -> int:
         if not self._columnar:
-            return 1
+            return 0
         schema = self.dataset.schema
-        row = sum(schema.row_bytes(leaf) for leaf in schema.columns)
-        return auto_threads(row * self.batch_size)
+        return sum(schema.row_bytes(leaf) for leaf in schema.columns) * self.batch_size
 
     @property
     def rank(self) -> int:
@@ -216,7 +223,7 @@ class _Pipeline:
         self.batches = batches
         self.device = loader.device
         self.kind = None if self.device is None else self.device.type
-        self.queue = queue.Queue(maxsize=loader.prefetch)
+        self.queue = queue.Queue(maxsize=max(loader.prefetch, loader.chunk))
         self.stop = threading.Event()
         self.slots = []
         self.stream = None
@@ -241,77 +248,91 @@ class _Pipeline:
         try:
             if self.kind == "cuda":
                 torch.cuda.set_device(self.device)
-            for b, idx in enumerate(self.batches):
-                if self.stop.is_set():
-                    return
-                if not self._put(self._make(b, idx)):
-                    return
+            k = self.loader.chunk
+            for c, first in enumerate(range(0, len(self.batches), k)):
+                group = self.batches[first:first + k]
+                b = first
+                for item in self._make(c, group):  # a generator: batches go out as they are made
+                    if self.stop.is_set() or not self._put(item):
+                        return
+                    b += 1
             self._put(_DONE)
         except BaseException as e:  # handed to the caller's thread, which raises it
             self._put(_Failure(e, b))
 
-    def _slot(self, b: int):
-        """Pinned host buffers for batch ``b`` (reused round-robin once their copy has finished)."""
-        if self.kind != "cuda" or not self.loader._columnar:
+    def _slot(self, c: int):
+        """Pinned host buffers for chunk ``c`` (reused round-robin once their copy has finished)."""
+        if self.kind != "cuda":
             return None
         n_slots = min(self.loader.prefetch + 1, 3)
         if len(self.slots) < n_slots:
             schema = self.loader.dataset.schema
-            bs = self.loader.batch_size
+            rows = self.loader.batch_size * self.loader.chunk
             arrays, tensors = [], []
             for leaf in schema.columns:
                 dtype = schema.column_dtype(leaf)
-                nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * dtype.itemsize * bs
+                if dtype.kind in "SU":  # strings stay on the host: no pinned path for this dataset
+                    return None
+                nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * dtype.itemsize * rows
                 buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-                arr = buf.numpy()[:nbytes].view(dtype).reshape(bs, *leaf.shape)
+                arrays.append(buf.numpy()[:nbytes].view(dtype).reshape(rows, *leaf.shape))
                 tdtype = column_tensor(leaf, np.empty((0, *leaf.shape), dtype)).dtype
-                tensors.append(buf[:nbytes].view(tdtype).view(bs, *leaf.shape))
-                arrays.append(arr)
+                tensors.append(buf[:nbytes].view(tdtype).view(rows, *leaf.shape))
             self.slots.append({"arrays": arrays, "tensors": tensors, "event": None})
-        slot = self.slots[b % n_slots]
+        slot = self.slots[c % n_slots]
         if slot["event"] is not None:
-            slot["event"].synchronize()  # its previous batch's copy must be done before we overwrite it
+            slot["event"].synchronize()  # its previous chunk's copy must be done before we overwrite it
         return slot
 
-    def _make(self, b: int, idx: np.ndarray):
+    def _make(self, c: int, group: list):
+        """The queue items for a group of consecutive batches: gathered together in one read and
+        sent in one copy when they are all stored (small rows: per-batch overhead amortised), else
+        batch by batch through the dataset's own batch path."""
         loader, ds = self.loader, self.loader.dataset
-        n = len(idx)
-        batch, slot = None, None
         if loader._columnar:
-            slot = self._slot(b)
-            if slot is not None and any(a.dtype.kind in "SU" for a in slot["arrays"]):
-                slot = None
+            idx = group[0] if len(group) == 1 else np.concatenate(group)
+            slot = self._slot(c)
             cols = ds.read_columns(idx, out=None if slot is None else slot["arrays"], threads=loader.threads)
             if cols is not None:
-                tensors = ([t[:n] for t in slot["tensors"]] if slot is not None else
-                           [column_tensor(leaf, c) if c.dtype.kind not in "SU" else c
-                            for leaf, c in zip(ds.schema.columns, cols)])
-                batch = collate_columns(ds.schema, tensors, None, n)
-            else:
-                slot = None
-        if batch is None:
+                n = len(idx)
+                if slot is not None:
+                    tensors = [t[:n] for t in slot["tensors"]]
+                else:
+                    tensors = [column_tensor(leaf, col) if col.dtype.kind not in "SU" else col
+                               for leaf, col in zip(ds.schema.columns, cols)]
+                moved, event = self._send(tensors)
+                if slot is not None:
+                    slot["event"] = event
+                start = 0
+                for part in group:
+                    m = len(part)
+                    batch = collate_columns(ds.schema, [t[start:start + m] for t in moved], None, m)
+                    yield batch if event is None else (batch, event)
+                    start += m
+                return
+        for idx in group:
             if hasattr(ds, "__getitems__"):
                 batch = collate(ds.__getitems__(idx.tolist()))
             else:
                 batch = default_collate([ds[int(i)] for i in idx])
-        return self._send(batch, slot)
+            moved, event = self._send(batch)
+            yield moved if event is None else (moved, event)
 
-    def _send(self, batch, slot):
+    def _send(self, batch):
+        """``(batch on the device, copy-done event or None)``."""
         if self.kind is None:
-            return batch
+            return batch, None
         if self.kind == "cuda":
             with torch.cuda.stream(self.stream):
                 moved = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            if slot is not None:
-                slot["event"] = event
             return moved, event
         if self.kind == "xla":
             import torch_xla.core.xla_model as xm
 
-            return xm.send_cpu_data_to_device(batch, self.device)
-        return _map_tensors(batch, lambda t: t.to(self.device))
+            return xm.send_cpu_data_to_device(batch, self.device), None
+        return _map_tensors(batch, lambda t: t.to(self.device)), None
 
     # -- consumer ------------------------------------------------------------------------------
 

@@ -129,3 +129,22 @@ def test_data_check_tells_a_wrong_batch_from_a_right_one():
     assert not bench_engine._consistent(bench_engine._checksum((x.flip(0)[:2], y[:2])), ref)  # other samples
     assert not bench_engine._consistent(bench_engine._checksum((x + 1e-3, y)), ref)  # other values
     assert not bench_engine._consistent(bench_engine._checksum((x,)), ref)  # a field missing
+
+
+@pytest.mark.slow
+def test_bench_device_quick_runs_on_the_cpu(tmp_path):
+    """benchmarks/bench_device.py --quick: the CPU path (simulated step) writes its table and targets."""
+    results = tmp_path / "results"
+    cmd = [sys.executable, str(BENCH / "bench_device.py"), "--quick", "--only", "mnist",
+           "--data-dir", str(tmp_path / "data"), "--results", str(results)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stem = "device-cuda" if "one NVIDIA" in proc.stdout else "device-cpu"
+    table = (results / f"{stem}.md").read_text()
+    for row in ("raw torchvision, `num_workers=0`", "nbkit, default collate, `num_workers=2`",
+                "nbkit, `collate_fn=nbkit.collate`", "nbkit `ds.loader(256", "### Targets"):
+        assert row in table, row
+    target_rows = [ln for ln in table.splitlines() if ln.startswith("| mnist:")]
+    assert len(target_rows) >= 3 and all(("| PASS |" in ln) or ("| MISS |" in ln) for ln in target_rows)
+    data = json.loads((results / f"{stem}.json").read_text())
+    assert data["results"]["mnist"]["n"] == 2048

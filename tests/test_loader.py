@@ -212,3 +212,50 @@ def test_xla_device_in_a_subprocess(tmp_path):
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ok xla" in out.stdout
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+
+
+@cuda
+@pytest.mark.parametrize("make", [TupleSource, CollatableDictSource], ids=lambda c: c.__name__)
+def test_cuda_batches_equal_the_source_and_overlap_safely(tmp_path, make):
+    src = make(200) if make is TupleSource else make(40)
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    ds.warmup()
+    loader = ds.loader(16, device="cuda", prefetch=2)
+    for epoch in range(2):
+        order = loader.batches(loader.epoch)
+        for idx, batch in zip(order, loader):
+            for t in (batch.values() if isinstance(batch, dict) else batch):
+                if isinstance(t, torch.Tensor):
+                    assert t.is_cuda
+            # work on the caller's stream right away: the side-stream copy must be complete
+            host = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()} if isinstance(batch, dict) \
+                else [v.cpu() for v in batch]
+            want = default_collate([src[int(i)] for i in idx])
+            if isinstance(batch, dict):
+                for k in ("x", "arr", "label", "half"):
+                    assert torch.equal(host[k], want[k] if isinstance(want[k], torch.Tensor) else torch.as_tensor(want[k]))
+            else:
+                assert torch.equal(host[0], want[0]) and torch.equal(host[1], want[1])
+
+
+@cuda
+def test_cuda_break_frees_and_misses_are_filled(tmp_path):
+    src = TupleSource(300, shape=(3, 32, 32))
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    x_all = torch.stack([src[i][0] for i in range(300)]).cuda()
+    loader = ds.loader(32, device="cuda", shuffle=False, threads=4)
+    for k, (x, y) in enumerate(loader):  # cold: misses computed in the loader thread
+        assert torch.equal(x, x_all[32 * k:32 * k + len(x)])
+    assert ds.is_complete
+    for k, (x, y) in enumerate(loader):
+        assert torch.equal(x, x_all[32 * k:32 * k + len(x)])
+        if k == 2:
+            break
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _loader_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _loader_threads()
