@@ -22,9 +22,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
+from torch.utils.data import get_worker_info
 
-__all__ = ["take_rows", "spans", "auto_threads", "pool"]
+__all__ = ["take_rows", "spans", "auto_threads", "pool", "empty_rows"]
 
+# Batches at least this large are gathered straight into pinned memory when this process uses CUDA.
+PIN_MIN_BYTES = 1 << 20
 # Below this many bytes a batch is copied by the calling thread: handing work to a pool costs
 # tens of microseconds, a copy of 1 MiB about as much.
 PARALLEL_MIN_BYTES = 2 << 20
@@ -68,6 +72,20 @@ def spans(n: int, parts: int) -> list:
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
+def empty_rows(n: int, columns: list) -> list:
+    """Output arrays for ``n`` rows of each column. In a process that drives a CUDA GPU (outside
+    DataLoader workers), large batches get page-locked (pinned) memory from torch's caching host
+    allocator: ``pin_memory=True`` then has nothing left to copy, and ``.to("cuda")`` is a DMA."""
+    sizes = [n * int(np.prod(c.shape[1:], dtype=np.int64)) * c.itemsize for c in columns]
+    if sum(sizes) < PIN_MIN_BYTES or not torch.cuda.is_initialized() or get_worker_info() is not None:
+        return [np.empty((n, *c.shape[1:]), dtype=c.dtype) for c in columns]
+    out = []
+    for c, size in zip(columns, sizes):
+        buf = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
+        out.append(buf.numpy()[:size].view(c.dtype).reshape(n, *c.shape[1:]))  # keeps buf alive
+    return out
+
+
 def take_rows(columns: list, rows: np.ndarray, out: list | None = None, threads: int | None = None) -> list:
     """``[col[rows] for col in columns]``, copied by ``threads`` threads (``None``: by the batch's size).
 
@@ -79,7 +97,7 @@ def take_rows(columns: list, rows: np.ndarray, out: list | None = None, threads:
     """
     n = len(rows)
     if out is None:
-        out = [np.empty((n, *c.shape[1:]), dtype=c.dtype) for c in columns]
+        out = empty_rows(n, columns)
     if threads is None:
         threads = auto_threads(sum(int(np.prod(c.shape[1:], dtype=np.int64)) * c.itemsize for c in columns) * n)
     parts = spans(n, min(threads, n)) if n else []

@@ -259,3 +259,17 @@ def test_cuda_break_frees_and_misses_are_filled(tmp_path):
     while _loader_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _loader_threads()
+
+
+@cuda
+def test_large_batches_are_gathered_into_pinned_memory_for_cuda(tmp_path):
+    src = TupleSource(64, shape=(3, 64, 64))
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    ds.warmup()
+    torch.cuda.init()
+    x, y = nbkit.collate(ds.__getitems__(list(range(64))))
+    assert x.is_pinned()
+    assert x.pin_memory() is x or x.pin_memory().data_ptr() == x.data_ptr()  # pin_memory=True copies nothing
+    loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=2, pin_memory=True)
+    got = torch.cat([x for x, _ in loader])
+    assert torch.equal(got, torch.stack([src[i][0] for i in range(64)]))
