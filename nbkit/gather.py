@@ -28,7 +28,7 @@ from torch.utils.data import get_worker_info
 __all__ = ["take_rows", "spans", "auto_threads", "pool", "empty_rows"]
 
 # Batches at least this large are gathered straight into pinned memory when this process uses CUDA.
-PIN_MIN_BYTES = 1 << 20
+PIN_MIN_BYTES = 64 << 10
 # Below this many bytes a batch is copied by the calling thread: handing work to a pool costs
 # tens of microseconds, a copy of 1 MiB about as much.
 PARALLEL_MIN_BYTES = 2 << 20

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -250,11 +251,16 @@ def test_cuda_break_frees_and_misses_are_filled(tmp_path):
     for k, (x, y) in enumerate(loader):  # cold: misses computed in the loader thread
         assert torch.equal(x, x_all[32 * k:32 * k + len(x)])
     assert ds.is_complete
-    for k, (x, y) in enumerate(loader):
+    it = iter(loader)
+    for k, (x, y) in enumerate(it):
         assert torch.equal(x, x_all[32 * k:32 * k + len(x)])
         if k == 2:
             break
+    buffers = [weakref.ref(t) for slot in it._pipeline.slots for t in slot["tensors"]]
+    assert buffers
+    del it
     gc.collect()
+    assert all(ref() is None for ref in buffers)  # the pinned buffers are released
     deadline = time.monotonic() + 5
     while _loader_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
