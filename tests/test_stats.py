@@ -3,7 +3,7 @@
 import multiprocessing as mp
 import pickle
 
-from nbkit.stats import SharedCounters, Stats
+from nbkit.stats import EpochStats, SharedCounters, Stats
 
 
 def _count(counters, n):
@@ -40,3 +40,9 @@ def test_stats_snapshot_text():
     assert s.hit_rate == 0.75 and not s.complete and s.reads == 4
     assert "cached 4/8 (50.0%)" in str(s) and "hit rate 75.0%" in str(s)
     assert Stats(0, 0, 0, 0, 0, 1, 0).hit_rate == 0.0
+
+
+def test_epoch_stats_before_any_read():
+    # The hit rate before the first read is 0.0 in both models (EpochStats follows Stats); reads says "none yet".
+    e = EpochStats(epoch=1)
+    assert e.reads == 0 and e.hit_rate == 0.0 and e.rate == 0.0 and not e.filling
