@@ -1,14 +1,8 @@
-"""Raw vs cached epochs, measured the way a notebook user would: one line, a table and a plot.
-
-:func:`compare_epochs` runs a few DataLoader epochs over the raw source dataset and then over its
-:class:`~nbkit.CachedDataset`, times each one, and reads the cache's hit rate from the
-``cached.stats`` deltas. The first cached epoch of a cold cache computes and stores every sample
-(it *fills* the cache), so it is reported apart from the later, steady-state epochs; ``speedup``
-compares raw epochs with those steady-state ones only.
-
-:func:`mnist_like` loads an MNIST-style torchvision dataset for the tutorials: it tries the real
-download (failing fast when there is no network) and otherwise falls back to the offline
-MNIST-format files of :mod:`nbkit.offline`, and says which one it used.
+"""Raw vs cached epochs, measured the way a notebook user would: :func:`compare_epochs` times a few
+DataLoader epochs over the raw source and then over its :class:`~nbkit.CachedDataset`, counts the
+cache's hits per epoch (:class:`nbkit.stats.EpochCounter`), reports the filling epoch apart from
+the steady-state ones, and renders one line, a table and a plot; :func:`mnist_like` loads an
+MNIST-style torchvision dataset, or offline stand-in files (:mod:`nbkit.offline`) without a network.
 
 Example:
     >>> import tempfile, torch

@@ -34,15 +34,35 @@ try:
 except ImportError:  # Windows: no POSIX record locks; a thread lock and per-process rows still apply
     fcntl = None
 
-__all__ = ["Stats", "SharedCounters", "EpochStats", "EpochCounter"]
+__all__ = ["Stats", "SharedCounters", "EpochStats", "EpochCounter", "HitRate"]
 
 FIELDS = ("hits", "misses", "recomputed", "stored", "refused")
 _SLOTS = 256
 _WIDTH = 1 + len(FIELDS)  # column 0: owner pid
 
 
+class HitRate:
+    """``reads`` and ``hit_rate`` of anything with ``hits`` and ``misses``: the one hit-rate model of
+    :class:`Stats` and :class:`EpochStats`. The hit rate is 0.0 before the first read; ``reads == 0``
+    tells the two apart.
+
+    Example:
+        >>> EpochStats(epoch=1).hit_rate, EpochStats(epoch=1, hits=3, misses=1).hit_rate
+        (0.0, 0.75)
+    """
+
+    @property
+    def reads(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of reads served from the cache (0.0 before any read)."""
+        return self.hits / self.reads if self.reads else 0.0
+
+
 @dataclass(frozen=True)
-class Stats:
+class Stats(HitRate):
     """A snapshot of one cache's counters.
 
     Attributes:
@@ -71,15 +91,6 @@ class Stats:
     refused: int = 0
 
     @property
-    def reads(self) -> int:
-        return self.hits + self.misses
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of reads served from the cache; 0.0 before any read (``reads`` tells the two apart)."""
-        return self.hits / self.reads if self.reads else 0.0
-
-    @property
     def complete(self) -> bool:
         """Every sample the cache may hold is stored."""
         return self.cached >= (self.total if self.capacity is None else self.capacity)
@@ -98,11 +109,10 @@ class Stats:
 
 
 @dataclass
-class EpochStats:
+class EpochStats(HitRate):
     """Reads in one epoch (or, with ``epoch=0``, over several), as counted by ``ds.stats``.
 
-    Its hit rate follows :attr:`Stats.hit_rate`: 0.0 before the first read; ``reads == 0`` says
-    that nothing was read yet.
+    Its ``reads`` and ``hit_rate`` are those of :class:`Stats` (:class:`HitRate`: 0.0 before the first read).
 
     Attributes:
         epoch: 1 for the first epoch.
@@ -122,15 +132,6 @@ class EpochStats:
     hits: int = 0
     misses: int = 0
     seconds: float = 0.0
-
-    @property
-    def reads(self) -> int:
-        return self.hits + self.misses
-
-    @property
-    def hit_rate(self) -> float:
-        """Hits / reads (0.0 before the first read, like :attr:`Stats.hit_rate`)."""
-        return self.hits / self.reads if self.reads else 0.0
 
     @property
     def rate(self) -> float:
