@@ -219,3 +219,27 @@ def test_terminal_display_prints_a_text_line(tmp_path, capsys):
     assert "warmup  600/600  100.0%" in err  # the TextProgress line
     assert "nbkit: 600/600 samples  Cache complete: 600 samples" in err
 
+
+
+class _PublishingCache(nbkit.CachedDataset):
+    """A cache whose warmup goes on to a second phase, as a remote (gs://) cache publishes its copy."""
+
+    def warmup(self, num_workers=0, callback=None, **kw):
+        report = super().warmup(num_workers=num_workers, callback=callback, **kw)
+        callback.start_phase("publish", unit="bytes", size=3_000_000)
+        callback.set_description("pushing to gs://bucket/cache")
+        callback.relative_update(3_000_000)
+        return report
+
+
+def test_a_second_phase_is_shown_in_its_own_unit(tmp_path):
+    ds = _PublishingCache(TupleSource(300), str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60)
+    assert panel.state is PanelState.DONE and panel.report.computed == 300
+    cb = panel.job.callback
+    assert (cb.phase, cb.unit, cb.value) == ("publish", "bytes", 3_000_000)
+    assert panel.done_label.value == "3.0 MB/3.0 MB"  # bytes, not 3,000,000 "samples"
+    assert panel.rate_label.value.endswith("B/s")
+    assert panel.status_text().startswith("Cache complete: 300 samples")
