@@ -113,3 +113,8 @@ def test_version_mismatch_warning_names_the_fix():
     assert runtime._version_mismatch("2.9.0+cu128", "2.9.0") is None
     assert runtime._version_mismatch("2.9.1", "2.9.0") is None
     assert runtime._version_mismatch("2.9.0", None) is None
+
+
+def test_the_package_keeps_its_public_names():
+    assert tpu.__all__ == ["RuntimeInfo", "SetupReport", "describe", "setup", "spawn", "warmup_shared", "device_loader"]
+    assert callable(tpu.setup) and tpu.describe is runtime.describe and tpu.RuntimeInfo is runtime.RuntimeInfo
