@@ -5,12 +5,12 @@ counters include reads in DataLoader worker processes); the meter only draws it,
 ``min_interval`` seconds, as a widget in a kernel or as text lines anywhere else.
 
 Example:
-    >>> import torch, tempfile
-    >>> import nbkit
+    >>> import tempfile, torch, nbkit
     >>> from nbkit.widgets.meter import HitRateMeter
-    >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8.0)), tempfile.mkdtemp())
-    >>> meter = HitRateMeter(ds)
-    >>> for _ in meter.track(torch.utils.data.DataLoader(ds, batch_size=4)): pass
+    >>> cache = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8.0)), tempfile.mkdtemp())
+    >>> meter = HitRateMeter(cache)
+    >>> for batch in meter.track(torch.utils.data.DataLoader(cache, batch_size=4)):
+    ...     pass
     >>> meter.epochs[-1].hit_rate, meter.epochs[-1].misses
     (0.0, 8)
 """
