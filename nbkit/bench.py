@@ -1,14 +1,8 @@
-"""Raw vs cached epochs, measured the way a notebook user would: one line, a table and a plot.
-
-:func:`compare_epochs` runs a few DataLoader epochs over the raw source dataset and then over its
-:class:`~nbkit.CachedDataset`, times each one, and reads the cache's hit rate from the
-``cached.stats`` deltas. The first cached epoch of a cold cache computes and stores every sample
-(it *fills* the cache), so it is reported apart from the later, steady-state epochs; ``speedup``
-compares raw epochs with those steady-state ones only.
-
-:func:`mnist_like` loads an MNIST-style torchvision dataset for the tutorials: it tries the real
-download (failing fast when there is no network) and otherwise falls back to the offline
-MNIST-format files of :mod:`nbkit.offline`, and says which one it used.
+"""Raw vs cached epochs, measured the way a notebook user would: :func:`compare_epochs` times a few
+DataLoader epochs over the raw source and then over its :class:`~nbkit.CachedDataset`, counts the
+cache's hits per epoch (:class:`nbkit.stats.EpochCounter`), reports the filling epoch apart from
+the steady-state ones, and renders one line, a table and a plot; :func:`mnist_like` loads an
+MNIST-style torchvision dataset, or offline stand-in files (:mod:`nbkit.offline`) without a network.
 
 Example:
     >>> import tempfile, torch
@@ -32,6 +26,11 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .extras import require
+from .progress import as_callback
+from .stats import EpochCounter
+from .text import Table, format_count, format_percent, format_seconds
 
 __all__ = ["EpochRow", "EpochComparison", "compare_epochs", "mnist_like", "MNIST_LIKE"]
 
@@ -144,27 +143,20 @@ class EpochComparison:
     # --- table -------------------------------------------------------------------------------
     _HEADER = ("dataset", "epoch", "seconds", "samples/s", "hit rate", "note")
 
-    def _cells(self) -> list[tuple[str, ...]]:
+    def _table(self) -> Table:
         cells = []
         for r in self.rows:
-            hit = "—" if r.hit_rate is None else f"{100 * r.hit_rate:.0f}%"
+            hit = "—" if r.hit_rate is None else format_percent(r.hit_rate, digits=0)
             note = "fills the cache" if r.filling else ""
-            cells.append(
-                (r.dataset, str(r.epoch), f"{r.seconds:.3f}", f"{r.samples_per_s:,.0f}", hit, note)
-            )
-        return cells
+            cells.append((r.dataset, str(r.epoch), f"{r.seconds:.3f}", format_count(r.samples_per_s), hit, note))
+        return Table(cells, self._HEADER)
 
     def table(self, fmt: str = "markdown") -> str:
         """The per-epoch table as ``"markdown"`` (default) or aligned plain ``"text"``."""
-        cells = self._cells()
         if fmt == "markdown":
-            lines = ["| " + " | ".join(self._HEADER) + " |", "|" + "---|" * len(self._HEADER)]
-            lines += ["| " + " | ".join(row) + " |" for row in cells]
-            return "\n".join(lines)
+            return self._table().markdown()
         if fmt == "text":
-            widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(self._HEADER)]
-            fmt_row = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-            return "\n".join([fmt_row(self._HEADER)] + [fmt_row(row) for row in cells])
+            return self._table().text()
         raise ValueError(f"table(fmt={fmt!r}): expected 'markdown' or 'text'")
 
     def __str__(self) -> str:
@@ -174,15 +166,8 @@ class EpochComparison:
         return f"<EpochComparison {len(self.rows)} epochs: {self.summary()}>"
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._HEADER)
-        body = []
-        for r, row in zip(self.rows, self._cells()):
-            style = ' style="font-weight:bold"' if r.dataset == "cached" and not r.filling else ""
-            body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
-        return (
-            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-            f"<p>{html.escape(self.summary())}</p>"
-        )
+        bold = ["font-weight:bold" if r.dataset == "cached" and not r.filling else "" for r in self.rows]
+        return self._table().html(row_styles=bold) + f"<p>{html.escape(self.summary())}</p>"
 
     # --- plot --------------------------------------------------------------------------------
     def plot(self, path=None, *, title: str = ""):
@@ -199,11 +184,8 @@ class EpochComparison:
         Raises:
             ImportError: matplotlib is not installed (``pip install 'nbkit[notebook]'``).
         """
-        try:
-            import matplotlib.pyplot as plt
-            from matplotlib.patches import Patch
-        except ImportError as e:
-            raise ImportError("nbkit.bench plots need matplotlib: pip install 'nbkit[notebook]'") from e
+        plt = require("matplotlib.pyplot", extra="notebook", feature="nbkit.bench plots")
+        Patch = require("matplotlib.patches", extra="notebook", feature="nbkit.bench plots").Patch
 
         colours = [
             _RAW_COLOUR if r.dataset == "raw" else _FILL_COLOUR if r.filling else _CACHED_COLOUR
@@ -221,7 +203,7 @@ class EpochComparison:
         for r in self.rows:
             tick = f"{r.dataset}\nepoch {r.epoch}"
             if r.hit_rate is not None:
-                tick += f"\nhits {100 * r.hit_rate:.0f}%"
+                tick += f"\nhits {format_percent(r.hit_rate, digits=0)}"
             ticks.append(tick)
 
         # Made through pyplot so that IPython's inline backend is loaded and renders the returned
@@ -230,8 +212,8 @@ class EpochComparison:
         plt.close(fig)
         ax_time, ax_rate = fig.subplots(1, 2)
         panels = (
-            (ax_time, [r.seconds for r in self.rows], "seconds per epoch (lower is better)", _fmt_seconds),
-            (ax_rate, [r.samples_per_s for r in self.rows], "samples / s (higher is better)", _fmt_rate),
+            (ax_time, [r.seconds for r in self.rows], "seconds per epoch (lower is better)", _seconds_label),
+            (ax_rate, [r.samples_per_s for r in self.rows], "samples / s (higher is better)", _rate_label),
         )
         for ax, values, heading, fmt in panels:
             bars = ax.bar(xs, values, color=colours, width=0.8, edgecolor="black", linewidth=0.6)
@@ -245,7 +227,7 @@ class EpochComparison:
             ax.spines[["top", "right"]].set_visible(False)
             ax.grid(axis="y", alpha=0.3)
             ax.set_axisbelow(True)
-        ax_rate.yaxis.set_major_formatter(lambda v, _pos: _fmt_rate(v))
+        ax_rate.yaxis.set_major_formatter(lambda v, _pos: _rate_label(v))
 
         legend = [Patch(facecolor=_RAW_COLOUR, edgecolor="black", label="raw dataset (transform every time)")]
         if any(r.filling for r in self.rows):
@@ -273,16 +255,12 @@ class EpochComparison:
         return fig
 
 
-def _fmt_seconds(v: float) -> str:
-    return f"{v:.2f} s" if v >= 0.1 else f"{v * 1000:.0f} ms"
+def _seconds_label(v: float) -> str:
+    return format_seconds(v, digits=2)
 
 
-def _fmt_rate(v: float) -> str:
-    if v >= 1e6:
-        return f"{v / 1e6:.3g}M"
-    if v >= 1e3:
-        return f"{v / 1e3:.0f}k"
-    return f"{v:.0f}"
+def _rate_label(v: float) -> str:
+    return format_count(v, compact=True)
 
 
 def _mean(values) -> float:
@@ -297,11 +275,6 @@ def _default_collate(ds):
     return nbkit.collate if isinstance(ds, nbkit.CachedDataset) else None
 
 
-def _hits_misses(ds) -> tuple[int, int]:
-    stats = ds.stats
-    return int(stats.hits), int(stats.misses)
-
-
 def _timed_epochs(ds, name, *, epochs, batch_size, num_workers, collate_fn, callback):
     from torch.utils.data import DataLoader
 
@@ -313,22 +286,20 @@ def _timed_epochs(ds, name, *, epochs, batch_size, num_workers, collate_fn, call
         collate_fn=collate_fn if collate_fn is not None else _default_collate(ds),
         persistent_workers=num_workers > 0,
     )
-    has_stats = hasattr(ds, "stats")
+    counter = EpochCounter(ds) if hasattr(ds, "stats") else None
     rows = []
     for epoch in range(1, epochs + 1):
-        if callback is not None:
-            callback.set_description(f"{name} epoch {epoch}/{epochs}")
-        before = _hits_misses(ds) if has_stats else None
+        callback.set_description(f"{name} epoch {epoch}/{epochs}")
+        if counter is not None:
+            counter.new_epoch()
         start = time.perf_counter()
         for _batch in loader:
-            if callback is not None:
-                callback.relative_update(1)
+            callback.relative_update(1)
         seconds = time.perf_counter() - start
         hit_rate, filling = None, False
-        if has_stats:
-            hits, misses = (a - b for a, b in zip(_hits_misses(ds), before))
-            hit_rate = hits / (hits + misses) if hits + misses else 0.0
-            filling = misses > 0
+        if counter is not None:
+            counted = counter.count()
+            hit_rate, filling = counted.hit_rate, counted.filling
         rows.append(EpochRow(name, epoch, seconds, len(ds), hit_rate, filling))
     return rows
 
@@ -373,9 +344,8 @@ def compare_epochs(raw, cached, *, epochs: int = 3, batch_size: int = 256, num_w
             f"compare_epochs: cached is a {type(cached).__name__} without .stats; "
             "pass an nbkit.CachedDataset, e.g. nbkit.CachedDataset(raw, path)"
         )
-    if callback is not None:
-        per_epoch = math.ceil(len(raw) / batch_size)
-        callback.set_size(2 * epochs * per_epoch)
+    callback = as_callback(callback)
+    callback.set_size(2 * epochs * math.ceil(len(raw) / batch_size))
     kwargs = dict(epochs=epochs, batch_size=batch_size, num_workers=num_workers,
                   collate_fn=collate_fn, callback=callback)
     rows = _timed_epochs(raw, "raw", **kwargs) + _timed_epochs(cached, "cached", **kwargs)

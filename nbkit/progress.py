@@ -1,58 +1,118 @@
-"""Progress reporting: a callback object the engine calls, whose default does nothing.
+"""Progress reporting: a callback object the engine calls (its default does nothing), and
+:class:`Job`, one long operation run in a background thread.
 
-Modelled on :mod:`fsspec.callbacks` (and compatible with it: an nbkit callback can be handed to
-``fs.put(..., callback=cb)``). Long operations (warmup, export, push, pull) call
-
-* ``set_size(n)`` once they know the total,
-* ``relative_update(k)`` / ``absolute_update(v)`` as work is done,
-* ``set_description(text)`` when the phase changes,
-
-and check ``stop_requested`` between units of work, so a front end (the notebook panel, a
-Stop button) can interrupt them cleanly. Front ends only render; they hold no logic.
+Modelled on :mod:`fsspec.callbacks` and compatible with it both ways: an nbkit callback can be
+handed to ``fs.put(..., callback=cb)``, and :func:`as_callback` makes any fsspec callback safe for
+nbkit's long operations (warmup, verify, export, import, push, pull), which call ``set_size(n)``,
+``absolute_update(v)`` / ``relative_update(k)``, ``set_description(text)``, and check
+``stop_requested`` between units of work. An operation that runs several phases through one
+callback (fill the cache in samples, then upload it in bytes) says so with
+:meth:`Callback.start_phase`. Front ends (the notebook panel, :class:`TextProgress`) only render
+what a callback holds: its size, value, phase, unit, :meth:`~Callback.rate` and
+:meth:`~Callback.eta`.
 
 Example:
-    >>> from nbkit.progress import Callback
+    >>> from nbkit.progress import Callback, Job
     >>> cb = Callback()
     >>> cb.set_size(10); cb.relative_update(3); (cb.value, cb.size)
     (3, 10)
+    >>> job = Job("count", lambda cb: cb.set_size(5) or "counted").start()
+    >>> job.wait(timeout=10), job.state.value, job.report
+    (True, 'done', 'counted')
 """
 
 from __future__ import annotations
 
+import enum
 import sys
+import threading
 import time
+from typing import Any, Callable
 
 from fsspec.callbacks import Callback as _FsspecCallback
 
-__all__ = ["Callback", "TextProgress", "NoOpCallback", "as_callback"]
+from .text import format_count, format_rate, format_seconds
+
+__all__ = ["Callback", "TextProgress", "NoOpCallback", "as_callback", "Job", "JobState"]
 
 
 class Callback(_FsspecCallback):
-    """A progress sink with a stop flag. Subclass and override :meth:`call` to render.
+    """A progress sink with a stop flag, a phase and a rate. Subclass and override :meth:`call` to render.
 
     Attributes:
         size: total units of work, or ``None`` until known.
         value: units done so far.
-        description: the current phase, e.g. ``"warming up"``.
+        description: what the operation does now, e.g. ``"warming up"``.
+        phase: the named step of the operation, e.g. ``"warmup"`` then ``"publish"``.
+        unit: what ``size`` and ``value`` count: ``"samples"`` or ``"bytes"``.
         stop_requested: set by :meth:`request_stop`; long operations stop at the next unit.
+
+    Example:
+        >>> cb = Callback(phase="warmup")
+        >>> cb.set_size(100); cb.absolute_update(40); cb.relative_update(10)
+        >>> cb.moved, cb.finished, cb.rate() > 0
+        (10, False, True)
+        >>> cb.start_phase("publish", unit="bytes", size=2000); (cb.phase, cb.unit, cb.value, cb.moved)
+        ('publish', 'bytes', 0, 0)
     """
 
-    def __init__(self, size=None, value=0, hooks=None, **kwargs):
+    def __init__(self, size=None, value=0, hooks=None, *, phase: str = "", unit: str = "samples", **kwargs):
         super().__init__(size=size, value=value, hooks=hooks, **kwargs)
         self.description = ""
         self.stop_requested = False
+        self.phase = phase
+        self.unit = unit
+        self._restart_clock()
+
+    def _restart_clock(self) -> None:
+        self.started = time.perf_counter()
+        self._base = self.value  # work done before this operation (e.g. samples already cached) is not speed
+        self._based = False
 
     @property
     def finished(self) -> bool:
         """All of a known size is done."""
         return self.size is not None and self.value >= self.size
 
+    @property
+    def moved(self):
+        """Units done by this phase of the operation (not those done before it started)."""
+        return self.value - self._base
+
+    def elapsed(self) -> float:
+        """Seconds since this phase started."""
+        return time.perf_counter() - self.started
+
+    def rate(self) -> float:
+        """Units per second in this phase (0.0 before anything moved)."""
+        moved = self.moved
+        return moved / max(self.elapsed(), 1e-9) if moved > 0 else 0.0
+
+    def eta(self) -> float | None:
+        """Seconds left at the current rate, or ``None`` when unknown."""
+        rate = self.rate()
+        if not self.size or rate <= 0:
+            return None
+        return max(self.size - self.value, 0) / rate
+
+    def absolute_update(self, value):
+        if not self._based:
+            # The first absolute value of a phase says where it starts (e.g. samples already cached).
+            self._base, self._based = value, True
+        super().absolute_update(value)
+
+    def start_phase(self, name: str, *, unit: str = "samples", size=None) -> None:
+        """Begin the next named step of an operation: new unit, counts and clock; front ends re-render."""
+        self.phase, self.unit, self.size, self.value = name, unit, size, 0
+        self._restart_clock()
+        self.call()
+
     def request_stop(self) -> None:
         """Ask the running operation to stop after its current unit of work."""
         self.stop_requested = True
 
     def set_description(self, text: str) -> None:
-        """Name the current phase and let the front end re-render."""
+        """Say what the operation does now and let the front end re-render."""
         self.description = text
         self.call()
 
@@ -62,6 +122,72 @@ class NoOpCallback(Callback):
 
     def call(self, *args, **kwargs):
         return None
+
+
+class _FsspecAdapter(Callback):
+    """Lets a plain fsspec callback (no ``set_description``, no ``stop_requested`` flag) follow an nbkit operation."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        super().__init__(size=inner.size, value=inner.value)
+
+    @property
+    def stop_requested(self) -> bool:
+        # fsspec's Callback answers every unknown attribute with a no-op method, which is truthy:
+        # only a real flag of the inner callback counts.
+        inner = getattr(self.inner, "stop_requested", False)
+        return self._stop or (isinstance(inner, bool) and inner)
+
+    @stop_requested.setter
+    def stop_requested(self, value: bool) -> None:
+        self._stop = bool(value)
+
+    def set_size(self, size):
+        self.size = size
+        self.inner.set_size(size)
+
+    def absolute_update(self, value):
+        super().absolute_update(value)
+        self.inner.absolute_update(value)
+
+    def relative_update(self, inc=1):
+        self.value += inc
+        self.inner.relative_update(inc)
+
+    def set_description(self, text: str) -> None:
+        self.description = text
+        forward = getattr(self.inner, "set_description", None)
+        if callable(forward):
+            forward(text)
+
+    def branched(self, path_1, path_2, **kwargs):
+        return self.inner.branched(path_1, path_2, **kwargs)
+
+    def call(self, *args, **kwargs):
+        return None  # the inner callback renders on its own updates
+
+    def close(self):
+        self.inner.close()
+
+
+def as_callback(callback) -> Callback:
+    """The callback an operation reports to: ``callback`` itself when it is an nbkit :class:`Callback`,
+    any other fsspec-style callback wrapped so that ``set_description`` and ``stop_requested`` are
+    safe no-ops, and a do-nothing :class:`NoOpCallback` for ``None``.
+
+    Example:
+        >>> import fsspec.callbacks
+        >>> plain = fsspec.callbacks.Callback()
+        >>> cb = as_callback(plain)
+        >>> cb.set_description("any phase"); cb.set_size(3); cb.relative_update(2)
+        >>> plain.value, cb.stop_requested
+        (2, False)
+    """
+    if callback is None:
+        return NoOpCallback()
+    if isinstance(callback, Callback):
+        return callback
+    return _FsspecAdapter(callback)
 
 
 class TextProgress(Callback):
@@ -80,42 +206,30 @@ class TextProgress(Callback):
     """
 
     def __init__(self, label: str = "", *, file=None, min_interval: float = 0.5, unit: str = "samples", **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(unit=unit, **kwargs)
         self.label = label
         self.file = file if file is not None else sys.stderr
         self.min_interval = min_interval
-        self.unit = unit
-        self._start = time.perf_counter()
         self._last_print = 0.0
-        self._start_value = None
         self._tty = bool(getattr(self.file, "isatty", lambda: False)())
         self._closed = False
 
     def line(self) -> str:
-        """The text of the progress line, e.g. ``warmup  1200/60000  2.0%  5400 samples/s  ETA 11s``."""
-        elapsed = max(time.perf_counter() - self._start, 1e-9)
-        if self._start_value is None:
-            self._start_value = self.value
-        done_now = self.value - self._start_value
-        rate = done_now / elapsed
+        """The text of the progress line, e.g. ``warmup  1,200/60,000   2.0%  5,400 samples/s  ETA 11s``."""
         parts = [self.label or "progress"]
         if self.size:
-            parts.append(f"{self.value}/{self.size}")
+            parts.append(f"{format_count(self.value)}/{format_count(self.size)}")
             parts.append(f"{100.0 * self.value / self.size:5.1f}%")
         else:
-            parts.append(f"{self.value}")
-        parts.append(f"{rate:,.0f} {self.unit}/s")
-        if self.size and rate > 0 and self.value < self.size:
-            parts.append(f"ETA {format_seconds((self.size - self.value) / rate)}")
-        else:
-            parts.append(f"{format_seconds(elapsed)}")
+            parts.append(format_count(self.value))
+        parts.append(format_rate(self.rate(), self.unit))
+        eta = self.eta()
+        parts.append(f"ETA {format_seconds(eta)}" if eta is not None and not self.finished else format_seconds(self.elapsed()))
         if self.description:
             parts.append(self.description)
         return "  ".join(parts)
 
     def call(self, *args, **kwargs):
-        if self._start_value is None:
-            self._start_value = self.value
         now = time.perf_counter()
         finished = self.finished
         if not finished and now - self._last_print < self.min_interval:
@@ -127,23 +241,121 @@ class TextProgress(Callback):
     def close(self):
         if not self._closed:
             self._closed = True
-            if self._tty:
-                print(self.line(), file=self.file, flush=True)
-            elif not self.finished:
+            if self._tty or not self.finished:
                 print(self.line(), file=self.file, flush=True)
 
 
-def format_seconds(seconds: float) -> str:
-    """``75.2`` → ``'1m15s'``; ``3.21`` → ``'3.2s'``."""
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
+class JobState(str, enum.Enum):
+    """Where a :class:`Job` is.
+
+    Example:
+        >>> JobState("done") is JobState.DONE, JobState.RUNNING.value
+        (True, 'running')
+    """
+
+    READY = "ready"  # not started
+    RUNNING = "running"  # the operation runs in the background
+    STOPPING = "stopping"  # a stop was requested; the operation ends after its current unit of work
+    STOPPED = "stopped"  # it ended early because a stop was requested
+    DONE = "done"  # it finished
+    ERROR = "error"  # it raised; see ``job.error``
 
 
-def as_callback(callback) -> _FsspecCallback:
-    """Return ``callback``, or a do-nothing :class:`NoOpCallback` when it is ``None``."""
-    return NoOpCallback() if callback is None else callback
+class Job:
+    """One long operation (``fn(callback)``) run in a background thread: start, stop, wait, its report or error.
+
+    The thread is a daemon, so a stuck upload cannot keep a notebook kernel from shutting down.
+    Whatever ``fn`` raises is kept in :attr:`error` (a background thread has nowhere else to put it);
+    ``on_end(job)``, if given, runs in that thread once the job has ended, to render the outcome.
+
+    Args:
+        name: what the operation is, e.g. ``"warmup"``, ``"export"``, ``"upload"``.
+        fn: called with the job's callback; returns the operation's report.
+        callback: the :class:`Callback` the operation reports to (default: a silent one).
+        on_end: called with the job after ``fn`` returned or raised.
+
+    Attributes:
+        report: what ``fn`` returned (``None`` until it did).
+        error: the exception ``fn`` raised, or ``None``.
+
+    Example:
+        >>> def count(cb):
+        ...     cb.set_size(3)
+        ...     for _ in range(3):
+        ...         cb.relative_update(1)
+        ...     return "counted"
+        >>> job = Job("count", count).start()
+        >>> job.wait(timeout=10), job.state, job.report, job.callback.value
+        (True, <JobState.DONE: 'done'>, 'counted', 3)
+    """
+
+    def __init__(self, name: str, fn: Callable[[Callback], Any], *, callback: Callback | None = None,
+                 on_end: Callable[["Job"], None] | None = None):
+        self.name = name
+        self.fn = fn
+        self.callback = callback if callback is not None else NoOpCallback(phase=name)
+        self.on_end = on_end
+        self.report = None
+        self.error = None
+        self._thread = None
+        self._ended = False
+        self._lock = threading.Lock()
+
+    def start(self) -> "Job":
+        """Run the operation in a background thread; returns the job."""
+        if self._thread is not None:
+            raise RuntimeError(f"the {self.name} job was already started; make a new Job to run it again")
+        self._thread = threading.Thread(target=self._run, name=f"nbkit-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.report = self.fn(self.callback)
+        # Any failure of the operation is the job's outcome, shown by whoever renders it, rather
+        # than a traceback lost in a background thread.
+        except Exception as e:  # noqa: BLE001
+            self.error = e
+        finally:
+            self.callback.close()
+            with self._lock:
+                self._ended = True
+        if self.on_end is not None:
+            self.on_end(self)
+
+    def stop(self) -> bool:
+        """Ask the operation to stop after its current unit of work; False if it is not running."""
+        with self._lock:
+            if self._thread is None or self._ended:
+                return False
+            self.callback.request_stop()
+            return True
+
+    @property
+    def running(self) -> bool:
+        """Started and not yet ended."""
+        return self._thread is not None and not self._ended
+
+    @property
+    def state(self) -> JobState:
+        if self._thread is None:
+            return JobState.READY
+        if not self._ended:
+            return JobState.STOPPING if self.callback.stop_requested else JobState.RUNNING
+        if self.error is not None:
+            return JobState.ERROR
+        return JobState.STOPPED if self.stopped else JobState.DONE
+
+    @property
+    def stopped(self) -> bool:
+        """The operation ended early because a stop was requested."""
+        if bool(getattr(self.report, "stopped", False)):
+            return True
+        return self._ended and self.callback.stop_requested and not self.callback.finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job has ended (and ``on_end`` ran); False on timeout."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

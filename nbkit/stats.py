@@ -3,7 +3,9 @@
 DataLoader workers are separate processes; the hit-rate meter runs in the main one. Counters
 therefore live in a small memory-mapped file (in ``/dev/shm`` when available) with one row per
 process: a process only ever adds to its own row, so no lock is needed on the hot path, and a
-snapshot sums the rows. Rows of processes that ended keep their counts.
+snapshot sums the rows. Rows of processes that ended keep their counts. :class:`Stats` is one
+snapshot; :class:`EpochCounter` turns successive snapshots into per-epoch :class:`EpochStats`
+(what the hit-rate meter and the benchmark report).
 
 Example:
     >>> from nbkit.stats import SharedCounters
@@ -18,26 +20,49 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import time
 import uuid
 import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
+from .text import format_bytes
+
 try:
     import fcntl
 except ImportError:  # Windows: no POSIX record locks; a thread lock and per-process rows still apply
     fcntl = None
 
-__all__ = ["Stats", "SharedCounters"]
+__all__ = ["Stats", "SharedCounters", "EpochStats", "EpochCounter", "HitRate"]
 
 FIELDS = ("hits", "misses", "recomputed", "stored", "refused")
 _SLOTS = 256
 _WIDTH = 1 + len(FIELDS)  # column 0: owner pid
 
 
+class HitRate:
+    """``reads`` and ``hit_rate`` of anything with ``hits`` and ``misses``: the one hit-rate model of
+    :class:`Stats` and :class:`EpochStats`. The hit rate is 0.0 before the first read; ``reads == 0``
+    tells the two apart.
+
+    Example:
+        >>> EpochStats(epoch=1).hit_rate, EpochStats(epoch=1, hits=3, misses=1).hit_rate
+        (0.0, 0.75)
+    """
+
+    @property
+    def reads(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of reads served from the cache (0.0 before any read)."""
+        return self.hits / self.reads if self.reads else 0.0
+
+
 @dataclass(frozen=True)
-class Stats:
+class Stats(HitRate):
     """A snapshot of one cache's counters.
 
     Attributes:
@@ -66,15 +91,6 @@ class Stats:
     refused: int = 0
 
     @property
-    def reads(self) -> int:
-        return self.hits + self.misses
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of reads served from the cache (0.0 before any read)."""
-        return self.hits / self.reads if self.reads else 0.0
-
-    @property
     def complete(self) -> bool:
         """Every sample the cache may hold is stored."""
         return self.cached >= (self.total if self.capacity is None else self.capacity)
@@ -88,8 +104,124 @@ class Stats:
         return (
             f"cached {self.cached}/{self.total}{budget} ({100.0 * self.cached / max(self.total, 1):.1f}%), "
             f"hits {self.hits}, misses {self.misses}, hit rate {100.0 * self.hit_rate:.1f}%, "
-            f"{self.bytes / 2**20:.1f} MiB stored"
+            f"{format_bytes(self.bytes)} stored"
         )
+
+
+@dataclass
+class EpochStats(HitRate):
+    """Reads in one epoch (or, with ``epoch=0``, over several), as counted by ``ds.stats``.
+
+    Its ``reads`` and ``hit_rate`` are those of :class:`Stats` (:class:`HitRate`: 0.0 before the first read).
+
+    Attributes:
+        epoch: 1 for the first epoch.
+        hits: samples served from the cache.
+        misses: samples computed from the source (and stored).
+        seconds: wall time of the epoch so far.
+
+    Example:
+        >>> e = EpochStats(epoch=2, hits=90, misses=10, seconds=0.5)
+        >>> e.reads, e.hit_rate, e.rate, e.filling
+        (100, 0.9, 200.0, True)
+        >>> EpochStats(epoch=1).hit_rate
+        0.0
+    """
+
+    epoch: int
+    hits: int = 0
+    misses: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """Samples read per second."""
+        return self.reads / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def filling(self) -> bool:
+        """True when this epoch computed samples (typically the first), False when all were hits."""
+        return self.misses > 0
+
+
+class EpochCounter:
+    """Per-epoch hits and misses of one dataset, from successive ``ds.stats`` snapshots.
+
+    Counting starts at construction. :meth:`count` brings the current epoch up to date;
+    :meth:`new_epoch` closes it and starts the next. A ``ds.reset_stats()`` in between is noticed
+    (the counters go down) and counting goes on from zero instead of showing negative reads.
+
+    Args:
+        ds: anything with a ``stats`` attribute (an :class:`nbkit.CachedDataset`).
+        clock: a function returning seconds (default :func:`time.perf_counter`).
+
+    Attributes:
+        epochs: one :class:`EpochStats` per epoch; the last one is the current epoch.
+        last: the latest :class:`Stats` snapshot read.
+
+    Example:
+        >>> import torch, tempfile, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.ones(4, 2)), tempfile.mkdtemp())
+        >>> counter = EpochCounter(ds)
+        >>> for epoch in range(2):
+        ...     _ = counter.new_epoch()
+        ...     _ = [ds[i] for i in range(4)]
+        >>> _ = counter.count()
+        >>> [(e.epoch, e.hits, e.misses) for e in counter.epochs]
+        [(1, 0, 4), (2, 4, 0)]
+    """
+
+    def __init__(self, ds, *, clock=time.perf_counter):
+        self.ds = ds
+        self.clock = clock
+        self.last = ds.stats
+        self._counts = (int(self.last.hits), int(self.last.misses))
+        self._base = self._counts  # counters at construction: "overall" starts here
+        self._epoch_base = self._counts
+        self._start = self._epoch_start = self._time = clock()
+        self.epochs = [EpochStats(epoch=1)]
+
+    @property
+    def current(self) -> EpochStats:
+        """The epoch being counted now."""
+        return self.epochs[-1]
+
+    def count(self) -> EpochStats:
+        """Read ``ds.stats`` and update the current epoch; returns it."""
+        self._time = self.clock()
+        stats = self.last = self.ds.stats
+        counts = (int(stats.hits), int(stats.misses))
+        if counts[0] < self._epoch_base[0] or counts[1] < self._epoch_base[1]:
+            # Someone called ds.reset_stats(): count on from zero.
+            done = self.epochs[:-1]
+            self._base = (-sum(e.hits for e in done), -sum(e.misses for e in done))
+            self._epoch_base = (0, 0)
+        self._counts = counts
+        cur = self.current
+        cur.hits = counts[0] - self._epoch_base[0]
+        cur.misses = counts[1] - self._epoch_base[1]
+        cur.seconds = self._time - self._epoch_start
+        return cur
+
+    def new_epoch(self) -> EpochStats | None:
+        """Close the current epoch and start the next; returns the closed one.
+
+        When the current epoch has read nothing yet it only restarts its clock (and returns
+        ``None``), so calling it before the first epoch is harmless.
+        """
+        cur = self.count()
+        self._epoch_start = self._time
+        if cur.reads == 0:
+            cur.seconds = 0.0
+            return None
+        self._epoch_base = self._counts
+        self.epochs.append(EpochStats(epoch=cur.epoch + 1))
+        return cur
+
+    def overall(self) -> EpochStats:
+        """All reads counted so far as one :class:`EpochStats` (``epoch=0``)."""
+        hits, misses = (c - b for c, b in zip(self._counts, self._base))
+        return EpochStats(epoch=0, hits=hits, misses=misses, seconds=self._time - self._start)
 
 
 def _shm_dir() -> str:

@@ -172,7 +172,7 @@ def test_plot_shows_raw_filling_and_cached_apart(tmp_path):
                       "cached, served from the cache"]
     assert "15.0× faster" in fig._suptitle.get_text()
     assert "MNIST · 1,000 samples an epoch · batch size 64 · num_workers=2" in [t.get_text() for t in fig.texts]
-    assert [t.get_text() for t in ax_time.texts] == ["2.00 s", "4.00 s", "5.00 s", "0.25 s", "0.15 s"]
+    assert [t.get_text() for t in ax_time.texts] == ["2.00s", "4.00s", "5.00s", "0.25s", "0.15s"]
     assert [t.get_text() for t in ax_rate.texts] == ["500", "250", "200", "4k", "7k"]
     png = (tmp_path / "plot.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

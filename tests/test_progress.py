@@ -1,10 +1,14 @@
 """Progress callbacks: fsspec-compatible, stoppable, and a plain text line for terminals."""
 
 import io
+import threading
+import time
 
+import pytest
 from fsspec.callbacks import Callback as FsspecCallback
 
-from nbkit.progress import Callback, TextProgress, as_callback, format_seconds
+from nbkit.progress import Callback, Job, JobState, TextProgress, as_callback
+from nbkit.text import format_seconds
 
 
 def test_callback_is_an_fsspec_callback_with_a_stop_flag():
@@ -39,3 +43,122 @@ def test_text_progress_throttles():
 
 def test_format_seconds():
     assert format_seconds(3.21) == "3.2s" and format_seconds(75.2) == "1m15s" and format_seconds(7300) == "2h01m"
+
+
+# -- any fsspec-style callback works with every long operation ---------------------------------------------
+
+
+class _Recorder(FsspecCallback):
+    """A plain fsspec callback, as a user of fsspec would write it: no set_description, no stop flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def call(self, *args, **kwargs):
+        self.calls += 1
+
+
+def test_as_callback_adapts_a_plain_fsspec_callback():
+    plain = _Recorder()
+    cb = as_callback(plain)
+    assert isinstance(cb, Callback) and as_callback(cb) is cb
+    cb.set_description("hashing")  # a no-op for the plain callback
+    cb.set_size(10)
+    cb.absolute_update(2)
+    cb.relative_update(3)
+    assert (plain.size, plain.value, cb.value, cb.moved) == (10, 5, 5, 3)
+    assert plain.calls == 3 and cb.description == "hashing"
+    assert cb.stop_requested is False  # fsspec answers unknown attributes with a (truthy) no-op method
+    cb.request_stop()
+    assert cb.stop_requested is True
+
+
+def test_every_long_operation_accepts_a_plain_fsspec_callback(tmp_path):
+    import torch
+
+    import nbkit
+
+    source = torch.utils.data.TensorDataset(torch.arange(600.0).reshape(300, 2))
+    ds = nbkit.CachedDataset(source, str(tmp_path / "cache"))
+    warm = _Recorder()
+    report = ds.warmup(callback=warm, chunk_size=64)
+    assert report.computed == 300 and not report.stopped and warm.value == 300
+    assert ds.verify(callback=_Recorder()) == 300
+    exported = _Recorder()
+    nbkit.export_tar(ds.root, str(tmp_path / "cache.tar"), callback=exported)
+    assert exported.value == exported.size > 0
+    nbkit.import_tar(str(tmp_path / "cache.tar"), str(tmp_path / "restored"), callback=_Recorder())
+    pushed = _Recorder()
+    nbkit.push(ds.root, "memory://nbkit-progress-test/cache", callback=pushed)
+    assert pushed.value == pushed.size > 0
+    nbkit.pull("memory://nbkit-progress-test/cache", str(tmp_path / "pulled"), callback=_Recorder())
+    for path in ("restored", "pulled"):
+        assert nbkit.CachedDataset.open(str(tmp_path / path)).stats.complete
+
+
+# -- Callback: phases, rate, ETA ----------------------------------------------------------------------------
+
+
+def test_rate_counts_only_this_phase_and_start_phase_resets():
+    cb = Callback(phase="warmup")
+    cb.set_size(100)
+    cb.absolute_update(40)  # already done before this operation: not speed
+    assert cb.moved == 0 and cb.rate() == 0.0 and cb.eta() is None
+    cb.relative_update(30)
+    assert cb.moved == 30 and cb.rate() > 0 and cb.eta() > 0 and not cb.finished
+    cb.relative_update(30)
+    assert cb.finished
+    cb.start_phase("publish", unit="bytes", size=5000)
+    assert (cb.phase, cb.unit, cb.size, cb.value, cb.moved, cb.finished) == ("publish", "bytes", 5000, 0, 0, False)
+    cb.absolute_update(0)
+    cb.absolute_update(2500)  # later absolute updates are progress (import_tar reports this way)
+    assert cb.moved == 2500
+
+
+# -- Job -----------------------------------------------------------------------------------------------
+
+
+def test_job_runs_in_the_background_and_keeps_its_report():
+    ended = []
+    release = threading.Event()
+
+    def work(cb):
+        cb.set_size(2)
+        release.wait(10)
+        cb.relative_update(2)
+        return "report"
+
+    job = Job("work", work, on_end=ended.append)
+    assert job.state is JobState.READY and not job.running and job.wait()
+    job.start()
+    assert job.running and job.state is JobState.RUNNING
+    assert not job.wait(timeout=0.05)
+    release.set()
+    assert job.wait(timeout=10)
+    assert (job.state, job.report, job.error, job.callback.value) == (JobState.DONE, "report", None, 2)
+    assert ended == [job] and not job.stop()
+    with pytest.raises(RuntimeError, match="already started"):
+        job.start()
+
+
+def test_job_stop_and_error():
+    def chunks(cb):
+        cb.set_size(1000)
+        while not cb.stop_requested:
+            cb.relative_update(1)
+            time.sleep(0.001)
+        return None
+
+    job = Job("chunks", chunks, callback=Callback()).start()
+    while job.callback.value == 0:
+        time.sleep(0.001)
+    assert job.stop() and job.state in (JobState.STOPPING, JobState.STOPPED)
+    assert job.wait(timeout=10) and job.state is JobState.STOPPED and job.stopped
+
+    def fail(cb):
+        raise OSError("disk on fire")
+
+    failed = Job("fail", fail).start()
+    assert failed.wait(timeout=10)
+    assert failed.state is JobState.ERROR and isinstance(failed.error, OSError) and failed.report is None

@@ -3,7 +3,7 @@
 import multiprocessing as mp
 import pickle
 
-from nbkit.stats import SharedCounters, Stats
+from nbkit.stats import EpochCounter, EpochStats, SharedCounters, Stats
 
 
 def _count(counters, n):
@@ -40,3 +40,38 @@ def test_stats_snapshot_text():
     assert s.hit_rate == 0.75 and not s.complete and s.reads == 4
     assert "cached 4/8 (50.0%)" in str(s) and "hit rate 75.0%" in str(s)
     assert Stats(0, 0, 0, 0, 0, 1, 0).hit_rate == 0.0
+
+
+def test_epoch_stats_before_any_read():
+    # The hit rate before the first read is 0.0 in both models (EpochStats follows Stats); reads says "none yet".
+    e = EpochStats(epoch=1)
+    assert e.reads == 0 and e.hit_rate == 0.0 and e.rate == 0.0 and not e.filling
+
+
+class _FakeDataset:
+    """Anything with .stats: counters a test sets by hand."""
+
+    def __init__(self):
+        self.hits = self.misses = 0
+
+    @property
+    def stats(self):
+        return Stats(hits=self.hits, misses=self.misses, recomputed=0, stored=0, cached=0, total=10, bytes=0)
+
+
+def test_epoch_counter_counts_per_epoch_and_survives_a_reset():
+    ds = _FakeDataset()
+    ds.hits, ds.misses = 5, 5  # reads before the counter existed are not counted
+    ticks = iter(range(100))
+    counter = EpochCounter(ds, clock=lambda: float(next(ticks)))
+    assert counter.new_epoch() is None and len(counter.epochs) == 1  # nothing read yet: harmless
+    ds.misses += 10
+    closed = counter.new_epoch()
+    assert (closed.epoch, closed.hits, closed.misses, closed.filling) == (1, 0, 10, True) and closed.seconds > 0
+    ds.hits += 10
+    assert counter.count() is counter.current and (counter.current.hits, counter.current.hit_rate) == (10, 1.0)
+    ds.hits, ds.misses = 4, 0  # ds.reset_stats(), then 4 more reads
+    counter.count()
+    assert [(e.epoch, e.hits, e.misses) for e in counter.epochs] == [(1, 0, 10), (2, 4, 0)]
+    overall = counter.overall()
+    assert (overall.epoch, overall.hits, overall.misses, overall.hit_rate) == (0, 4, 10, 4 / 14)

@@ -1,4 +1,4 @@
-"""Run by tests/test_tpu.py: ``import nbkit`` and ``nbkit.tpu.describe()`` must not import torch_xla."""
+"""Run by tests/tpu/test_runtime.py: ``import nbkit`` and ``nbkit.tpu.describe()`` must not import torch_xla."""
 
 import json
 import sys

@@ -1,4 +1,4 @@
-"""Notebook mistakes nbkit.tpu.spawn must explain, run by tests/test_tpu.py as ``python -c <this text>``.
+"""Notebook mistakes nbkit.tpu.spawn must explain, run by tests/tpu/test_run.py as ``python -c <this text>``.
 
 Prints one JSON object: the error each attempt raised (``"no error"`` if none).
 """

@@ -1,4 +1,4 @@
-"""Notebook-style use of nbkit.tpu, run by tests/test_tpu.py as ``python -c <this text> ARGS``.
+"""Notebook-style use of nbkit.tpu, run by tests/tpu/test_run.py as ``python -c <this text> ARGS``.
 
 Run through ``-c``, ``__main__`` has no file, exactly like a notebook: ``train`` below can only
 reach the replicas by ``fork``, which is what ``nbkit.tpu.spawn`` picks.

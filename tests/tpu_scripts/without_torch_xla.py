@@ -1,4 +1,4 @@
-"""nbkit without torch_xla, run by tests/test_tpu.py as ``python -c <this text>``.
+"""nbkit without torch_xla, run by tests/tpu/test_run.py as ``python -c <this text>``.
 
 Hides torch_xla (as if not installed), then checks that ``import nbkit`` and ``describe()`` work
 without it and that the functions needing it raise an ImportError naming the pip command.

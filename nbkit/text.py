@@ -1,0 +1,157 @@
+"""Numbers and tables as people read them: one formatter per quantity and one table renderer.
+
+Every view in nbkit (the notebook widgets, the text progress line, the benchmark tables and plots,
+the TPU runtime report) formats through this module, so a quantity reads the same everywhere:
+bytes in decimal units (``"1.5 MB"``), durations as ``"3.2s"`` / ``"1m15s"``, counts with
+thousands separators, rates per second, and a :class:`Table` rendered as aligned text, Markdown
+or HTML.
+
+Example:
+    >>> from nbkit.text import Table, format_bytes, format_rate, format_seconds
+    >>> format_bytes(1_500_000), format_seconds(75.2), format_rate(5400, "samples")
+    ('1.5 MB', '1m15s', '5,400 samples/s')
+    >>> print(Table([("runtime", "cpu"), ("torch", "2.9.0")]).text())
+    runtime  cpu
+    torch    2.9.0
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Sequence
+
+__all__ = ["format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent", "Table"]
+
+
+def format_bytes(n) -> str:
+    """Bytes in decimal units: ``512`` → ``'512 B'``, ``1_500_000`` → ``'1.5 MB'``."""
+    n = float(n or 0)
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in ("KB", "MB", "GB"):
+        n /= 1000
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} TB"
+
+
+def format_count(n, *, compact: bool = False) -> str:
+    """``12345`` → ``'12,345'``; with ``compact=True`` (plot labels) ``'12k'``, ``1.5e6`` → ``'1.5M'``."""
+    if compact:
+        if n >= 1e6:
+            return f"{n / 1e6:.3g}M"
+        if n >= 1e3:
+            return f"{n / 1e3:.0f}k"
+    return f"{n:,.0f}"
+
+
+def format_amount(n, unit: str) -> str:
+    """An amount of ``unit``: bytes with their unit (``'1.5 MB'``), anything else as a count (``'1,200'``)."""
+    return format_bytes(n) if unit == "bytes" else format_count(n)
+
+
+def format_rate(rate: float, unit: str = "samples") -> str:
+    """Units per second: ``'5,400 samples/s'``, or ``'1.5 MB/s'`` for ``unit="bytes"``."""
+    return f"{format_bytes(rate)}/s" if unit == "bytes" else f"{format_count(rate)} {unit}/s"
+
+
+def format_seconds(seconds: float, *, digits: int = 1) -> str:
+    """A duration: ``0.012`` → ``'12ms'``, ``3.21`` → ``'3.2s'`` (``digits=2``: ``'3.21s'``), ``75.2`` → ``'1m15s'``, ``7300`` → ``'2h01m'``."""
+    if 0 < seconds < 0.1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.{digits}f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def format_percent(fraction: float, *, digits: int = 1, missing: str = "–") -> str:
+    """``0.756`` → ``'75.6%'``; ``None`` (no data yet) → ``missing``."""
+    return missing if fraction is None else f"{100.0 * fraction:.{digits}f}%"
+
+
+class Table:
+    """Rows of cells rendered as aligned text, Markdown or HTML: the one table renderer of nbkit.
+
+    Args:
+        rows: sequences of cells (anything ``str()`` can render).
+        header: column names, or ``None`` for a table without a header row (key/value reports).
+        align: one letter per column for HTML, ``"l"`` or ``"r"`` (default: the browser's).
+        notes: lines shown under the table (a list in HTML).
+        note_prefix: put before each note in the text form, e.g. ``"warning: "``.
+
+    Example:
+        >>> t = Table([("raw", "2.00"), ("cached", "0.25")], header=("dataset", "seconds"))
+        >>> print(t.markdown())
+        | dataset | seconds |
+        |---|---|
+        | raw | 2.00 |
+        | cached | 0.25 |
+        >>> t.html().count("<tr>")
+        3
+    """
+
+    def __init__(self, rows, header: Sequence | None = None, *, align: str = "", notes: Sequence = (), note_prefix: str = ""):
+        self.rows = [tuple(str(c) for c in row) for row in rows]
+        self.header = None if header is None else tuple(str(h) for h in header)
+        self.align = align
+        self.notes = tuple(str(n) for n in notes)
+        self.note_prefix = note_prefix
+
+    def text(self) -> str:
+        """Columns padded to their widest cell, two spaces apart, then the notes."""
+        lines = ([self.header] if self.header else []) + self.rows
+        if not lines:
+            return "\n".join(self.note_prefix + n for n in self.notes)
+        widths = [max(len(line[i]) for line in lines if i < len(line)) for i in range(max(map(len, lines)))]
+        out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+        return "\n".join(out + [self.note_prefix + n for n in self.notes])
+
+    def markdown(self) -> str:
+        """A Markdown (GitHub) table; needs a header."""
+        if self.header is None:
+            raise ValueError("Table.markdown() needs a header row: pass header=(...) to Table")
+        lines = ["| " + " | ".join(self.header) + " |", "|" + "---|" * len(self.header)]
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+    def html(self, *, css_class: str = "", style: str = "", cell_style: str = "", column_styles: Sequence[str] = (),
+             row_styles: Sequence[str] = (), row_headers: bool = False, note_style: str = "") -> str:
+        """An HTML table (cells escaped).
+
+        Args:
+            css_class, style: the ``<table>``'s ``class`` and ``style``.
+            cell_style: CSS for every cell; ``column_styles[k]`` is added to column ``k``.
+            row_styles: CSS for each body row (``""`` for none).
+            row_headers: the first cell of each row is a ``<th>`` (key/value reports).
+            note_style: CSS of the notes' ``<ul>``.
+        """
+        def cell(tag, k, text):
+            parts = [cell_style]
+            if k < len(self.align) and self.align[k] in "lr":
+                parts.append(f"text-align:{'left' if self.align[k] == 'l' else 'right'}")
+            if k < len(column_styles):
+                parts.append(column_styles[k])
+            css = ";".join(p for p in parts if p)
+            attr = f" style='{css}'" if css else ""
+            return f"<{tag}{attr}>{html.escape(text)}</{tag}>"
+
+        body = []
+        for r, row in enumerate(self.rows):
+            css = row_styles[r] if r < len(row_styles) else ""
+            tds = "".join(cell("th" if row_headers and k == 0 else "td", k, c) for k, c in enumerate(row))
+            body.append((f"<tr style='{css}'>" if css else "<tr>") + tds + "</tr>")
+        if self.header is not None:
+            head = "<tr>" + "".join(cell("th", k, h) for k, h in enumerate(self.header)) + "</tr>"
+            inner = f"<thead>{head}</thead><tbody>{''.join(body)}</tbody>"
+        else:
+            inner = "".join(body)
+        attrs = (f" class='{css_class}'" if css_class else "") + (f" style='{style}'" if style else "")
+        out = f"<table{attrs}>{inner}</table>"
+        if self.notes:
+            items = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+            out += (f"<ul style='{note_style}'>" if note_style else "<ul>") + items + "</ul>"
+        return out

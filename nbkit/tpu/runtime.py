@@ -1,0 +1,338 @@
+"""What runtime this is (Colab / Kaggle TPU, a Cloud TPU VM, GPU, CPU), probed without importing
+torch_xla and without blocking on the network: :func:`describe` returns a :class:`RuntimeInfo`
+(versions installed, known-bad states with their fix), which renders as a table in notebooks.
+
+Example:
+    >>> from nbkit.tpu.runtime import describe
+    >>> describe(environ={}, root="/nonexistent").kind
+    'cpu'
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import math
+import os
+import platform
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from nbkit.text import Table
+
+__all__ = ["RuntimeInfo", "describe", "KINDS"]
+
+KINDS = ("colab-tpu", "kaggle-tpu", "tpu-vm", "gpu", "cpu")
+
+# PCI ids of TPU chips (vendor 0x1ae0 is Google), as torch_xla and JAX read them.
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = {
+    "0x0027": "v2/v3",
+    "0x005e": "v4",
+    "0x0062": "v5p",
+    "0x0063": "v5e",
+    "0x006f": "v6e",
+    "0x0076": "v7x",
+}
+# The GCE metadata server, by IP so that no DNS lookup can block; GCE_METADATA_HOST overrides it
+# (the variable Google's own client libraries honour).
+_METADATA_HOST = "169.254.169.254"
+_METADATA_TIMEOUT = 0.5
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What runtime this is. Returned by :func:`describe`; renders as a table in notebooks.
+
+    Attributes:
+        kind: ``"colab-tpu"``, ``"kaggle-tpu"``, ``"tpu-vm"``, ``"gpu"`` or ``"cpu"``.
+        platform: ``"colab"``, ``"kaggle"``, ``"gce"`` (a Google Compute Engine VM) or ``"local"``.
+        accelerator: e.g. ``"v5litepod-1"``, ``"TPU v5e"``, ``"Tesla T4"``; ``None`` when unknown.
+        accelerator_count: chips (TPU) or GPUs on this host, when knowable.
+        python, torch, torch_xla, libtpu: installed versions (``None`` when not installed).
+        pjrt_device: the current ``PJRT_DEVICE``, if set.
+        runtime_initialized: this process already started the XLA runtime (spawning will fail).
+        warnings: known-bad states, each naming its fix.
+
+    Example:
+        >>> info = describe(environ={"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_SKIP_MDS_QUERY": "1"}, root="/nonexistent")
+        >>> info.kind, info.accelerator, info.is_tpu
+        ('tpu-vm', 'v5litepod-1', True)
+    """
+
+    kind: str
+    platform: str
+    accelerator: Optional[str]
+    accelerator_count: Optional[int]
+    python: str
+    torch: str
+    torch_xla: Optional[str]
+    libtpu: Optional[str]
+    pjrt_device: Optional[str]
+    runtime_initialized: bool
+    warnings: tuple = ()
+
+    @property
+    def is_tpu(self) -> bool:
+        """True on a TPU runtime (Colab, Kaggle or a Cloud TPU VM)."""
+        return self.kind in ("colab-tpu", "kaggle-tpu", "tpu-vm")
+
+    def rows(self) -> list:
+        """``(field, value)`` pairs, in display order."""
+        acc = self.accelerator or "-"
+        if self.accelerator_count:
+            acc = f"{acc} × {self.accelerator_count}"
+        return [
+            ("runtime", f"{self.kind} ({self.platform})"),
+            ("accelerator", acc),
+            ("python", self.python),
+            ("torch", self.torch),
+            ("torch_xla", self.torch_xla or "not installed"),
+            ("libtpu", self.libtpu or "not installed"),
+            ("PJRT_DEVICE", self.pjrt_device or "unset"),
+            ("XLA runtime started here", "yes" if self.runtime_initialized else "no"),
+        ]
+
+    def __str__(self) -> str:
+        return Table(self.rows(), align="ll", notes=self.warnings, note_prefix="warning: ").text()
+
+    def _repr_html_(self) -> str:
+        return Table(self.rows(), align="ll", notes=self.warnings).html(
+            css_class="nbkit-runtime", row_headers=True, note_style="color:#b45309")
+
+
+def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> RuntimeInfo:
+    """Say what runtime this is, without importing torch_xla and without blocking.
+
+    The GCE metadata server is asked for the TPU type only on a Google Cloud VM (GCE, Colab,
+    Kaggle) that shows a TPU but not its type, with a 0.5 s timeout, by IP (no DNS lookup).
+
+    Args:
+        environ: the environment to read (default ``os.environ``); tests pass a fake one.
+        root: the file-system root under which ``/sys``, ``/proc`` and ``/dev`` are probed
+            (default ``/``); tests pass a temporary directory laid out like a Colab or TPU VM.
+
+    Returns:
+        A :class:`RuntimeInfo`; ``print(info)`` gives a text table, a notebook shows an HTML one.
+
+    Example:
+        >>> info = describe(environ={}, root="/nonexistent")
+        >>> (info.kind, info.platform)
+        ('cpu', 'local')
+    """
+    env = os.environ if environ is None else environ
+    root = Path(root)
+    warnings: list = []
+
+    platform_name = _platform(env, root)
+    tpu_chips, tpu_generation = _pci_tpu_chips(root)
+    is_tpu = _tpu_hints(env, root, tpu_chips)
+    accel_type = env.get("TPU_ACCELERATOR_TYPE") or None
+    if is_tpu and accel_type is None and platform_name in ("gce", "colab", "kaggle"):
+        accel_type = _metadata_accelerator_type(env, warnings)
+    legacy_node = bool(env.get("COLAB_TPU_ADDR") or env.get("XRT_TPU_CONFIG"))
+
+    gpus = _nvidia_gpus(root)
+    if is_tpu:
+        kind = {"colab": "colab-tpu", "kaggle": "kaggle-tpu"}.get(platform_name, "tpu-vm")
+        accelerator = accel_type or (f"TPU {tpu_generation}" if tpu_generation else "TPU")
+        count = tpu_chips or _chips_from_env(env)
+    elif legacy_node:
+        kind, accelerator, count = "cpu", "TPU Node (legacy)", None
+        warnings.append(
+            "this is a legacy TPU Node runtime (COLAB_TPU_ADDR / XRT_TPU_CONFIG), which torch_xla 2.x "
+            "cannot use; choose a TPU VM runtime (Colab: Runtime > Change runtime type > a TPU such as v5e-1)"
+        )
+    elif gpus:
+        kind, accelerator, count = "gpu", gpus[0], len(gpus)
+    else:
+        kind, accelerator, count = "cpu", None, None
+
+    torch_version = torch.__version__
+    xla_version = dist_version("torch_xla")  # importlib.metadata normalises "-" and "_"
+    libtpu = libtpu_version(env)
+    mismatch = _version_mismatch(torch_version, xla_version)
+    if mismatch:
+        warnings.append(mismatch)
+    initialized = runtime_initialized()
+    if initialized:
+        warnings.append(
+            "the XLA runtime is already initialised in this process, so spawn() will fail with "
+            "'Runtime is already initialized'; restart the runtime and call nbkit.tpu.spawn before "
+            "touching the XLA device in the notebook (torch_xla.device(), .to(device), xm.* calls)"
+        )
+    pjrt = env.get("PJRT_DEVICE") or None
+    if pjrt == "TPU" and not is_tpu:
+        warnings.append("PJRT_DEVICE=TPU but no TPU was found; run nbkit.tpu.setup() to fall back to PJRT_DEVICE=CPU")
+    if is_tpu and (xla_version is None or libtpu is None):
+        what = "torch_xla is not installed" if xla_version is None else "libtpu (torch_xla's TPU runtime) is not installed"
+        warnings.append(f"{what}; run nbkit.tpu.setup(install=True) or: {pip_display(xla_requirements(torch_version, True))}")
+
+    return RuntimeInfo(
+        kind=kind,
+        platform=platform_name,
+        accelerator=accelerator,
+        accelerator_count=count,
+        python=platform.python_version(),
+        torch=torch_version,
+        torch_xla=xla_version,
+        libtpu=libtpu,
+        pjrt_device=pjrt,
+        runtime_initialized=initialized,
+        warnings=tuple(warnings),
+    )
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _platform(env: Mapping[str, str], root: Path) -> str:
+    if env.get("COLAB_RELEASE_TAG") or env.get("COLAB_GPU") is not None or env.get("COLAB_BACKEND_VERSION"):
+        return "colab"
+    if env.get("KAGGLE_KERNEL_RUN_TYPE") or env.get("KAGGLE_URL_BASE") or (root / "kaggle" / "input").is_dir():
+        return "kaggle"
+    dmi = root / "sys" / "class" / "dmi" / "id"
+    if "Google" in _read(dmi / "product_name") or "Google" in _read(dmi / "bios_vendor"):
+        return "gce"
+    return "local"
+
+
+def _pci_tpu_chips(root: Path) -> tuple:
+    """(number of TPU chips on the PCI bus, their generation or None)."""
+    chips, generation = 0, None
+    for vendor in sorted((root / "sys" / "bus" / "pci" / "devices").glob("*/vendor")):
+        if _read(vendor) != _GOOGLE_PCI_VENDOR:
+            continue
+        device = _read(vendor.parent / "device")
+        if device in _TPU_PCI_DEVICES:
+            chips += 1
+            generation = _TPU_PCI_DEVICES[device]
+    return chips, generation
+
+
+def _tpu_hints(env: Mapping[str, str], root: Path, pci_chips: int) -> bool:
+    """Signs of a TPU VM that do not need the metadata server."""
+    if pci_chips or env.get("TPU_ACCELERATOR_TYPE") or env.get("ISTPUVM") == "1":
+        return True
+    if env.get("TPU_CHIPS_PER_HOST_BOUNDS") or env.get("TPU_WORKER_ID") is not None:
+        return True
+    return any((root / "dev").glob("accel[0-9]*"))
+
+
+def _chips_from_env(env: Mapping[str, str]) -> Optional[int]:
+    bounds = env.get("TPU_CHIPS_PER_HOST_BOUNDS")
+    if not bounds:
+        return None
+    try:
+        return math.prod(int(d) for d in bounds.split(","))
+    except ValueError:
+        return None
+
+
+def _metadata_accelerator_type(env: Mapping[str, str], warnings: list) -> Optional[str]:
+    if env.get("TPU_SKIP_MDS_QUERY"):
+        return None
+    host = env.get("GCE_METADATA_HOST") or env.get("GCE_METADATA_IP") or _METADATA_HOST
+    url = f"http://{host}/computeMetadata/v1/instance/attributes/accelerator-type"
+    request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=_METADATA_TIMEOUT) as response:
+            return response.read(200).decode("utf-8", "replace").strip() or None
+    except urllib.error.HTTPError:
+        return None  # a plain GCE VM without a TPU: the attribute does not exist
+    except (OSError, ValueError) as e:  # URLError and socket timeouts are OSErrors
+        warnings.append(f"the GCE metadata server at {host} did not answer within {_METADATA_TIMEOUT}s ({e}); TPU type unknown")
+        return None
+
+
+def _nvidia_gpus(root: Path) -> list:
+    # /proc/driver/nvidia/gpus/<bus id>/information says "Model: Tesla T4"; reading it does not
+    # initialise CUDA (torch.cuda.is_available() would, and a forked spawn() then breaks).
+    models = []
+    for info in sorted((root / "proc" / "driver" / "nvidia" / "gpus").glob("*/information")):
+        model = "NVIDIA GPU"
+        for line in _read(info).splitlines():
+            if line.startswith("Model:"):
+                model = line.split(":", 1)[1].strip() or model
+        models.append(model)
+    return models
+
+
+def dist_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def libtpu_version(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The libtpu torch_xla would load: a pip package's version, ``"bundled"``, or ``None``."""
+    version = dist_version("libtpu") or dist_version("libtpu-nightly")
+    if version:
+        return version
+    env = os.environ if environ is None else environ
+    if env.get("TPU_LIBRARY_PATH") and os.path.isfile(env["TPU_LIBRARY_PATH"]):
+        return "TPU_LIBRARY_PATH"
+    try:  # locates the package without importing it
+        spec = importlib.util.find_spec("torch_xla")
+    except (ImportError, ValueError, AttributeError):  # a broken or deliberately hidden torch_xla
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        if any(os.path.isfile(os.path.join(d, "lib", "libtpu.so")) for d in spec.submodule_search_locations):
+            return "bundled with torch_xla"
+    return None
+
+
+def major_minor(version: str) -> tuple:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def _version_mismatch(torch_version: str, xla_version: Optional[str]) -> Optional[str]:
+    if not xla_version:
+        return None
+    if major_minor(torch_version) == major_minor(xla_version):
+        return None
+    return (
+        f"torch {torch_version} and torch_xla {xla_version} do not match (torch_xla must have the same "
+        f"major.minor as torch); run: {pip_display(xla_requirements(torch_version, True))} "
+        "and restart the runtime"
+    )
+
+
+def runtime_initialized() -> bool:
+    # Only a process that imported torch_xla can have started its runtime; never import it here.
+    xla = sys.modules.get("torch_xla")
+    if xla is None:
+        return False
+    try:
+        return bool(xla._XLAC._xla_runtime_is_initialized())
+    except AttributeError:
+        return False
+
+
+def xla_requirements(torch_version: str, tpu: bool) -> tuple:
+    base = torch_version.split("+")[0]
+    major, minor = major_minor(base)
+    xla = f"torch_xla[tpu]~={major}.{minor}.0" if tpu else f"torch_xla~={major}.{minor}.0"
+    # Pin the torch that is already there: pip must fail loudly rather than replace it.
+    return (xla, f"torch=={base}")
+
+
+
+def pip_display(requirements) -> str:
+    return "pip install " + " ".join(f"'{r}'" for r in requirements)
+

@@ -1,0 +1,296 @@
+"""Make a runtime ready for nbkit's TPU path: :func:`setup` computes (and, when asked, runs) the pip
+command for the torch_xla matching the installed torch, sets ``PJRT_DEVICE`` (``TPU``, or ``CPU``
+as a fallback that keeps a tutorial runnable) and checks the device with a tiny computation **in a
+subprocess**, so the notebook's own process stays free to :func:`nbkit.tpu.spawn`. It returns a
+:class:`SetupReport`.
+
+Example:
+    >>> from nbkit.tpu.setup import setup
+    >>> setup(dry_run=True, environ={}, root="/nonexistent").env
+    {'PJRT_DEVICE': 'CPU'}
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Mapping, MutableMapping, Optional, Sequence
+
+from nbkit.text import Table
+
+from .runtime import RuntimeInfo, describe, dist_version, libtpu_version, pip_display, xla_requirements
+
+__all__ = ["SetupReport", "setup"]
+
+# Generous: the first TPU initialisation of a fresh VM can take a minute.
+_VERIFY_TIMEOUT = 300.0
+
+# The nbkit extras, for when nbkit's own metadata is not installed (a source checkout on sys.path).
+_EXTRAS_FALLBACK = {
+    "gcs": ("gcsfs>=2023.1",),
+    "notebook": ("ipywidgets>=7.7", "matplotlib>=3.5"),
+    "zst": ("zstandard",),
+}
+
+
+
+@dataclass
+class SetupReport:
+    """What :func:`setup` found and did. Renders as a table in notebooks.
+
+    Attributes:
+        info: the :class:`RuntimeInfo` it acted on.
+        requirements: everything the runtime needs (pip requirement strings).
+        missing: the part of ``requirements`` not yet satisfied.
+        pip_command: the command installing ``missing`` (``None`` when nothing is missing).
+        installed: whether the command was run (``install=True``) and succeeded.
+        env: the environment variables set, e.g. ``{"PJRT_DEVICE": "TPU"}``.
+        device: the XLA device the verification ran on (e.g. ``"xla:0"``), or ``None``.
+        device_type: what PJRT ran on (``"TPU"`` / ``"CPU"``), or ``None`` if not verified.
+        verified: ``True`` / ``False``, or ``None`` when skipped (``dry_run``).
+        messages: what happened, in order, for a person to read.
+
+    Example:
+        >>> report = setup(dry_run=True, environ={}, root="/nonexistent")
+        >>> report.info.kind, report.env, report.verified
+        ('cpu', {'PJRT_DEVICE': 'CPU'}, None)
+    """
+
+    info: RuntimeInfo
+    requirements: tuple
+    missing: tuple
+    pip_command: Optional[list]
+    installed: bool = False
+    env: dict = field(default_factory=dict)
+    device: Optional[str] = None
+    device_type: Optional[str] = None
+    verified: Optional[bool] = None
+    messages: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is missing and the verification did not fail."""
+        return not self.missing and self.verified is not False
+
+    def rows(self) -> list:
+        verified = {True: f"yes, on {self.device} ({self.device_type})", False: "FAILED", None: "skipped"}[self.verified]
+        return [
+            ("runtime", f"{self.info.kind} ({self.info.platform})"),
+            ("to install", " ".join(self.missing) or "nothing"),
+            ("pip command", " ".join(self.pip_command) if self.pip_command else "-"),
+            ("installed now", "yes" if self.installed else "no"),
+            ("environment", ", ".join(f"{k}={v}" for k, v in self.env.items()) or "-"),
+            ("device check", verified),
+        ]
+
+    def __str__(self) -> str:
+        return Table(self.rows(), align="ll", notes=self.messages, note_prefix="- ").text()
+
+    def _repr_html_(self) -> str:
+        return Table(self.rows(), align="ll", notes=self.messages).html(css_class="nbkit-setup", row_headers=True)
+
+
+def setup(
+    *,
+    install: bool = False,
+    dry_run: bool = False,
+    extras: Sequence[str] = ("gcs", "notebook"),
+    environ: Optional[MutableMapping[str, str]] = None,
+    root="/",
+) -> SetupReport:
+    """Make this runtime ready for the TPU path of nbkit. Safe to run again.
+
+    1. Describes the runtime (:func:`describe`).
+    2. Computes the requirements: the torch_xla matching the installed torch (``torch_xla[tpu]`` on a
+       TPU; plain ``torch_xla``, which runs on the CPU, elsewhere), pinned to the installed torch so
+       pip cannot swap torch, plus the packages of nbkit's ``extras``. Only unsatisfied ones go
+       into ``pip_command``, which runs when ``install=True`` and not ``dry_run``.
+    3. Sets ``PJRT_DEVICE``: ``TPU`` on a TPU, otherwise ``CPU`` (torch_xla then runs on the CPU,
+       so the tutorial keeps working, slowly). A value already set is kept when it can work.
+    4. Unless ``dry_run``, runs a tiny computation on the XLA device **in a subprocess**, so this
+       process never initialises the XLA runtime and :func:`spawn` still works afterwards.
+
+    Args:
+        install: run the pip command (needs network; on Colab and Kaggle, torch_xla is preinstalled).
+        dry_run: compute and report only: no pip, no device check (the environment is still set).
+        extras: nbkit extras whose packages to require (``"gcs"``, ``"notebook"``, ``"zst"``).
+        environ: the environment to read and update (default ``os.environ``).
+        root: file-system root to probe (see :func:`describe`).
+
+    Returns:
+        A :class:`SetupReport`; it renders as a table, ``report.ok`` sums it up.
+
+    Example:
+        >>> env = {}
+        >>> report = setup(dry_run=True, environ=env, root="/nonexistent")
+        >>> env["PJRT_DEVICE"], report.verified
+        ('CPU', None)
+    """
+    env = os.environ if environ is None else environ
+    info = describe(environ=env, root=root)
+    messages: list = []
+
+    requirements = xla_requirements(info.torch, info.is_tpu) + _extra_requirements(extras)
+    missing = tuple(r for r in requirements if not _satisfied(r, env))
+    pip_command = _pip_command(missing, requirements)
+    report = SetupReport(info=info, requirements=requirements, missing=missing, pip_command=pip_command)
+
+    if info.is_tpu:
+        messages.append(f"TPU runtime: {info.kind}, {info.accelerator or 'TPU'}" + (f" × {info.accelerator_count}" if info.accelerator_count else ""))
+    elif info.kind == "gpu":
+        messages.append(
+            f"no TPU here, but a GPU ({info.accelerator}): the XLA path runs on the CPU (PJRT_DEVICE=CPU); "
+            "for speed, train on torch.device('cuda') directly"
+        )
+    else:
+        messages.append(
+            "no TPU here: the XLA path runs on the CPU (PJRT_DEVICE=CPU), so the tutorial works, slowly; "
+            "for a TPU on Colab choose Runtime > Change runtime type > TPU"
+        )
+    messages.extend(info.warnings)
+
+    if not missing:
+        messages.append("all requirements are already installed")
+    elif install and not dry_run:
+        _run_pip(pip_command)
+        importlib.invalidate_caches()
+        report.installed = True
+        report.missing = tuple(r for r in requirements if not _satisfied(r, env))
+        messages.append(f"installed: {' '.join(missing)}")
+        if "torch_xla" in sys.modules and any(r.startswith("torch_xla") for r in missing):
+            messages.append("torch_xla was already imported in this process: restart the runtime to use the new one")
+    else:
+        messages.append(f"missing: {' '.join(missing)}; install with setup(install=True) or: {pip_display(pip_command[4:])}")
+
+    report.env = _set_pjrt_device(env, info, messages)
+
+    if dry_run:
+        messages.append("dry run: device check skipped")
+    elif dist_version("torch_xla") is None:
+        report.verified = False
+        messages.append(f"device check not possible: torch_xla is not installed; run {pip_display(xla_requirements(info.torch, info.is_tpu))}")
+    else:
+        _verify(report, env, messages)
+    report.messages = messages
+    return report
+
+
+def _pip_command(missing: tuple, requirements: tuple) -> Optional[list]:
+    if not missing:
+        return None
+    pins = [r for r in requirements if r.startswith("torch==") and r not in missing]
+    if any(r.startswith("torch_xla") for r in missing):
+        missing = (*missing, *pins)  # keep pip from replacing the installed torch
+    return [sys.executable, "-m", "pip", "install", *missing]
+
+
+def _extra_requirements(extras: Sequence[str]) -> tuple:
+    if isinstance(extras, str):
+        extras = (extras,)
+    try:
+        declared = importlib.metadata.requires("nbkit") or []
+    except importlib.metadata.PackageNotFoundError:
+        declared = []
+    out = []
+    for extra in extras:
+        marker = f'extra == "{extra}"'
+        found = [r.split(";")[0].strip() for r in declared if marker in r]
+        if not found:
+            found = list(_EXTRAS_FALLBACK.get(extra, ()))
+        if not found:
+            raise ValueError(f"unknown nbkit extra {extra!r}; choose from {sorted(_EXTRAS_FALLBACK)}")
+        out.extend(r for r in found if r not in out)
+    return tuple(out)
+
+
+def _satisfied(requirement: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Installed in a matching version (and ``torch_xla[tpu]`` with a libtpu)."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # packaging is almost always there (pip, matplotlib, pytest need it); if not, presence decides
+        name = requirement.split("[")[0].split("~")[0].split("=")[0].split(">")[0].strip()
+        return dist_version(name) is not None and ("[tpu]" not in requirement or libtpu_version(environ) is not None)
+
+    req = Requirement(requirement)
+    version = dist_version(req.name)
+    if version is None or not req.specifier.contains(version.split("+")[0], prereleases=True):
+        return False
+    # torch_xla[tpu] is the one requirement with an extra: what it adds is a libtpu torch_xla can load
+    # (a pip wheel, or a copy the image bundles, as on Colab).
+    return "tpu" not in req.extras or libtpu_version(environ) is not None
+
+
+def _run_pip(command: list) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"pip failed (exit {done.returncode}) running {' '.join(command)}:\n{tail}")
+
+
+def _set_pjrt_device(env: MutableMapping[str, str], info: RuntimeInfo, messages: list) -> dict:
+    current = env.get("PJRT_DEVICE")
+    wanted = "TPU" if info.is_tpu else "CPU"
+    if current == wanted:
+        messages.append(f"PJRT_DEVICE={current} (already set)")
+        return {"PJRT_DEVICE": current}
+    if current and current != "TPU":
+        # e.g. CPU on a TPU on purpose, or a GPU/plugin device: respect the user's choice.
+        messages.append(f"PJRT_DEVICE={current} kept as set (a TPU would use PJRT_DEVICE=TPU)" if info.is_tpu else f"PJRT_DEVICE={current} kept as set")
+        return {"PJRT_DEVICE": current}
+    env["PJRT_DEVICE"] = wanted
+    if current == "TPU":
+        messages.append("PJRT_DEVICE was TPU but there is no TPU: set PJRT_DEVICE=CPU")
+    else:
+        messages.append(f"set PJRT_DEVICE={wanted}")
+    if info.runtime_initialized:
+        messages.append("the XLA runtime already started in this process and keeps its old device; restart the runtime")
+    return {"PJRT_DEVICE": wanted}
+
+
+_VERIFY_CODE = r"""
+import json, torch, torch_xla, torch_xla.runtime as xr
+device = torch_xla.device()
+x = torch.arange(6.0).reshape(2, 3).to(device)
+result = (x @ x.T).sum().item()
+print("NBKIT-VERIFY " + json.dumps({"device": str(device), "device_type": xr.device_type(), "result": result}))
+"""
+_VERIFY_EXPECTED = 83.0  # [[0,1,2],[3,4,5]] @ its transpose = [[5,14],[14,50]]
+
+
+def _verify(report: SetupReport, env: Mapping[str, str], messages: list) -> None:
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _VERIFY_CODE],
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=_VERIFY_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired:
+        report.verified = False
+        messages.append(f"device check did not finish within {_VERIFY_TIMEOUT:.0f}s (is another process holding the TPU?)")
+        return
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("NBKIT-VERIFY ")), None)
+    if done.returncode != 0 or line is None:
+        report.verified = False
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        if report.missing:
+            hint = f" (install the missing packages first: {pip_display(report.pip_command[4:])})"
+        elif report.info.is_tpu:
+            hint = " (is another process, e.g. an old notebook kernel, holding the TPU?)"
+        else:
+            hint = ""
+        messages.append(f"device check failed{hint}:\n{tail}")
+        return
+    result = json.loads(line[len("NBKIT-VERIFY "):])
+    report.device, report.device_type = result["device"], result["device_type"]
+    report.verified = abs(result["result"] - _VERIFY_EXPECTED) < 1e-3
+    messages.append(
+        f"device check: {report.device} ({report.device_type}) computed {result['result']:g}"
+        + ("" if report.verified else f", expected {_VERIFY_EXPECTED:g}")
+    )

@@ -1,0 +1,64 @@
+"""What the notebook views share: ipywidgets (or an ``ImportError`` naming the extra), the check for
+a kernel with a front end, the palette, and :class:`View`, which shows a widget in a kernel and one
+line of text anywhere else (a terminal, a script, CI logs).
+
+Example:
+    >>> from nbkit.widgets.view import View, in_kernel
+    >>> class Hello(View):
+    ...     def text(self):
+    ...         return "hello"
+    >>> in_kernel(), repr(Hello())
+    (False, 'Hello(hello)')
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+
+from nbkit.extras import require
+
+ipywidgets = require("ipywidgets", extra="notebook", feature="nbkit.widgets")
+
+__all__ = ["View", "in_kernel", "status_html", "ipywidgets", "RENDER_INTERVAL", "RED", "GREEN", "GREY"]
+
+#: Front ends redraw a few times a second at most; more only costs kernel messages.
+RENDER_INTERVAL = 0.2
+RED, GREEN, GREY = "#c62828", "#2e7d32", "#555555"
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter/Colab/Voila kernel, where widgets have a front end to draw in."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def status_html(text: str, color: str = GREY, *, bold: bool = False) -> str:
+    """One status line as HTML: ``text`` escaped, in ``color``."""
+    weight = "bold" if bold else "normal"
+    return f'<span style="color:{color};font-weight:{weight}">{html.escape(text)}</span>'
+
+
+class View:
+    """A view: ``widget`` in a kernel, ``text()`` (one line) anywhere else. Subclasses set
+    ``widget`` and implement ``text()``; ``terminal`` says which of the two this process shows."""
+
+    widget = None
+    terminal = True
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def _ipython_display_(self):
+        if self.terminal:
+            print(self.text())
+        else:
+            from IPython.display import display
+
+            display(self.widget)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.text()})"

@@ -1,0 +1,43 @@
+"""nbkit.text: the one number formatter per quantity and the one table renderer."""
+
+import pytest
+
+from nbkit.text import Table, format_amount, format_bytes, format_count, format_percent, format_rate, format_seconds
+
+
+def test_format_bytes_counts():
+    assert [format_bytes(n) for n in (0, None, 999, 1000, 1_500_000, 2.5e9, 3e12)] == [
+        "0 B", "0 B", "999 B", "1.0 KB", "1.5 MB", "2.5 GB", "3.0 TB"]
+    assert (format_count(1234567), format_count(3.6), format_count(6667, compact=True),
+            format_count(2_500_000, compact=True), format_count(500, compact=True)) == ("1,234,567", "4", "7k", "2.5M", "500")
+    assert format_amount(2000, "bytes") == "2.0 KB" and format_amount(2000, "samples") == "2,000"
+
+
+def test_format_rate_seconds_percent():
+    assert format_rate(5400.4) == "5,400 samples/s" and format_rate(1.5e6, "bytes") == "1.5 MB/s"
+    assert [format_seconds(s) for s in (0, 0.012, 3.21, 75.2, 7300)] == ["0.0s", "12ms", "3.2s", "1m15s", "2h01m"]
+    assert format_seconds(3.216, digits=2) == "3.22s"
+    assert (format_percent(0.756), format_percent(1.0, digits=0), format_percent(None)) == ("75.6%", "100%", "–")
+
+
+def test_table_text_markdown_html():
+    t = Table([("raw", 1, "2.000"), ("cached", 2, "")], header=("dataset", "epoch", "seconds"))
+    assert t.text().splitlines() == ["dataset  epoch  seconds", "raw      1      2.000", "cached   2"]
+    assert t.markdown().splitlines()[1:] == ["|---|---|---|", "| raw | 1 | 2.000 |", "| cached | 2 |  |"]
+    page = t.html(css_class="x", row_styles=("", "font-weight:bold"))
+    assert page.startswith("<table class='x'><thead><tr><th>dataset</th>") and page.count("<tr") == 3
+    assert "<tr style='font-weight:bold'><td>cached</td>" in page
+
+
+def test_key_value_table_with_notes_and_escaping():
+    t = Table([("torch", "2.9.0"), ("a<b", "x & y")], align="ll", notes=["restart <now>"], note_prefix="warning: ")
+    assert t.text() == "torch  2.9.0\na<b    x & y\nwarning: restart <now>"
+    page = t.html(css_class="nbkit-runtime", row_headers=True, note_style="color:red")
+    assert page.startswith("<table class='nbkit-runtime'><tr><th style='text-align:left'>torch</th>"
+                           "<td style='text-align:left'>2.9.0</td></tr>")
+    assert "<th style='text-align:left'>a&lt;b</th>" in page and "x &amp; y" in page
+    assert page.endswith("<ul style='color:red'><li>restart &lt;now&gt;</li></ul>")
+    styled = Table([(1, "note")], align="rl").html(cell_style="padding:2px", column_styles=("", "color:grey"))
+    assert "<td style='padding:2px;text-align:right'>1</td><td style='padding:2px;text-align:left;color:grey'>note</td>" in styled
+    with pytest.raises(ValueError, match="needs a header"):
+        t.markdown()

@@ -1,0 +1,152 @@
+"""nbkit.tpu.run with real torch_xla 2.9 on the CPU (PJRT_DEVICE=CPU): spawn, warmup_shared, device_loader.
+
+Everything that starts the XLA runtime runs in a subprocess (the scripts in tests/tpu_scripts/),
+so this pytest process never initialises it and spawn-based tests stay independent."""
+
+import json
+import os
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import nbkit
+from nbkit import tpu
+from nbkit.tpu import run
+from tpu_fakes import REPO, SCRIPTS, TORCH_BASE, TORCH_MM, run_script
+
+
+def test_missing_torch_xla_names_the_pip_command():
+    out = run_script("without_torch_xla.py", timeout=120)
+    assert out["kind"] in tpu.KINDS
+    assert f"pip install 'torch_xla[tpu]~={TORCH_MM}.0' 'torch=={TORCH_BASE}'" in out["device_loader"]
+    assert "nbkit[tpu]" in out["device_loader"]
+
+
+def test_spawn_explains_notebook_mistakes():
+    out = run_script("notebook_errors.py", timeout=180)
+    assert out["spawn_method"].startswith("ValueError: 'work' is defined in a notebook")
+    assert out["lambda"].startswith("TypeError: spawn() sends fn and args to each process by pickling")
+    assert out["nprocs"].startswith("ValueError: nprocs=3")
+    assert out["xla_imported_before"] is False  # argument checks come before importing torch_xla
+    assert any("already initialised" in w for w in out["describe_warns"])
+    assert out["initialized"].startswith("RuntimeError: the XLA runtime is already initialised")
+
+
+# -- the multi-replica path, for real -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [2, 4])  # 1 device: test_setup_then_spawn_in_a_jupyter_kernel
+def test_spawn_shared_warmup_and_training(devices, mnist_root, tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    steps = 12
+    env = {"CPU_NUM_DEVICES": str(devices)}
+    run_script("spawn_train.py", str(mnist_root), str(tmp_path / "cache"), str(out_dir), str(steps), env=env, timeout=300)
+
+    results = [json.loads(p.read_text()) for p in sorted(out_dir.glob("result-*.json"))]
+    assert sorted(r["ordinal"] for r in results) == list(range(devices))
+    assert {r["world"] for r in results} == {devices}
+    assert sorted(r["index"] for r in results) == list(range(devices))
+    n = 2000
+    # Each sample was computed exactly once across replicas, by the replica owning its shard.
+    calls = {p.name: [int(x) for x in p.read_text().split()] for p in out_dir.glob("calls-*.txt")}
+    all_calls = [i for c in calls.values() for i in c]
+    assert sorted(all_calls) == list(range(n)), Counter(all_calls).most_common(3)
+    assert len(calls) == devices
+    assert sorted({i % devices for i in c}.pop() for c in calls.values()) == list(range(devices))
+    assert all(len({i % devices for i in c}) == 1 for c in calls.values())
+    for r in results:
+        assert r["warmup"]["total"] == n // devices
+        assert r["missing_after_barrier"] == 0
+        assert r["batches_per_epoch"] == (n // devices) // 32
+    # The loaders' sampler shards are disjoint and cover the dataset.
+    shards = [r["shard"] for r in results]
+    assert sorted(i for s in shards for i in s) == list(range(n))
+    # The cache is complete and holds the source's samples.
+    ds = nbkit.CachedDataset.open(tmp_path / "cache")
+    assert len(ds.missing()) == 0
+    from torchvision import datasets, transforms
+
+    src = datasets.MNIST(mnist_root, train=True, download=False,
+                         transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))]))
+    for i in (0, 1, n // 2, n - 1):
+        x, y = ds[i]
+        assert torch.equal(torch.as_tensor(x), src[i][0]) and int(y) == src[i][1]
+    # Every replica trained on its own XLA device from MpDeviceLoader batches, and learned.
+    devices_seen = {r["shapes"][0][1] for r in results}
+    assert devices_seen == {f"xla:{k}" for k in range(devices)}
+    for r in results:
+        assert r["shapes"] == [[[32, 1, 28, 28], r["shapes"][0][1], "torch.int64"]]
+        losses = r["losses"]
+        assert len(losses) == steps and all(np.isfinite(losses))
+        assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+
+
+@pytest.mark.slow
+def test_setup_then_spawn_in_a_jupyter_kernel(mnist_root, tmp_path, monkeypatch):
+    """The Colab flow in a real kernel: setup() (device check), then spawn() of a cell's function.
+
+    One device (the Colab v5e-1 shape): a single-replica model trains from the cache and learns."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(f"import sys\nsys.argv = ['notebook', {str(mnist_root)!r}, {str(tmp_path / 'cache')!r}, {str(out_dir)!r}, '12']"),
+        nbformat.v4.new_code_cell("from nbkit import tpu\nreport = tpu.setup()\nassert report.verified, report.messages\nreport"),
+        nbformat.v4.new_code_cell((SCRIPTS / "spawn_train.py").read_text()),
+    ]
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "1")
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    html = nb.cells[1].outputs[0]["data"]["text/html"]
+    assert "<table class='nbkit-setup'>" in html and "yes, on xla:0 (CPU)" in html
+    (result,) = [json.loads(p.read_text()) for p in out_dir.glob("result-*.json")]
+    assert (result["ordinal"], result["world"], result["shapes"][0][1]) == (0, 1, "xla:0")
+    assert result["pid"] != os.getpid()
+    calls = [int(x) for p in out_dir.glob("calls-*.txt") for x in p.read_text().split()]
+    assert sorted(calls) == list(range(2000))
+    losses = result["losses"]
+    assert len(losses) == 12 and np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+
+
+# -- pieces that need no XLA runtime ----------------------------------------------------------------------
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i)), i
+
+
+def test_wait_until_complete_waits_for_peers_and_reports_a_stall(tmp_path):
+    ds = nbkit.CachedDataset(_Slow(), tmp_path / "cache")
+    ds.warmup(shard=(0, 2))
+    with pytest.raises(TimeoutError, match="32 samples .* are still missing"):
+        run._wait_until_complete(ds, stall_timeout=0.3, poll_interval=0.01, who="replica 0 of 2")
+
+    peer = nbkit.CachedDataset(_Slow(), tmp_path / "cache")  # another replica, with its own handles
+    t = threading.Thread(target=lambda: (time.sleep(0.2), peer.warmup(shard=(1, 2))))
+    t.start()
+    run._wait_until_complete(ds, stall_timeout=30, poll_interval=0.01, who="replica 0 of 2")
+    t.join()
+    assert len(ds.missing()) == 0
+
+
+def test_sampler_shards_and_reshuffles_each_epoch():
+    data = list(range(103))
+    shards = [run._EpochShuffledSampler(data, num_replicas=4, rank=r, shuffle=True) for r in range(4)]
+    first = [list(s) for s in shards]
+    second = [list(s) for s in shards]
+    assert sorted(set(i for s in first for i in s)) == data  # padded shards cover everything
+    assert all(len(s) == 26 for s in first)
+    assert sorted(set(i for s in second for i in s)) == data
+    assert first != second  # a new order every epoch, without set_epoch()

@@ -1,0 +1,245 @@
+"""nbkit.widgets.panel without a browser: click the WarmupPanel's buttons, read the widget values.
+
+tests/widgets/test_view.py reruns this directory with ipywidgets 7.7.1 (Colab's TPU runtime).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nbkit
+from nbkit.widgets import PanelState, WarmupPanel
+from servers import free_port
+from sources import TupleSource
+from widget_sources import FailingSource, GatedSource
+from widget_sources import filled as _filled
+
+
+def test_warmup_click_fills_the_cache_and_shows_counters(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(1000), str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    assert panel.state is PanelState.READY
+    assert "1,000 of 1,000 samples to compute" in panel.status_text()
+    assert panel.progress.value == 0.0 and not panel.warmup_button.disabled
+
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60)
+
+    assert panel.last_error is None, panel.last_error
+    assert panel.state is PanelState.DONE
+    assert ds.stats.complete
+    assert panel.report.computed == 1000 and not panel.report.stopped
+    assert panel.progress.value == 1.0 and panel.progress.bar_style == "success"
+    assert panel.percent_label.value == "100%"
+    assert panel.done_label.value == "1,000/1,000 samples"
+    assert panel.rate_label.value.endswith("samples/s") and panel.rate_label.value != "0 samples/s"
+    assert panel.eta_label.value.startswith("took ")
+    assert panel.bytes_label.value.endswith("stored")
+    assert panel.status_text().startswith("Cache complete: 1,000 samples")
+    assert "#2e7d32" in panel.status.value  # green
+    # Nothing left to do: Warm up is off and says why; the transfers are available.
+    assert panel.warmup_button.disabled and "already cached" in panel.warmup_button.tooltip
+    assert panel.stop_button.disabled and not panel.export_button.disabled and not panel.upload_button.disabled
+
+
+def test_stop_then_warm_up_resumes(tmp_path):
+    source = GatedSource(3000)
+    ds = nbkit.CachedDataset(source, str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    source.at = 300  # inside the second chunk of 256
+
+    panel.warmup_button.click()
+    assert source.reached.wait(timeout=60), "warmup never reached sample 300"
+    assert panel.state is PanelState.RUNNING
+    assert panel.warmup_button.disabled and panel.export_button.disabled and not panel.stop_button.disabled
+    panel.stop_button.click()
+    assert panel.state is PanelState.STOPPING and panel.stop_button.disabled
+    assert panel.status_text() == "Stopping after the current chunk…"
+    source.release.set()
+    assert panel.wait(timeout=60)
+
+    assert panel.last_error is None, panel.last_error
+    assert panel.state is PanelState.STOPPED and panel.report.stopped
+    assert ds.stats.cached == 512  # the chunk that was running finished; no further one started
+    assert panel.status_text() == "Stopped at 512/3,000 samples. Click Warm up to resume."
+    assert panel.progress.bar_style == "warning"
+    assert panel.progress.value == pytest.approx(512 / 3000)
+    assert not panel.warmup_button.disabled and panel.stop_button.disabled
+
+    source.at = None
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60)
+    assert panel.state is PanelState.DONE
+    assert (panel.report.skipped, panel.report.computed) == (512, 2488)
+    assert ds.stats.complete and panel.progress.value == 1.0
+    assert ds.verify() == 3000
+
+
+def test_already_complete_cache_says_so(tmp_path):
+    ds = _filled(tmp_path)
+    panel = WarmupPanel(ds)
+    assert panel.status_text() == f"Cache complete: 300 samples, {panel.bytes_label.value}."
+    assert panel.progress.value == 1.0 and panel.progress.bar_style == "success"
+    assert panel.warmup_button.disabled
+    panel.warmup_button.click()  # click() runs the handler even on a disabled button
+    assert not panel.running and panel.state is PanelState.READY
+    assert "Nothing to warm up" in panel.status_text()
+
+
+def test_cache_opened_without_source_disables_warmup(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(1000), str(tmp_path / "c"))
+    ds.warmup(chunk_size=100, callback=_StopAfter(3))
+    opened = nbkit.CachedDataset.open(str(tmp_path / "c"))
+    panel = WarmupPanel(opened)
+    assert panel.warmup_button.disabled
+    assert "opened without its source dataset" in panel.warmup_button.tooltip
+    assert "opened without its source dataset" in panel.status_text()
+    assert "700 samples are missing" in panel.status_text()
+    assert panel.done_label.value == "300/1,000 samples"
+    panel.warmup_button.click()
+    assert not panel.running and panel.last_error is None
+
+
+class _StopAfter(nbkit.Callback):
+    """Stops a warmup after ``k`` progress updates (to leave a cache partly filled)."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def relative_update(self, inc=1):
+        super().relative_update(inc)
+        self.k -= 1
+        if self.k <= 0:
+            self.request_stop()
+
+
+def test_error_in_the_source_shows_red_and_leaves_the_cache_consistent(tmp_path):
+    source = FailingSource(1000, bad=700)
+    ds = nbkit.CachedDataset(source, str(tmp_path / "c"))
+    source.armed = True
+    panel = WarmupPanel(ds)
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60)
+    assert panel.state is PanelState.ERROR
+    assert isinstance(panel.last_error, OSError)
+    assert panel.status_text() == "Error: OSError: source image 700 is unreadable"
+    assert "#c62828" in panel.status.value  # red
+    assert panel.progress.bar_style == "danger"
+    assert not panel.warmup_button.disabled and panel.stop_button.disabled
+    cached = ds.stats.cached
+    assert 0 < cached < 1000 and ds.verify() == cached
+    # Fix the source and resume: the panel recovers from its error state.
+    source.armed = False
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60)
+    assert panel.state is PanelState.DONE and panel.last_error is None and ds.stats.complete
+
+
+def test_export_with_empty_path_names_the_fix(tmp_path):
+    panel = WarmupPanel(_filled(tmp_path))
+    panel.export_button.click()
+    assert not panel.running and panel.state is PanelState.ERROR
+    assert isinstance(panel.last_error, ValueError)
+    assert "type a tar path" in panel.status_text()
+
+
+def test_export_tar_writes_an_archive_that_opens_as_a_cache(tmp_path):
+    pytest.importorskip("nbkit.archive", reason="nbkit.archive (export_tar/import_tar) is not in this checkout yet")
+    ds = _filled(tmp_path)
+    tar = tmp_path / "out.tar"
+    panel = WarmupPanel(ds, tar_path=str(tar))
+    panel.export_button.click()
+    assert panel.wait(timeout=60)
+    assert panel.last_error is None, panel.last_error
+    assert panel.state is PanelState.DONE
+    assert panel.status_text() == f"Exported {panel.done_label.value.split('/')[0]} to {tar}."
+    assert panel.progress.description == "Export" and panel.progress.value == 1.0
+    nbkit.import_tar(str(tar), str(tmp_path / "restored"))
+    restored = nbkit.CachedDataset.open(str(tmp_path / "restored"))
+    assert restored.stats.complete and torch.equal(restored[5][0], ds[5][0])
+
+
+def test_export_to_a_bad_path_shows_the_error(tmp_path):
+    pytest.importorskip("nbkit.archive", reason="nbkit.archive (export_tar/import_tar) is not in this checkout yet")
+    ds = _filled(tmp_path)
+    not_a_dir = tmp_path / "file.txt"
+    not_a_dir.write_text("x")
+    bad = not_a_dir / "out.tar"  # a "directory" that is a file: nothing can be written there
+    panel = WarmupPanel(ds)
+    panel.export(str(bad))
+    assert panel.tar_field.value == str(bad)
+    assert panel.wait(timeout=60)
+    assert panel.state is PanelState.ERROR
+    assert isinstance(panel.last_error, OSError), repr(panel.last_error)
+    assert panel.status_text().startswith("Error: ") and "#c62828" in panel.status.value
+    assert not bad.exists()
+    assert ds.stats.complete and ds.verify() == 300
+    assert not panel.export_button.disabled and not panel.upload_button.disabled
+
+
+def test_upload_needs_a_url(tmp_path):
+    panel = WarmupPanel(_filled(tmp_path), upload_url="my-bucket/cache")
+    panel.upload_button.click()
+    assert not panel.running and panel.state is PanelState.ERROR
+    assert "gs://my-bucket/my-cache" in panel.status_text()
+
+
+@pytest.mark.slow
+def test_failed_upload_to_an_unreachable_server_shows_the_error(tmp_path):
+    # Must be set before gcsfs is imported, or each call first probes a gRPC API for ~60 s.
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    pytest.importorskip("nbkit.transfer", reason="nbkit.transfer (push/pull) is not in this checkout yet")
+    ds = _filled(tmp_path)
+    nothing_listens = f"http://127.0.0.1:{free_port()}"
+    panel = WarmupPanel(
+        ds,
+        upload_url="gs://nbkit-test/cache",
+        storage_options={"endpoint_url": nothing_listens, "token": "anon", "project": "test"},
+    )
+    panel.upload_button.click()
+    assert panel.wait(timeout=180)
+    assert panel.state is PanelState.ERROR
+    assert panel.last_error is not None
+    assert panel.status_text().startswith("Error: ") and "#c62828" in panel.status.value
+    assert ds.stats.complete and ds.verify() == 300  # the local cache is untouched
+
+
+def test_terminal_display_prints_a_text_line(tmp_path, capsys):
+    ds = nbkit.CachedDataset(TupleSource(600), str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    panel._ipython_display_()
+    assert capsys.readouterr().out.strip() == "nbkit: 0/600 samples  Ready: 600 of 600 samples to compute. Click Warm up."
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60)
+    err = capsys.readouterr().err
+    assert "warmup  600/600  100.0%" in err  # the TextProgress line
+    assert "nbkit: 600/600 samples  Cache complete: 600 samples" in err
+
+
+
+class _PublishingCache(nbkit.CachedDataset):
+    """A cache whose warmup goes on to a second phase, as a remote (gs://) cache publishes its copy."""
+
+    def warmup(self, num_workers=0, callback=None, **kw):
+        report = super().warmup(num_workers=num_workers, callback=callback, **kw)
+        callback.start_phase("publish", unit="bytes", size=3_000_000)
+        callback.set_description("pushing to gs://bucket/cache")
+        callback.relative_update(3_000_000)
+        return report
+
+
+def test_a_second_phase_is_shown_in_its_own_unit(tmp_path):
+    ds = _PublishingCache(TupleSource(300), str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60)
+    assert panel.state is PanelState.DONE and panel.report.computed == 300
+    cb = panel.job.callback
+    assert (cb.phase, cb.unit, cb.value) == ("publish", "bytes", 3_000_000)
+    assert panel.done_label.value == "3.0 MB/3.0 MB"  # bytes, not 3,000,000 "samples"
+    assert panel.rate_label.value.endswith("B/s")
+    assert panel.status_text().startswith("Cache complete: 300 samples")
