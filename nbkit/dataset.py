@@ -526,12 +526,15 @@ class CachedDataset(Dataset):
             >>> ds.warmup().computed
             10
         """
+        from .progress import as_callback
         from .warmup import run_warmup
 
         report = run_warmup(self, num_workers=num_workers, callback=callback, shard=shard, chunk_size=chunk_size,
                             multiprocessing_context=multiprocessing_context)
         if not report.stopped and self._location.is_remote:
-            self._location.publish(callback=callback)
+            cb = as_callback(callback)
+            cb.start_phase("publish", unit="bytes")  # the panel then shows bytes uploaded, not samples
+            self._location.publish(callback=cb)
         return report
 
     def prefetch(self, indices) -> int:

@@ -21,7 +21,6 @@ import time
 from typing import Callable, Optional
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
 from nbkit.extras import require
 
@@ -168,30 +167,21 @@ def _wait_until_complete(ds, stall_timeout: float, poll_interval: float, who: st
             delay = min(delay * 1.5, 1.0)
 
 
-class _EpochShuffledSampler(DistributedSampler):
-    """A ``DistributedSampler`` that reshuffles every time it is iterated (no ``set_epoch`` needed)."""
+def device_loader(ds, *, batch_size: int, shuffle: bool = True, drop_last: bool = True, num_workers: int = 0, **kw):
+    """Batches of this replica's shard of ``ds``, already on its XLA device: a
+    :class:`nbkit.DeviceLoader` with the replica's device, rank and world size from the torch_xla
+    runtime.
 
-    def __iter__(self):
-        it = super().__iter__()
-        self.set_epoch(self.epoch + 1)
-        return it
-
-
-def device_loader(ds, *, batch_size: int, shuffle: bool = True, num_workers: int = 0, drop_last: bool = True, **kw):
-    """Batches of this replica's shard of ``ds``, already on its XLA device.
-
-    A ``torch_xla`` ``MpDeviceLoader`` over a ``DataLoader`` with a ``DistributedSampler`` for this
-    replica (rank and world size from the torch_xla runtime) and ``collate_fn=nbkit.collate``.
-    Every replica gets the same number of batches, and the order changes each epoch (each
-    iteration of the loader, or of its ``sampler`` attribute, starts the next epoch's shuffle).
+    Every replica gets the same number of batches, and each pass over the loader is a new shuffle
+    (the same on every host for the same ``seed``); ``loader.set_epoch(e)`` picks one.
 
     Args:
         ds: the dataset, usually an :class:`nbkit.CachedDataset`.
         batch_size: samples per batch on each replica.
         shuffle: shuffle (differently each epoch).
-        num_workers: DataLoader workers; 0 is fastest for a cache served from memory.
         drop_last: drop the last incomplete batch (keeps shapes static, so XLA compiles once).
-        **kw: more ``DataLoader`` arguments (e.g. ``collate_fn`` to override ``nbkit.collate``).
+        num_workers: ignored (kept for old calls): the loader gathers in threads of this process.
+        **kw: more :class:`nbkit.DeviceLoader` arguments (``seed``, ``prefetch``, ``batch_transform`` …).
 
     Example:
         >>> def train(index, ds):
@@ -200,11 +190,7 @@ def device_loader(ds, *, batch_size: int, shuffle: bool = True, num_workers: int
         >>> spawn(train, args=(ds,))  # doctest: +SKIP
     """
     torch_xla, xm, xr, xmp, pl = _require_xla()
-    import nbkit
+    from nbkit.loader import DeviceLoader
 
-    sampler = _EpochShuffledSampler(ds, num_replicas=xr.world_size(), rank=xr.global_ordinal(), shuffle=shuffle)
-    kw.setdefault("collate_fn", nbkit.collate)
-    loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=drop_last, **kw)
-    device_loader = pl.MpDeviceLoader(loader, torch_xla.device())
-    device_loader.sampler = sampler  # this replica's shard; iterating it starts a new epoch
-    return device_loader
+    return DeviceLoader(ds, batch_size, shuffle=shuffle, drop_last=drop_last, device=torch_xla.device(),
+                        rank=xr.global_ordinal(), world_size=xr.world_size(), **kw)

@@ -142,11 +142,13 @@ def test_wait_until_complete_waits_for_peers_and_reports_a_stall(tmp_path):
 
 
 def test_sampler_shards_and_reshuffles_each_epoch():
+    from nbkit.samplers import EpochSampler
+
     data = list(range(103))
-    shards = [run._EpochShuffledSampler(data, num_replicas=4, rank=r, shuffle=True) for r in range(4)]
-    first = [list(s) for s in shards]
-    second = [list(s) for s in shards]
+    shards = [EpochSampler(data, rank=r, world_size=4) for r in range(4)]
+    first = [s.indices(0).tolist() for s in shards]
+    second = [s.indices(1).tolist() for s in shards]
     assert sorted(set(i for s in first for i in s)) == data  # padded shards cover everything
     assert all(len(s) == 26 for s in first)
     assert sorted(set(i for s in second for i in s)) == data
-    assert first != second  # a new order every epoch, without set_epoch()
+    assert first != second  # a new order every epoch
