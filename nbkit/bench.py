@@ -32,7 +32,8 @@ from .progress import as_callback
 from .stats import EpochCounter
 from .text import Table, format_count, format_percent, format_seconds
 
-__all__ = ["EpochRow", "EpochComparison", "compare_epochs", "mnist_like", "MNIST_LIKE"]
+__all__ = ["EpochRow", "EpochComparison", "compare_epochs", "TrainingRow", "TrainingComparison", "compare_training",
+           "mnist_like", "MNIST_LIKE"]
 
 #: The dataset names :func:`mnist_like` accepts (the tutorials' form field).
 MNIST_LIKE = ("MNIST", "FashionMNIST", "KMNIST", "EMNIST")
@@ -350,6 +351,235 @@ def compare_epochs(raw, cached, *, epochs: int = 3, batch_size: int = 256, num_w
                   collate_fn=collate_fn, callback=callback)
     rows = _timed_epochs(raw, "raw", **kwargs) + _timed_epochs(cached, "cached", **kwargs)
     return EpochComparison(rows, batch_size=batch_size, num_workers=num_workers)
+
+
+@dataclass(frozen=True)
+class TrainingRow:
+    """One way of feeding the training loop, timed.
+
+    Attributes:
+        loader: what fed the model (``"raw DataLoader"``, ``"nbkit ds.loader"``, ``"on-device limit"``).
+        seconds: the best training epoch.
+        epochs: every timed epoch, in order.
+        samples: samples an epoch.
+    """
+
+    loader: str
+    seconds: float
+    epochs: tuple
+    samples: int
+
+
+class TrainingComparison:
+    """The result of :func:`compare_training`: training epochs against the on-device limit.
+
+    The **data wait** of a row is the share of its epoch beyond the on-device limit (the same
+    training with the whole dataset already in device memory): ``1 - limit / seconds``.
+
+    Example:
+        >>> r = TrainingComparison([TrainingRow("raw DataLoader", 4.0, (4.0,), 100),
+        ...                         TrainingRow("on-device limit", 1.0, (1.0,), 100)], device="cpu")
+        >>> format_percent(r.wait_share(r.rows[0]), digits=0)
+        '75%'
+    """
+
+    LIMIT = "on-device limit"
+
+    def __init__(self, rows, *, device: str, batch_size: int | None = None):
+        self.rows = list(rows)
+        self.device = device
+        self.batch_size = batch_size
+
+    @property
+    def limit_seconds(self) -> float:
+        return next((r.seconds for r in self.rows if r.loader == self.LIMIT), math.nan)
+
+    def wait_share(self, row: TrainingRow) -> float:
+        """The share of ``row``'s epoch spent waiting for data (NaN without a limit row)."""
+        return max(0.0, 1.0 - self.limit_seconds / row.seconds) if row.seconds > 0 else math.nan
+
+    def summary(self) -> str:
+        parts = [f"{r.loader} {format_seconds(r.seconds, digits=2)} ({r.seconds / self.limit_seconds:.2f}x the limit, "
+                 f"data wait {format_percent(self.wait_share(r), digits=0)})" for r in self.rows if r.loader != self.LIMIT]
+        return f"training epochs on {self.device}: " + "; ".join(parts) + \
+            f"; on-device limit {format_seconds(self.limit_seconds, digits=2)}"
+
+    def _table(self) -> Table:
+        cells = [(r.loader, format_seconds(r.seconds, digits=2), f"{r.seconds / self.limit_seconds:.2f}x",
+                  format_percent(self.wait_share(r), digits=0), format_count(r.samples / r.seconds)) for r in self.rows]
+        return Table(cells, ("loader", "training epoch", "x on-device limit", "data wait", "samples/s"))
+
+    def table(self, fmt: str = "markdown") -> str:
+        """The table as ``"markdown"`` (default) or aligned plain ``"text"``."""
+        if fmt not in ("markdown", "text"):
+            raise ValueError(f"table(fmt={fmt!r}): expected 'markdown' or 'text'")
+        return self._table().markdown() if fmt == "markdown" else self._table().text()
+
+    def __str__(self) -> str:
+        return self.table("text") + "\n" + self.summary()
+
+    def __repr__(self) -> str:
+        return f"<TrainingComparison {self.summary()}>"
+
+    def _repr_html_(self) -> str:
+        return self._table().html() + f"<p>{html.escape(self.summary())}</p>"
+
+    def plot(self, path=None, *, title: str = ""):
+        """Stacked bars per loader: the time the device computes (the on-device limit) and the
+        time it waits for data on top. Returns a matplotlib ``Figure``; saved to ``path`` if given."""
+        plt = require("matplotlib.pyplot", extra="notebook", feature="nbkit.bench plots")
+        fig = plt.figure(figsize=(7.5, 0.9 + 0.65 * len(self.rows)), layout="constrained")
+        plt.close(fig)
+        ax = fig.subplots()
+        limit = self.limit_seconds
+        ys = list(range(len(self.rows)))[::-1]
+        compute = [min(r.seconds, limit) for r in self.rows]
+        wait = [max(0.0, r.seconds - limit) for r in self.rows]
+        ax.barh(ys, compute, color=_CACHED_COLOUR, edgecolor="black", linewidth=0.6, label="training (the on-device limit)")
+        bars = ax.barh(ys, wait, left=compute, color=_FILL_COLOUR, hatch="//", edgecolor="black", linewidth=0.6,
+                       label="waiting for data")
+        labels = [f"{format_seconds(r.seconds, digits=2)}" + ("" if r.loader == self.LIMIT else
+                  f" · waits {format_percent(self.wait_share(r), digits=0)}") for r in self.rows]
+        ax.bar_label(bars, labels=labels, padding=3, fontsize=9)
+        ax.set_yticks(ys, [r.loader for r in self.rows], fontsize=9)
+        ax.set_xlabel("seconds per training epoch (lower is better)", fontsize=9)
+        ax.margins(x=0.35)
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.legend(loc="lower right", fontsize=8.5, frameon=False)
+        details = [title] if title else []
+        details.append(f"{self.rows[0].samples:,} samples an epoch on {self.device}" if self.rows else self.device)
+        if self.batch_size:
+            details.append(f"batch size {self.batch_size}")
+        ax.set_title(" · ".join(details), fontsize=10, loc="left")
+        if path is not None:
+            fig.savefig(path, dpi=110)
+        return fig
+
+
+def _resolve_device(device):
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xla":
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+
+class _OnDevice:
+    """The whole cached dataset in device memory, batches taken by index: the on-device limit."""
+
+    def __init__(self, cached, device, batch_size: int):
+        import numpy as np
+        import torch
+
+        from .collate import collate_columns, column_tensor, map_tensors
+
+        n = len(cached)
+        columns = cached.read_columns(np.arange(n))
+        if columns is None:
+            raise ValueError("compare_training: the on-device limit needs every sample stored in fixed-shape fields; "
+                             "warm the cache up first (cached.warmup())")
+        schema = cached.schema
+        host = collate_columns(schema, [column_tensor(leaf, c) for leaf, c in zip(schema.columns, columns)], None, n)
+        self.data = map_tensors(host, lambda t: t.to(device))
+        self.n, self.device, self.batch_size = n, device, batch_size
+        self._map = map_tensors
+        self._torch = torch
+
+    def __iter__(self):
+        perm = self._torch.randperm(self.n, device=self.device)
+        for a in range(0, self.n, self.batch_size):
+            idx = perm[a:a + self.batch_size]
+            yield self._map(self.data, lambda t: t[idx])
+
+
+def compare_training(raw, cached, model, *, device=None, epochs: int = 2, batch_size: int = 256, num_workers: int = 0,
+                     lr: float = 0.01, loss_fn=None, callback=None) -> TrainingComparison:
+    """Time training epochs fed three ways: the raw dataset through a ``DataLoader``, the cache
+    through ``cached.loader(...)``, and the **on-device limit** (the whole preprocessed dataset
+    already in device memory). The gap to the limit is what the device spends waiting for data.
+
+    Samples must be ``(input, target)``. One model is trained through all three (SGD, ``lr``):
+    the numbers are timings, not a training run. Each loader gets one untimed epoch (compilation,
+    cache filling: the cache is warmed up first if it is not complete), then ``epochs`` timed
+    ones; the best counts.
+
+    Args:
+        raw: the source dataset.
+        cached: an :class:`nbkit.CachedDataset` over ``raw``.
+        model: a ``torch.nn.Module``; moved to ``device``.
+        device: ``"cuda"``, an XLA device, ``"cpu"`` …; default CUDA when there is a GPU, else the CPU.
+        epochs: timed epochs per loader.
+        batch_size: samples per batch; num_workers: the raw ``DataLoader``'s workers.
+        lr: the SGD learning rate; loss_fn: default ``cross_entropy``.
+        callback: told of every batch (``nbkit.TextProgress()`` for a progress line).
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> raw = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
+        >>> cached = nbkit.CachedDataset(raw, tempfile.mkdtemp() + "/c")
+        >>> r = compare_training(raw, cached, torch.nn.Linear(8, 2), epochs=1, batch_size=64)
+        >>> [row.loader for row in r.rows]
+        ['raw DataLoader', 'nbkit ds.loader', 'on-device limit']
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    if epochs < 1:
+        raise ValueError(f"compare_training(epochs={epochs}): expected at least 1 epoch")
+    if not hasattr(cached, "loader"):
+        raise TypeError(f"compare_training: cached is a {type(cached).__name__}; pass an nbkit.CachedDataset over raw")
+    device = _resolve_device(device)
+    loss_fn = loss_fn or F.cross_entropy
+    callback = as_callback(callback)
+    if not cached.is_complete:
+        cached.warmup()
+    model = model.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    xla = device.type == "xla"
+    feeds = (
+        ("raw DataLoader", lambda: DataLoader(raw, batch_size=batch_size, shuffle=True, num_workers=num_workers,
+                                              pin_memory=device.type == "cuda")),
+        ("nbkit ds.loader", lambda: cached.loader(batch_size, device=device)),
+        (TrainingComparison.LIMIT, lambda: _OnDevice(cached, device, batch_size)),
+    )
+    callback.set_size(len(feeds) * (epochs + 1) * math.ceil(len(raw) / batch_size))
+    rows = []
+    for name, make in feeds:
+        batches = make()
+        times = []
+        for epoch in range(epochs + 1):
+            callback.set_description(f"{name}, epoch {epoch}/{epochs}" + (" (untimed)" if epoch == 0 else ""))
+            _sync(device)
+            start = time.perf_counter()
+            for x, y, *_ in batches:
+                loss = loss_fn(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if xla:
+                    import torch_xla
+
+                    torch_xla.sync()
+                callback.relative_update(1)
+            _sync(device)
+            if epoch:
+                times.append(time.perf_counter() - start)
+        rows.append(TrainingRow(name, min(times), tuple(times), len(raw)))
+    return TrainingComparison(rows, device=str(device), batch_size=batch_size)
 
 
 def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transform=None,

@@ -29,7 +29,7 @@ from torch.utils.data import default_collate, get_worker_info
 
 from .codec import array_to_leaf, batch_leaf_values, unflatten_columns
 
-__all__ = ["SampleBatch", "DeferredBatch", "BatchHandle", "collate", "collate_columns"]
+__all__ = ["SampleBatch", "DeferredBatch", "BatchHandle", "collate", "collate_columns", "map_tensors", "iter_tensors"]
 
 
 class SampleBatch(Sequence):
@@ -279,3 +279,33 @@ def collate(batch):
     if isinstance(batch, TensorBatch):
         return batch.stacked
     return default_collate(batch)
+
+
+def map_tensors(batch, fn):
+    """``batch`` with ``fn`` applied to every tensor in it (tuples, lists and dicts rebuilt).
+
+    Example:
+        >>> map_tensors((torch.ones(2), {"y": torch.zeros(1)}, "name"), lambda t: t + 1)
+        (tensor([2., 2.]), {'y': tensor([1.])}, 'name')
+    """
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(map_tensors(v, fn) for v in batch)
+    if isinstance(batch, list):
+        return [map_tensors(v, fn) for v in batch]
+    return batch
+
+
+def iter_tensors(batch):
+    """Every tensor in ``batch``, depth first."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from iter_tensors(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from iter_tensors(v)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from .collate import collate, collate_columns, column_tensor
+from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads
 from .samplers import EpochSampler
 
@@ -71,29 +71,6 @@ def _as_device(device) -> torch.device | None:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return None if dev.type == "cpu" else dev
-
-
-def _tensors(batch):
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            yield from _tensors(v)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from _tensors(v)
-
-
-def _map_tensors(batch, fn):
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, dict):
-        return {k: _map_tensors(v, fn) for k, v in batch.items()}
-    if isinstance(batch, tuple):
-        return tuple(_map_tensors(v, fn) for v in batch)
-    if isinstance(batch, list):
-        return [_map_tensors(v, fn) for v in batch]
-    return batch
 
 
 class DeviceLoader:
@@ -324,7 +301,7 @@ class _Pipeline:
             return batch, None
         if self.kind == "cuda":
             with torch.cuda.stream(self.stream):
-                moved = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+                moved = map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
                 event = torch.cuda.Event()
                 event.record(self.stream)
             return moved, event
@@ -332,7 +309,7 @@ class _Pipeline:
             import torch_xla.core.xla_model as xm
 
             return xm.send_cpu_data_to_device(batch, self.device), None
-        return _map_tensors(batch, lambda t: t.to(self.device)), None
+        return map_tensors(batch, lambda t: t.to(self.device)), None
 
     # -- consumer ------------------------------------------------------------------------------
 
@@ -349,7 +326,7 @@ class _Pipeline:
             batch, event = item
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            for t in _tensors(batch):
+            for t in iter_tensors(batch):
                 t.record_stream(current)  # allocated on the side stream, used on the caller's
             return batch
         return item

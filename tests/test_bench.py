@@ -255,3 +255,38 @@ def test_docstring_examples(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     failures, tried = doctest.testmod(nbkit.bench, optionflags=doctest.ELLIPSIS)
     assert tried >= 4 and failures == 0
+
+
+def test_compare_training_against_the_on_device_limit(tmp_path):
+    from nbkit.bench import TrainingComparison, compare_training
+
+    raw = TupleSource(96)
+    cached = nbkit.CachedDataset(raw, tmp_path / "t")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    seen = []
+    cb = Callback()
+    cb.relative_update = lambda inc=1: seen.append(inc)
+    result = compare_training(raw, cached, model, epochs=2, batch_size=32, callback=cb)
+    assert cached.is_complete  # warmed first: the limit needs every sample
+    assert [r.loader for r in result.rows] == ["raw DataLoader", "nbkit ds.loader", "on-device limit"]
+    assert all(len(r.epochs) == 2 and r.seconds == min(r.epochs) and r.samples == 96 for r in result.rows)
+    assert len(seen) == 3 * 3 * 3  # 3 loaders x (1 untimed + 2 timed) epochs x 3 batches
+    assert result.wait_share(result.rows[-1]) == 0.0
+    assert 0.0 <= result.wait_share(result.rows[0]) < 1.0
+    text = str(result)
+    assert "on-device limit" in text and "data wait" in text and "training epochs on cpu" in text
+    assert "<table" in result._repr_html_()
+    fig = result.plot(path=tmp_path / "training.png", title="TupleSource")
+    assert (tmp_path / "training.png").stat().st_size > 0
+    assert "waits" in " ".join(t.get_text() for t in fig.axes[0].texts)
+    assert isinstance(result, TrainingComparison)
+
+
+def test_compare_training_errors_name_the_fix(tmp_path):
+    from nbkit.bench import compare_training
+
+    raw = TupleSource(8)
+    with pytest.raises(ValueError, match="at least 1 epoch"):
+        compare_training(raw, nbkit.CachedDataset(raw, tmp_path / "c"), torch.nn.Linear(64, 10), epochs=0)
+    with pytest.raises(TypeError, match="pass an nbkit.CachedDataset"):
+        compare_training(raw, raw, torch.nn.Linear(64, 10))

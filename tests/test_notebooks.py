@@ -145,6 +145,10 @@ def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
     assert "cache complete: True" in out
     plot = tmp_path / "work" / "benchmark.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The training comparison: raw vs cached vs the on-device limit, with the data-wait share.
+    assert "training epochs on cpu: raw DataLoader" in out and "nbkit ds.loader" in out, out
+    assert "on-device limit" in out and "data wait" in out
+    assert (tmp_path / "work" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     nb = nbformat.read(str(path), as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plot is shown in the notebook"
