@@ -428,7 +428,7 @@ class TrainingComparison:
         """Stacked bars per loader: the time the device computes (the on-device limit) and the
         time it waits for data on top. Returns a matplotlib ``Figure``; saved to ``path`` if given."""
         plt = require("matplotlib.pyplot", extra="notebook", feature="nbkit.bench plots")
-        fig = plt.figure(figsize=(7.5, 0.9 + 0.65 * len(self.rows)), layout="constrained")
+        fig = plt.figure(figsize=(7.5, 1.3 + 0.6 * len(self.rows)), layout="constrained")
         plt.close(fig)
         ax = fig.subplots()
         limit = self.limit_seconds
@@ -445,7 +445,7 @@ class TrainingComparison:
         ax.set_xlabel("seconds per training epoch (lower is better)", fontsize=9)
         ax.margins(x=0.35)
         ax.spines[["top", "right"]].set_visible(False)
-        ax.legend(loc="lower right", fontsize=8.5, frameon=False)
+        fig.legend(loc="outside lower center", ncols=2, fontsize=8.5, frameon=False)
         details = [title] if title else []
         details.append(f"{self.rows[0].samples:,} samples an epoch on {self.device}" if self.rows else self.device)
         if self.batch_size:
