@@ -26,16 +26,22 @@ def _env():
     return env
 
 
-@pytest.mark.slow
-def test_bench_engine_quick_writes_a_table(tmp_path):
+def _quick(script, tmp_path):
+    """Run ``benchmarks/<script> --quick --only mnist``; return (its results folder, its stdout)."""
     results = tmp_path / "results"
-    cmd = [sys.executable, str(BENCH / "bench_engine.py"), "--quick", "--only", "mnist",
+    cmd = [sys.executable, str(BENCH / script), "--quick", "--only", "mnist",
            "--data-dir", str(tmp_path / "data"), "--results", str(results)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return results, proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_engine_quick_writes_a_table(tmp_path):
+    results, stdout = _quick("bench_engine.py", tmp_path)
 
     table = (results / "engine.md").read_text()
-    assert table.strip() in proc.stdout  # printed and written
+    assert table.strip() in stdout  # printed and written
     assert "Quick mode" in table
     for row in ("in-RAM limit", "raw (torchvision MNIST)", "per-file", "nbkit, `collate_fn=nbkit.collate`",
                 "nbkit, default collate", "nbkit, `num_workers=2`", "### Targets"):
@@ -134,12 +140,8 @@ def test_data_check_tells_a_wrong_batch_from_a_right_one():
 @pytest.mark.slow
 def test_bench_device_quick_runs_on_the_cpu(tmp_path):
     """benchmarks/bench_device.py --quick: the CPU path (simulated step) writes its table and targets."""
-    results = tmp_path / "results"
-    cmd = [sys.executable, str(BENCH / "bench_device.py"), "--quick", "--only", "mnist",
-           "--data-dir", str(tmp_path / "data"), "--results", str(results)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stem = "device-cuda" if "one NVIDIA" in proc.stdout else "device-cpu"
+    results, stdout = _quick("bench_device.py", tmp_path)
+    stem = "device-cuda" if "one NVIDIA" in stdout else "device-cpu"
     table = (results / f"{stem}.md").read_text()
     for row in ("raw torchvision, `num_workers=0`", "nbkit, default collate, `num_workers=2`",
                 "nbkit, `collate_fn=nbkit.collate`", "nbkit `ds.loader(256", "### Targets"):
