@@ -11,7 +11,7 @@ import pytest
 import nbkit
 from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
 from nbkit import format as fmt
-from nbkit.archive import _open_decompressed
+from nbkit.archive import open_decompressed
 from nbkit.errors import CorruptCacheError, UnsafeArchiveError
 from nbkit.progress import Callback
 from sources import DictSource, TupleSource, assert_equal
@@ -41,7 +41,7 @@ def test_round_trip_and_reproducible(tmp_path, cache, compression):
     os.utime(os.path.join(cache, fmt.INDEX), (1, 1))  # file times must not leak into the archive
     nbkit.export_tar(cache, b, compression=compression)
     assert a.read_bytes() == b.read_bytes()
-    with open(a, "rb") as raw, tarfile.open(fileobj=_open_decompressed(raw), mode="r|") as tar:
+    with open(a, "rb") as raw, tarfile.open(fileobj=open_decompressed(raw), mode="r|") as tar:
         members = list(tar)
     names = [m.name for m in members]
     assert names[-2:] == ["manifest.json", fmt.META] and names[:-2] == sorted(names[:-2])

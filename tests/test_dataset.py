@@ -240,7 +240,7 @@ def test_opening_maps_files_without_reading_them(tmp_path):
     big = TupleSource(5000, shape=(64, 64))
     nbkit.CachedDataset(big, tmp_path).warmup(chunk_size=1000)
     ds = nbkit.CachedDataset.open(tmp_path)
-    col = ds._files.columns[0]
+    col = ds.store.columns[0]
     assert not col.flags.owndata  # a view of the mapped file, not a copy in RAM
     assert ds.stats.cached == 5000
 

@@ -45,7 +45,7 @@ def test_batches_are_one_mget_per_server(redis_url):
     src = TupleSource(300)
     ds = nbkit.CachedDataset(src, redis_url)
     ds.warmup()
-    store = ds._files
+    store = ds.store
     calls = []
     client = store._clients[0]
     original = client.mget
@@ -66,7 +66,7 @@ def test_large_writes_are_split(redis_url, monkeypatch):
     src = DictSource(40)
     ds = nbkit.CachedDataset(src, redis_url)
     calls = []
-    store = ds._files
+    store = ds.store
     script = store._put[0]
     store._put[0] = lambda **kw: calls.append(len(kw["keys"]) - 3) or script(**kw)
     ds.warmup()
@@ -195,7 +195,7 @@ def test_full_server_stops_storing_and_serves_from_source(redis_factory):
     assert len([w for w in caught if "is full" in str(w.message)]) == 1  # said once
     stored = ds.stats.cached
     assert 100 <= stored < 1500 and report.computed == 1500
-    assert ds._files.not_stored == 1500 - stored
+    assert ds.store.not_stored == 1500 - stored
     assert int(server.client().info("memory")["used_memory"]) <= 4 * 2**20
     ds.reset_stats()
     with warnings.catch_warnings():
