@@ -64,7 +64,7 @@ class _HashingReader:
         self.f, self.cb, self.sha = f, cb, hashlib.sha256()
 
     def read(self, n=-1):
-        if getattr(self.cb, "stop_requested", False):
+        if getattr(self.cb, "stop_requested", False) is True:
             raise Stopped()
         chunk = self.f.read(n)
         self.sha.update(chunk)
@@ -254,7 +254,7 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
                     src = tar.extractfile(m)
                     with open(target, "wb") as out:
                         while chunk := src.read(CHUNK):
-                            if getattr(cb, "stop_requested", False):
+                            if getattr(cb, "stop_requested", False) is True:
                                 raise Stopped()
                             h.update(chunk)
                             out.write(chunk)

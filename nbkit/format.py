@@ -268,6 +268,7 @@ def verify_store(store, *, where: str, callback=None, verified: np.ndarray | Non
     cb = as_callback(callback)
     stored = np.flatnonzero(store.is_stored(np.arange(store.length)))
     cb.set_size(len(stored))
+    cb.absolute_update(0)  # a callback may come from an earlier phase counted in other units (bytes)
     bad = []
     for start in range(0, len(stored), chunk):
         part = stored[start : start + chunk]

@@ -97,7 +97,11 @@ class Stopped(Exception):
 
 
 def describe(cb, text: str) -> None:
-    """``cb.set_description(text)`` for callbacks that have it (a plain fsspec ``Callback`` does not)."""
+    """``cb.set_description(text)`` for callbacks that have it (an fsspec-style callback may not).
+
+    Stop flags are read as ``getattr(cb, "stop_requested", False) is True``: a plain fsspec
+    ``Callback`` answers every unknown attribute with a (truthy) no-op method.
+    """
     set_description = getattr(cb, "set_description", None)
     if set_description is not None:
         set_description(text)
@@ -146,7 +150,7 @@ def _run_parallel(jobs, cb, max_workers: int, on_done=None):
                 elif not isinstance(exc, Stopped) and failure is None:
                     failure = (name, exc)
                     stop.set()
-            if getattr(cb, "stop_requested", False):
+            if getattr(cb, "stop_requested", False) is True:
                 stop.set()
             if stop.is_set():
                 for fut in pending:

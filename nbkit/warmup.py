@@ -109,7 +109,7 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
     if num_workers == 0:
         filler = _Chunks(cached, chunks)
         for k in range(len(chunks)):
-            if getattr(cb, "stop_requested", False):
+            if getattr(cb, "stop_requested", False) is True:
                 stopped = True
                 break
             n = filler[k]
@@ -123,7 +123,7 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
             for n in it:
                 done += int(n)
                 cb.relative_update(int(n))
-                if getattr(cb, "stop_requested", False):
+                if getattr(cb, "stop_requested", False) is True:
                     stopped = done < len(missing)
                     break
         finally:

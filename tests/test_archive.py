@@ -185,3 +185,19 @@ def test_missing_zstandard_names_the_extra(tmp_path, cache, monkeypatch):
 def test_unknown_compression_is_refused(tmp_path, cache):
     with pytest.raises(ValueError, match="compression"):
         nbkit.export_tar(cache, tmp_path / "c.tar.xz", compression="xz")
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["export_tar", "plain-tar"])
+def test_a_plain_fsspec_callback_works(tmp_path, cache, plain):
+    import fsspec.callbacks
+
+    tar = tmp_path / "c.tar"
+    if plain:  # no manifest: import_tar checks every sample's checksum, reporting through the callback
+        subprocess.run(["tar", "cf", str(tar), "-C", cache, "."], check=True)
+    else:
+        cb = fsspec.callbacks.Callback()
+        assert nbkit.export_tar(cache, tar, callback=cb).bytes == cb.size == cb.value
+    cb = fsspec.callbacks.Callback()
+    nbkit.import_tar(tar, tmp_path / "copy", callback=cb)
+    assert cb.value == cb.size
+    assert_same_samples(tmp_path / "copy")

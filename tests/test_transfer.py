@@ -296,3 +296,15 @@ def test_objects_pushed_stay_few(tmp_path, gcs):
     size = sum(os.path.getsize(os.path.join(ds.root, n)) for n in fmt.list_cache_files(ds.root))
     objects = gcs.fs.find(f"{gcs.name}/c")
     assert len(objects) <= -(-size // (64 << 20)) + 4
+
+
+def test_a_plain_fsspec_callback_works(tmp_path):
+    import fsspec.callbacks
+
+    ds = make_cache(tmp_path / "c")
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/cache"
+    cb = fsspec.callbacks.Callback()
+    assert nbkit.push(ds.root, url, callback=cb).bytes == cb.size == cb.value
+    cb = fsspec.callbacks.Callback()
+    assert nbkit.pull(url, tmp_path / "copy", callback=cb).bytes == cb.size == cb.value
+    assert len(nbkit.CachedDataset.open(tmp_path / "copy").missing()) == 0
