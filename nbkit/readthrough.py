@@ -11,6 +11,8 @@ Example:
     'nbkit.samplers'
 """
 
+from .extras import moved
+
 _MOVED = {
     "PrefetchSampler": "nbkit.samplers",
     "plan_windows": "nbkit.samplers",
@@ -27,12 +29,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name):
-    import importlib
-    import warnings
-
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"nbkit.readthrough is deprecated: use {_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(_MOVED[name]), name)
-
+__getattr__ = moved(__name__, _MOVED)

@@ -11,17 +11,8 @@ Example:
     [('h', 1)]
 """
 
-_TARGET = "nbkit.stores.redis"
+from .extras import moved
 
-
-def __getattr__(name):
-    import importlib
-    import warnings
-
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(_TARGET)
-    if name not in module.__all__ and name != "meta_tag":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"nbkit.redis_store is deprecated: use {_TARGET}.{name}", DeprecationWarning, stacklevel=2)
-    return getattr(module, name)
+_NAMES = ("RedisLocation", "RedisStore", "RedisURL", "parse_url", "resolve", "resolve_redis", "meta_tag",
+          "FULL_RETRY_SECONDS", "PUT_BYTES")
+__getattr__ = moved(__name__, dict.fromkeys(_NAMES, "nbkit.stores.redis"))
