@@ -1,17 +1,8 @@
-"""Pack a cache into one tar file and unpack it safely: :func:`export_tar` and :func:`import_tar`.
+"""Pack a cache into one reproducible tar file and unpack it safely: :func:`export_tar` and :func:`import_tar`.
 
-The archive holds the cache's files (sorted), then ``manifest.json`` (size and sha256 of each, as
-:mod:`nbkit.transfer` writes them), then ``nbkit.json`` last. Every member has mtime 0, uid/gid 0
-and no user names, and gzip is written without a timestamp, so the same cache gives the same bytes.
-Both functions stream: the cache is never held in memory, and the tar may live at any fsspec URL
-(``gs://bucket/mnist.tar.zst`` is written and read directly).
-
-:func:`import_tar` checks each member before writing it (regular files with plain names only:
-no absolute paths, ``..``, links, devices or fifos), extracts into a temporary sibling of the
-target, checks every sha256 against the manifest, and only then renames the directory into
-place: an interrupted import leaves nothing that opens as a cache. Files whose sha256 matches the
-manifest are what was exported, so samples are only checked one by one (every CRC) for a plain
-``tar`` of a cache directory, which has no manifest.
+The archive holds the cache's files, ``manifest.json``, then ``nbkit.json``; both functions stream
+to or from any fsspec URL, and an import checks every member and every sha256 before it swaps the
+cache into place (``docs/DESIGN.md``, "Transfer and archives").
 
 Example:
     >>> import tempfile, torch, nbkit

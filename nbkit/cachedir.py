@@ -1,10 +1,6 @@
 """One local cache directory: its memory-mapped files (:class:`CacheFiles`, the local sample store)
-and the directory operations around it: find it, count what it stores, check it, replace it.
-
-A cache directory is replaced as a whole: :func:`swap_into_place` renames a directory that was
-filled and checked beside it (a pull, an import) over the old one, so a reader never sees a
-half-copied cache. :func:`stored_count` and :func:`verify` open the files read-only and close them
-again; they never build a dataset.
+and the operations on the directory: find it, count and verify what it stores without building a
+dataset, replace it by swapping a checked copy into place.
 
 Example:
     >>> import tempfile, torch, nbkit

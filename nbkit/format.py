@@ -1,12 +1,10 @@
 """The nbkit cache format (version 1): file names, index records, flags, CRCs, metadata, and the
-``Store`` base every sample store derives from, with the one checksum verification they all use.
+``Store`` base every sample store derives from, with the one checksum check they all use.
 
-A cache is ``nbkit.json`` (metadata, created once; its presence makes a directory a cache),
-``index.bin`` (one 24-byte record per sample: ``state, flags, crc32, heap offset, heap length``;
-``state`` is written last), ``col-<k>.bin`` (one fixed-size row per sample for each fixed-shape
-leaf) and ``heap.bin`` (variable-length blobs). The memory-mapped files of one local directory are
-:class:`nbkit.cachedir.CacheFiles`; a store elsewhere (Redis, a bucket read through) keeps the same
-records, so :func:`verify` checks every backend's samples the same way.
+A cache is ``nbkit.json``, ``index.bin``, ``col-<k>.bin`` and ``heap.bin`` (``docs/DESIGN.md``,
+"On-disk format"); its memory-mapped files are :class:`nbkit.cachedir.CacheFiles`, and a store
+elsewhere (Redis, a bucket read through) keeps the same records, so :func:`verify` checks every
+backend's samples the same way.
 
 Example:
     >>> from nbkit.format import META, RECORD, row_crc

@@ -1,25 +1,9 @@
 """Copy a cache directory to and from any fsspec URL (``gs://`` first): :func:`push` and :func:`pull`.
 
-A pushed cache is the cache's own files under the URL, one object per file, plus ``manifest.json``:
-the size and sha256 of every file, and how many samples are stored. The manifest is what makes a
-push resumable and a pull verifiable:
-
-* **push** hashes the local files, skips every file the remote already holds with the same size and
-  a matching manifest entry, uploads the rest in parallel (largest first, progress in bytes), then
-  writes the manifest and, last of all, ``nbkit.json``. ``nbkit.json`` is what makes a directory (or
-  a prefix) a cache, and it is deleted *first* when pushing over an older cache, so no reader ever
-  sees a half-pushed cache as complete. A failed push re-raises with what to do; rerunning it
-  resumes (the manifest is checkpointed after every large file).
-* **pull** refuses a prefix without ``nbkit.json``, downloads into a temporary sibling of the
-  target (large files as several ranged reads in flight at once), hashes each file as it arrives
-  and checks it against the manifest, and only then renames the directory into place. A file whose
-  sha256 matches is byte-identical to what was pushed, so samples are not re-verified one by one
-  (the engine still checks each sample's CRC the first time it reads it). Files that the target
-  already holds with the right hash are copied locally instead of downloaded.
-
-An endpoint that cannot be reached (wrong ``endpoint_url``, no network) fails at once with an
-``OSError`` naming the URL, the endpoint and the fix, instead of after gcsfs's ~30 s of retries;
-a connection lost in the middle of a transfer fails the same way once gcsfs's retries give up.
+A pushed cache is its files under the URL plus ``manifest.json`` (:mod:`nbkit.manifest`); a push is
+resumable and publishes ``nbkit.json`` last, a pull checks every sha256 before it swaps the copy
+into place, and an unreachable endpoint fails at once naming the fix (``docs/DESIGN.md``,
+"Transfer and archives").
 
 Example:
     >>> import tempfile, torch, nbkit

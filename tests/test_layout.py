@@ -19,6 +19,28 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nbkit"
 BELOW_DATASET = ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.codec",
                  "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.format", "nbkit.cachedir",
                  "nbkit.manifest", "nbkit.transfer", "nbkit.archive", "nbkit.stores", "nbkit.warmup")
+# The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
+# Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
+LAYERS = {
+    0: ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.files"),
+    1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote"),
+    2: ("nbkit.format",),
+    3: ("nbkit.cachedir",),
+    4: ("nbkit.manifest",),
+    5: ("nbkit.transfer", "nbkit.archive"),
+    6: ("nbkit.stores",),
+    7: ("nbkit.warmup", "nbkit.dataset"),
+}
+TOP = max(LAYERS) + 1
+
+
+def layer_of(module: str) -> int:
+    for layer, names in LAYERS.items():
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return layer
+    return TOP
+
+
 # Thin lazy aliases of moved modules, kept for one release: they import nbkit.extras.moved only,
 # which imports the new module by name on first use.
 ALIASES = ("nbkit.storage", "nbkit.readthrough", "nbkit.redis_store")
@@ -151,6 +173,14 @@ def test_nothing_below_the_engine_imports_it(graph):
     bad = {m: sorted(_reach(edges, m) & {"nbkit.dataset", "nbkit"}) for m in lower}
     bad = {m: r for m, r in bad.items() if r}
     assert not bad, f"modules below nbkit.dataset that import it (or the package, which imports it): {bad}"
+
+
+def test_imports_run_down_the_layers(graph):
+    _, edges = graph
+    bad = [f"{src} (layer {layer_of(src)}) imports {dst} (layer {layer_of(dst)})"
+           for src, targets in edges.items() if src not in ALIASES
+           for dst, _, _ in targets if layer_of(dst) > layer_of(src)]
+    assert not bad, "imports against the layers of docs/DESIGN.md:\n" + "\n".join(bad)
 
 
 def test_aliases_import_nothing_directly(graph):

@@ -1,33 +1,9 @@
 """A cache whose samples live in Redis: one in-memory cache shared by many hosts.
 
-Give ``CachedDataset`` a Redis URL instead of a directory::
-
-    redis://[[user]:password@]host[:port][,host[:port]…]/<db>/<name>      (rediss:// for TLS)
-
-* ``<name>`` is the cache's namespace (letters, digits, ``. _ -`` and ``/``): several caches share
-  one server side by side, each under its own name. ``<db>`` (default 0) selects the Redis database.
-* Several servers, comma-separated, shard the samples: sample ``i`` lives on server ``i % n``. The
-  metadata is on every server. Give every host the same server list in the same order (the number
-  of servers is recorded in the metadata, and a different number is refused).
-* ``storage_options`` are passed to ``redis.Redis`` for every server (``password``,
-  ``socket_timeout``, ``ssl_ca_certs`` …).
-
-What is stored, per server: the metadata (``nbkit:<name>:meta``, created once), and under a tag
-derived from that metadata one string per sample holding its record fields and data
-(``flags u1, crc u4``, then its column rows, then its variable-length blob), so reading a batch is
-one ``MGET`` per server and every sample is checked against its CRC-32 as in a local cache. A bitmap
-of stored samples and a byte counter make ``missing()`` and the stats cheap.
-
-**When a server is full.** nbkit never lets Redis evict samples silently: opening a cache refuses a
-server whose ``maxmemory-policy`` evicts keys without a TTL (``allkeys-*``); use ``noeviction`` (or a
-``volatile-*`` policy: nbkit's keys have no TTL). When a write hits ``maxmemory``, nbkit stops storing
-on that server (retrying after :data:`FULL_RETRY_SECONDS`), warns once with the numbers, and
-serves the samples it could not store from the source: reads stay correct, they just miss.
-
-**When a server loses its samples** (restarted without persistence, flushed): with the source, the
-lost samples are recomputed and stored again; without it, reading one raises
-:class:`~nbkit.MissingSampleError` naming the server. A sample is never served from another
-cache's keys: they are namespaced by name and by a hash of the metadata.
+``redis://[[user]:password@]host[:port][,host[:port]…]/<db>/<name>`` (``rediss://`` for TLS): samples
+sharded over the servers (``i % n``), one value per sample checked against its CRC like a local
+cache; a full server is never allowed to evict silently, and lost samples are recomputed from the
+source (``docs/DESIGN.md``, "Stores").
 
 Example:
     >>> from nbkit.stores.redis import parse_url
