@@ -270,7 +270,10 @@ def verify_store(store, *, where: str, callback=None, verified: np.ndarray | Non
     bad = []
     for start in range(0, len(stored), chunk):
         part = stored[start : start + chunk]
-        ok = verify(store, part)
+        # Gathered here and held until the next chunk's gather: freeing the buffers first makes the
+        # allocator return them to the OS and fault fresh pages in for every chunk (1.5x slower).
+        columns = store.gather(part)
+        ok = verify(store, part, columns=columns)
         if verified is not None:
             verified[part[ok]] = True
         bad.extend(int(i) for i in part[~ok])
