@@ -55,4 +55,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'nbkit' has no attribute {name!r}")
 
 
-_SUBMODULES = ("tpu", "widgets", "bench", "offline", "readthrough", "redis_store", "storage", "progress", "stats")
+_SUBMODULES = ("tpu", "widgets", "bench", "offline", "readthrough", "redis_store", "storage", "progress", "stats",
+               "stores", "samplers")

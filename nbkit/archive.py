@@ -1,17 +1,8 @@
-"""Pack a cache into one tar file and unpack it safely: :func:`export_tar` and :func:`import_tar`.
+"""Pack a cache into one reproducible tar file and unpack it safely: :func:`export_tar` and :func:`import_tar`.
 
-The archive holds the cache's files (sorted), then ``manifest.json`` (size and sha256 of each, as
-:mod:`nbkit.transfer` writes them), then ``nbkit.json`` last. Every member has mtime 0, uid/gid 0
-and no user names, and gzip is written without a timestamp, so the same cache gives the same bytes.
-Both functions stream: the cache is never held in memory, and the tar may live at any fsspec URL
-(``gs://bucket/mnist.tar.zst`` is written and read directly).
-
-:func:`import_tar` checks each member before writing it (regular files with plain names only:
-no absolute paths, ``..``, links, devices or fifos), extracts into a temporary sibling of the
-target, checks every sha256 against the manifest, and only then renames the directory into
-place: an interrupted import leaves nothing that opens as a cache. Files whose sha256 matches the
-manifest are what was exported, so samples are only checked one by one (every CRC) for a plain
-``tar`` of a cache directory, which has no manifest.
+The archive holds the cache's files, ``manifest.json``, then ``nbkit.json``; both functions stream
+to or from any fsspec URL, and an import checks every member and every sha256 before it swaps the
+cache into place (``docs/DESIGN.md``, "Transfer and archives").
 
 Example:
     >>> import tempfile, torch, nbkit
@@ -37,31 +28,16 @@ import tempfile
 import time
 
 from . import format as fmt
+from .cachedir import cache_root, check_replaceable, data_files, stored_count, swap_into_place, verify
 from .errors import CorruptCacheError, UnsafeArchiveError
+from .extras import require
+from .files import CHUNK
+from .manifest import MANIFEST, check_entry, manifest_bytes, new_manifest, parse_manifest
 from .progress import as_callback
-from .transfer import (
-    _CHUNK,
-    BLOCK,
-    MANIFEST,
-    TransferReport,
-    _abandon,
-    _check_hash,
-    _check_replaceable,
-    _fs,
-    _is_local,
-    _Stopped,
-    _swap_into_place,
-    _verify,
-    cache_root,
-    data_files,
-    is_connection_error,
-    manifest_bytes,
-    new_manifest,
-    parse_manifest,
-    stored_count,
-)
+from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
+from .transfer import Stopped, TransferReport, describe
 
-__all__ = ["export_tar", "import_tar"]
+__all__ = ["export_tar", "import_tar", "open_decompressed"]
 
 COMPRESSIONS = (None, "gz", "zst")
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -69,11 +45,7 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def _zstandard():
-    try:
-        import zstandard
-    except ImportError as e:
-        raise ImportError("zstd compression needs the zstandard package: pip install 'nbkit[zst]'") from e
-    return zstandard
+    return require("zstandard", extra="zst", feature="zstd compression")
 
 
 class _HashingReader:
@@ -83,8 +55,8 @@ class _HashingReader:
         self.f, self.cb, self.sha = f, cb, hashlib.sha256()
 
     def read(self, n=-1):
-        if getattr(self.cb, "stop_requested", False):
-            raise _Stopped()
+        if getattr(self.cb, "stop_requested", False) is True:
+            raise Stopped()
         chunk = self.f.read(n)
         self.sha.update(chunk)
         self.cb.relative_update(len(chunk))
@@ -133,10 +105,10 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
     stored, length = stored_count(root)
     cb.set_size(sum(sizes.values()))
     cb.absolute_update(0)
-    cb.set_description(f"exporting to {tar_path}")
+    describe(cb, f"exporting to {tar_path}")
 
-    fs, path = _fs(os.fspath(tar_path), storage_options)
-    local = _is_local(fs)
+    fs, path = url_to_fs(os.fspath(tar_path), storage_options)
+    local = is_local(fs)
     if local:
         fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     # Locally the tar is written under a temporary name and renamed when done; remote uploads
@@ -152,7 +124,7 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
         files = {}
         # bufsize: tarfile's stream mode re-slices its buffer for every record it passes on, which
         # with the default 10 KiB records makes each 4 MiB chunk cost ~400 copies of itself.
-        with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, copybufsize=_CHUNK, bufsize=_CHUNK) as tar:
+        with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, copybufsize=CHUNK, bufsize=CHUNK) as tar:
             for name in names:
                 with open(os.path.join(root, name), "rb") as f:
                     reader = _HashingReader(f, cb)
@@ -167,21 +139,21 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
             cb.relative_update(len(meta))
         if stream is not raw:
             stream.close()
-    except _Stopped:
-        _abandon(raw, tell_backend=True)
-        cb.set_description("stopped")
+    except Stopped:
+        abandon(raw, tell_backend=True)
+        describe(cb, "stopped")
         return TransferReport(seconds=time.perf_counter() - start, stopped=True)
     except BaseException as e:
-        _abandon(raw, tell_backend=not is_connection_error(e))
+        abandon(raw, tell_backend=not is_connection_error(e))
         raise
     raw.close()
     if local:
         raw.commit()
-    cb.set_description("exported")
+    describe(cb, "exported")
     return TransferReport(tuple(names) + (MANIFEST, fmt.META), (), sum(sizes.values()), time.perf_counter() - start)
 
 
-def _open_decompressed(raw):
+def open_decompressed(raw):
     """Wrap ``raw`` in the decompressor its first bytes call for (gzip, zstd, or none)."""
     head = raw.read(4)
     raw.seek(0)
@@ -242,7 +214,7 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
     start = time.perf_counter()
     cb = as_callback(callback)
     dest = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
-    _check_replaceable(dest)
+    check_replaceable(dest)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
 
@@ -254,13 +226,13 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
             size = os.fstat(raw.fileno()).st_size if hasattr(raw, "fileno") else None
         cb.set_size(size)
         cb.absolute_update(0)
-        cb.set_description(f"importing {tar_path}")
+        describe(cb, f"importing {tar_path}")
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.import-", dir=parent)
         try:
             hashes, sizes, names = {}, {}, []
-            stream = _open_decompressed(raw)
+            stream = open_decompressed(raw)
             # "r|" reads the tar as a stream: members are checked and written one at a time.
-            with tarfile.open(fileobj=stream, mode="r|", bufsize=_CHUNK) as tar:
+            with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tar:
                 for m in tar:
                     name = _check_member(m, tar_path)
                     if name is None:
@@ -272,9 +244,9 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
                     h = hashlib.sha256()
                     src = tar.extractfile(m)
                     with open(target, "wb") as out:
-                        while chunk := src.read(_CHUNK):
-                            if getattr(cb, "stop_requested", False):
-                                raise _Stopped()
+                        while chunk := src.read(CHUNK):
+                            if getattr(cb, "stop_requested", False) is True:
+                                raise Stopped()
                             h.update(chunk)
                             out.write(chunk)
                             cb.absolute_update(raw.tell())  # compressed bytes read, like the size
@@ -294,15 +266,16 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
                         f"extra: {sorted(extracted - listed)}); export the cache again."
                     )
                 for name, entry in manifest["files"].items():
-                    _check_hash(str(tar_path), name, entry, hashes[name], sizes[name])
+                    check_entry(str(tar_path), name, entry, hashes[name], sizes[name])
             os.rename(os.path.join(tmp, f".{fmt.META}.pending"), os.path.join(tmp, fmt.META))
             if MANIFEST not in hashes:
                 # A plain tar of a cache directory has no sha256 to check against: check every sample.
-                _verify(tmp, cb)
-            _swap_into_place(tmp, dest)
-        except _Stopped:
+                describe(cb, "verifying checksums")
+                verify(tmp, cb)
+            swap_into_place(tmp, dest)
+        except Stopped:
             shutil.rmtree(tmp, ignore_errors=True)
-            cb.set_description("stopped")
+            describe(cb, "stopped")
             return TransferReport(seconds=time.perf_counter() - start, stopped=True)
         except tarfile.TarError as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -310,6 +283,6 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    cb.set_description("imported")
+    describe(cb, "imported")
     files = tuple(n for n in names if n not in (MANIFEST, fmt.META)) + (fmt.META,)
     return TransferReport(files, (), sum(sizes.values()), time.perf_counter() - start)

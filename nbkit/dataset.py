@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from . import format as fmt
-from . import storage
+from .stores import registry
 from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
@@ -71,7 +71,7 @@ class CachedDataset(Dataset):
         self.transform = transform
         self.allow_pickle = allow_pickle
         options = {} if local_max_bytes is None else {"local_max_bytes": local_max_bytes}
-        self._location = storage.resolve(path, storage_options, **options)
+        self._location = registry.resolve(path, storage_options, **options)
         self.path = self._location.url
         self.root = self._location.root
         self._location.prepare()
@@ -156,7 +156,8 @@ class CachedDataset(Dataset):
         register_gatherer(self._token, self._collate_stored)
 
     @property
-    def _files(self) -> fmt.CacheFiles:
+    def store(self) -> fmt.Store:
+        """The sample store of this process (``docs/DESIGN.md``, "Store protocol"), opened on first use."""
         pid = os.getpid()
         if self._files_obj is None or self._files_pid != pid:
             # Each process maps the files itself (after fork too: never share fds or locks).
@@ -172,7 +173,7 @@ class CachedDataset(Dataset):
 
     @property
     def schema(self):
-        return self._files.schema
+        return self.store.schema
 
     def __len__(self) -> int:
         return self._length
@@ -212,13 +213,13 @@ class CachedDataset(Dataset):
         idx = self._index_array(indices)
         if self.transform is None and get_worker_info() is not None and self._column_ready(idx):
             self._counters.add(hits=len(idx))
-            return DeferredBatch(self._files.schema, idx, self._stored_batch, BatchHandle(self._token, idx))
+            return DeferredBatch(self.store.schema, idx, self._stored_batch, BatchHandle(self._token, idx))
         return self._fetch(idx, single=False)
 
     def _column_ready(self, idx: np.ndarray, local: bool = True) -> bool:
         """Whether every sample of ``idx`` is stored whole in fixed-shape columns (so the batch is
         one gather per column), in a store this host maps in memory when ``local``."""
-        f = self._files
+        f = self.store
         schema = f.schema
         if schema.structure is None or schema.has_var or (local and not getattr(f, "memory_mapped", False)):
             return False
@@ -255,7 +256,7 @@ class CachedDataset(Dataset):
         idx = self._index_array(idx)
         if not self._column_ready(idx, local=False):
             return None
-        f = self._files
+        f = self.store
         n = len(idx)
         dest = None if out is None else [o[:n] for o in out]
         if getattr(f, "memory_mapped", False):
@@ -266,19 +267,26 @@ class CachedDataset(Dataset):
                 for d, c in zip(dest, columns):
                     np.copyto(d, c)
                 columns = dest
-        unverified = ~self._verified[idx]
-        if unverified.any():
-            pos = np.flatnonzero(unverified)
-            sub = columns if len(pos) == n else [c[pos] for c in columns]
-            ok = fmt.batch_crc(sub, len(pos), threads=threads or 1) == f.crc_of(idx[pos])
-            self._verified[idx[pos[ok]]] = True
-            if not ok.all():
-                return None
+        if len(self._check_new(idx, columns, threads=threads or 1)):
+            return None
         self._counters.add(hits=n)
         return columns
 
+    def _check_new(self, idx: np.ndarray, columns: list, blobs: list | None = None, threads: int = 1) -> np.ndarray:
+        """Verify the checksums of the samples of ``idx`` not yet verified in this process, given
+        their gathered ``columns`` (and heap ``blobs``); return the indices that fail."""
+        unverified = ~self._verified[idx]
+        if not unverified.any():
+            return idx[:0]
+        pos = np.flatnonzero(unverified)
+        sub = columns if len(pos) == len(idx) else [c[pos] for c in columns]
+        sub_blobs = {m: blobs[j] for m, j in enumerate(pos)} if blobs else {}
+        ok = fmt.verify(self.store, idx[pos], columns=sub, blobs=sub_blobs, threads=threads)
+        self._verified[idx[pos[ok]]] = True
+        return idx[pos[~ok]]
+
     def _fetch(self, idx: np.ndarray, single: bool):
-        f = self._files
+        f = self.store
         stored = f.is_stored(idx)
         if stored.all():
             self._counters.add(hits=len(idx))
@@ -304,26 +312,20 @@ class CachedDataset(Dataset):
     def _gather(self, idx: np.ndarray):
         """``(columns, var_values)`` of the stored samples ``idx`` with their checksums verified, or
         a list of samples when they must be served one by one (free-form, or repaired but refused)."""
-        f = self._files
+        f = self.store
         schema = f.schema
         if schema.structure is None or (f.flags_of(idx) & fmt.FLAG_FREEFORM).any():
             return [self._read_one(int(i)) for i in idx]
         columns = f.gather(idx)
         blobs = [f.read_blob(int(i)) for i in idx] if schema.has_var else None
-        unverified = ~self._verified[idx]
-        if unverified.any():
-            pos = np.flatnonzero(unverified)
-            sub = columns if len(pos) == len(idx) else [c[pos] for c in columns]
-            sub_blobs = {m: blobs[j] for m, j in enumerate(pos)} if blobs else None
-            ok = fmt.batch_crc(sub, len(pos), sub_blobs) == f.crc_of(idx[pos])
-            self._verified[idx[pos[ok]]] = True
-            if not ok.all():
-                unkept = {}
-                for i in idx[pos[~ok]]:
-                    unkept.update(self._repair(int(i)))
-                if unkept:
-                    return [self._from_source(int(i), unkept) if int(i) in unkept else self._read_one(int(i)) for i in idx]
-                return self._gather(idx)
+        failed = self._check_new(idx, columns, blobs)
+        if len(failed):
+            unkept = {}
+            for i in failed:
+                unkept.update(self._repair(int(i)))
+            if unkept:
+                return [self._from_source(int(i), unkept) if int(i) in unkept else self._read_one(int(i)) for i in idx]
+            return self._gather(idx)
         var_values = None
         if blobs is not None:
             per_sample = [schema.var_values(b, f"sample {int(i)} of {self.path}", self.allow_pickle) for i, b in zip(idx, blobs)]
@@ -333,7 +335,7 @@ class CachedDataset(Dataset):
     def _assemble(self, idx: np.ndarray, columns: list, var_values, single: bool):
         """What ``__getitems__`` returns for gathered columns: a :class:`SampleBatch` (or a
         :class:`TensorBatch` for bare-tensor samples), or transformed samples."""
-        schema = self._files.schema
+        schema = self.store.schema
         if self.transform is not None:
             return self._finish(SampleBatch(schema, idx, columns, var_values).samples(), single)
         leaf = schema.leaves[0]
@@ -352,7 +354,7 @@ class CachedDataset(Dataset):
         the computed ones are laid into the same arrays, so ``nbkit.collate`` stays vectorised (a
         byte budget's epoch then costs what its hit rate says); otherwise sample by sample.
         """
-        schema = self._files.schema
+        schema = self.store.schema
         from_source = np.fromiter((int(i) in unkept for i in idx), dtype=bool, count=len(idx))
         computed = {int(i): self._from_source(int(i), unkept) for i in np.unique(idx[from_source])}
         kept_idx = idx[~from_source]
@@ -386,14 +388,14 @@ class CachedDataset(Dataset):
 
     def _read_one(self, i: int):
         """Read one stored sample the slow, general way (free-form or variable-length fields)."""
-        f = self._files
+        f = self.store
         where = f"sample {i} of {self.path}"
         one = np.array([i])
         flag = int(f.flags_of(one)[0])
         blob = f.read_blob(i) if flag & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR) else b""
         rows = [] if flag & fmt.FLAG_FREEFORM else [r[0] for r in f.gather(one)]
         if not self._verified[i]:
-            if f.row_crc(rows, blob) != int(f.crc_of(one)[0]):
+            if not fmt.verify(f, one, columns=[r[None] for r in rows], blobs={0: blob})[0]:
                 unkept = self._repair(i)
                 return self._from_source(i, unkept) if unkept else self._read_one(i)
             self._verified[i] = True
@@ -425,7 +427,7 @@ class CachedDataset(Dataset):
         """Sample ``i`` from the source (with the index named in any error it raises)."""
         i = int(i)  # sources get plain ints, never numpy scalars
         if self._source is None:
-            f = self._files
+            f = self.store
             budget = ""
             if not f.admitted(np.array([i]))[0]:
                 budget = " (it lies outside the cache's byte budget, max_bytes, so it is never stored)"
@@ -453,7 +455,7 @@ class CachedDataset(Dataset):
 
     def _store(self, indices: np.ndarray, samples: list) -> np.ndarray:
         """Store computed samples; return which ones the store kept."""
-        f = self._files
+        f = self.store
         if not f.writable:
             raise PermissionError(f"the cache at {self.path} is open read-only")
         schema = f.schema
@@ -502,7 +504,7 @@ class CachedDataset(Dataset):
 
     def missing(self) -> np.ndarray:
         """Indices of the samples not stored yet."""
-        return self._files.missing()
+        return self.store.missing()
 
     def warmup(self, num_workers: int = 0, callback=None, *, shard: tuple[int, int] | None = None,
                chunk_size: int = 256, multiprocessing_context=None):
@@ -547,7 +549,7 @@ class CachedDataset(Dataset):
             >>> ds.prefetch([1, 2, 3])   # a local cache has nothing to fetch
             0
         """
-        fn = getattr(self._files, "prefetch", None)
+        fn = getattr(self.store, "prefetch", None)
         return int(fn(self._index_array(indices)) or 0) if fn is not None else 0
 
     def loader(self, batch_size: int, **options):
@@ -580,44 +582,15 @@ class CachedDataset(Dataset):
             >>> ds.verify()
             10
         """
-        from .progress import as_callback
-
-        cb = as_callback(callback)
-        f = self._files
-        stored = np.flatnonzero(f.is_stored(np.arange(self._length)))
-        cb.set_size(len(stored))
-        bad = []
-        for start in range(0, len(stored), 1024):
-            chunk = stored[start : start + 1024]
-            flags = f.flags_of(chunk)
-            cols = f.gather(chunk)
-            blobs = {}
-            for m in np.flatnonzero(flags & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR)):
-                try:
-                    blobs[int(m)] = f.read_blob(int(chunk[m]))
-                except CorruptCacheError:
-                    blobs[int(m)] = b""  # a record pointing past the heap: fails its crc below
-            crc = fmt.batch_crc(cols, len(chunk), {m: b for m, b in blobs.items() if flags[m] == fmt.FLAG_VAR})
-            for m in np.flatnonzero(flags & fmt.FLAG_FREEFORM):
-                crc[m] = f.row_crc([], blobs[int(m)])  # free-form: the blob alone
-            ok = crc == f.crc_of(chunk)
-            self._verified[chunk[ok]] = True
-            bad.extend(int(i) for i in chunk[~ok])
-            cb.relative_update(len(chunk))
-        if bad:
-            shown = ", ".join(map(str, bad[:10])) + (" …" if len(bad) > 10 else "")
-            raise CorruptCacheError(
-                f"{len(bad)} sample(s) in the cache at {self.path} fail their checksum (indices {shown}). "
-                "Re-create them by opening the cache with its source, or pull / import the cache again."
-            )
-        return len(stored)
+        store = self.store  # opened first: opening resets the per-process verified flags
+        return fmt.verify_store(store, where=self.path, callback=callback, verified=self._verified)
 
     # -- stats -----------------------------------------------------------------------------------------
 
     @property
     def stats(self) -> Stats:
         """Counters summed over every process reading this dataset (DataLoader workers included)."""
-        f = self._files
+        f = self.store
         t = self._counters.totals()
         return Stats(
             hits=t["hits"], misses=t["misses"], recomputed=t["recomputed"], stored=t["stored"], refused=t["refused"],
@@ -631,7 +604,7 @@ class CachedDataset(Dataset):
 
     @property
     def is_complete(self) -> bool:
-        return len(self._files.missing()) == 0
+        return len(self.store.missing()) == 0
 
 
 def _capacity(max_bytes: int, length: int, schema, probes: list, allow_pickle: bool) -> int:

@@ -1,44 +1,33 @@
-"""The on-disk layout of one cache directory (format version 1).
+"""The nbkit cache format (version 1): file names, index records, flags, CRCs, metadata, and the
+``Store`` base every sample store derives from, with the one checksum check they all use.
 
-* ``nbkit.json`` — metadata, created once and atomically; its presence makes a directory a cache.
-* ``index.bin`` — one 24-byte record per sample: ``state, flags, crc32, heap offset, heap length``.
-  ``state`` is written last, so a reader never trusts a half-written sample; the crc catches
-  anything else (a torn page after a power cut, a flipped bit, a tampered file).
-* ``col-<k>.bin`` — one fixed-size row per sample for each fixed-shape leaf, preallocated so a
-  full disk fails at creation with a clear error rather than mid-epoch.
-* ``heap.bin`` — variable-length blobs, appended under an exclusive lock (``heap.lock``).
-
-Files are memory-mapped: opening a cache loads nothing into RAM, and a cache larger than RAM is
-served through the OS page cache.
+A cache is ``nbkit.json``, ``index.bin``, ``col-<k>.bin`` and ``heap.bin`` (``docs/DESIGN.md``,
+"On-disk format"); its memory-mapped files are :class:`nbkit.cachedir.CacheFiles`, and a store
+elsewhere (Redis, a bucket read through) keeps the same records, so :func:`verify` checks every
+backend's samples the same way.
 
 Example:
-    >>> from nbkit.format import META, RECORD
-    >>> META, RECORD.itemsize
-    ('nbkit.json', 24)
+    >>> from nbkit.format import META, RECORD, row_crc
+    >>> META, RECORD.itemsize, row_crc([b"abc"]) == __import__("zlib").crc32(b"abc")
+    ('nbkit.json', 24, True)
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import mmap
 import os
-import threading
-import uuid
 import zlib
 
 import numpy as np
 
-try:
-    import fcntl
-except ImportError:  # Windows: no POSIX record locks; a thread lock and per-process rows still apply
-    fcntl = None
-
 from .codec import Schema
-from .gather import pool, spans, take_rows
+from .gather import pool, spans
 from .errors import CorruptCacheError, StaleCacheError
+from .files import atomic_write
+from .progress import as_callback
 
-__all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "Store", "CacheFiles", "list_cache_files", "read_meta"]
+__all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "Store", "list_cache_files", "read_meta",
+           "parse_meta", "publish_meta", "row_crc", "batch_crc", "sample_crcs", "verify", "verify_store"]
 
 FORMAT_NAME = "nbkit-cache"
 VERSION = 1
@@ -116,68 +105,8 @@ def publish_meta(root: str, meta: dict) -> dict:
     hard-links it into place, which fails if another got there first; the loser adopts the
     winner's metadata (the caller then compares fingerprints).
     """
-    path = os.path.join(root, META)
-    tmp = os.path.join(root, f".{META}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(meta, indent=1, sort_keys=True).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-            raise
-        # A filesystem without hard links (some FUSE mounts): fall back to rename-if-absent.
-        if not os.path.exists(path):
-            os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(os.path.join(root, META), json.dumps(meta, indent=1, sort_keys=True).encode(), exclusive=True, sync=True)
     return read_meta(root)
-
-
-def _map(path: str, size: int, writable: bool):
-    """``(mmap, fd)`` of ``path`` holding exactly ``size`` bytes, creating/extending it if writable."""
-    if writable:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    else:
-        fd = os.open(path, os.O_RDONLY)
-    try:
-        actual = os.fstat(fd).st_size
-        if actual < size:
-            if not writable:
-                raise CorruptCacheError(f"{path} is {actual} bytes, expected {size}: the cache is truncated. Re-import or re-create it.")
-            _preallocate(fd, path, actual, size)
-        elif actual > size:
-            raise CorruptCacheError(f"{path} is {actual} bytes, expected {size}: it does not belong to this cache's metadata.")
-        if size == 0:
-            return None, fd
-        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ), fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _preallocate(fd: int, path: str, actual: int, size: int) -> None:
-    try:
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fd, actual, size - actual)
-        else:
-            os.ftruncate(fd, size)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            free = os.statvfs(os.path.dirname(path) or ".")
-            raise OSError(
-                errno.ENOSPC,
-                f"not enough disk space for the cache file {path}: it needs {size / 2**20:.1f} MiB, "
-                f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB are free. Choose a path on a larger disk or free some space.",
-            ) from e
-        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-            os.ftruncate(fd, size)
-        else:
-            raise
 
 
 def row_crc(rows, blob: bytes = b"") -> int:
@@ -223,195 +152,14 @@ class Store:
             return np.ones(len(idx), dtype=bool)
         return self.slot_of[idx] >= 0
 
-
-class CacheFiles(Store):
-    """The memory-mapped files of one cache directory, opened in one process.
-
-    Not shared between processes: each process (DataLoader worker, TPU process) opens its own.
-    """
-
-    def __init__(self, root: str, meta: dict, *, writable: bool):
-        super().__init__(meta, writable=writable)
-        self.root = root
-        self._fds = []
-        mm, fd = _map(os.path.join(root, INDEX), self.length * RECORD.itemsize, writable)
-        self._fds.append(fd)
-        self._index_mmap = mm
-        if mm is None:
-            self.records = np.zeros(0, RECORD)
-        else:
-            self.records = np.frombuffer(mm, dtype=RECORD, count=self.length)
-        self.state = self.records["state"]
-        self.flags = self.records["flags"]
-        self.crc = self.records["crc"]
-        self.off = self.records["off"]
-        self.len = self.records["len"]
-        self.columns = []
-        self.column_fds = []
-        for leaf, spec in zip(self.schema.columns, meta["columns"]):
-            dtype = self.schema.column_dtype(leaf)
-            shape = (self.capacity, *leaf.shape)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            cm, cfd = _map(os.path.join(root, spec["file"]), nbytes, writable)
-            self._fds.append(cfd)
-            self.column_fds.append(cfd)
-            if cm is None:
-                self.columns.append(np.zeros(shape, dtype))
-            else:
-                self.columns.append(np.frombuffer(cm, dtype=dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape))
-        self._heap_fd = None
-        self._heap_lock = threading.Lock()
-
-    # -- the store interface the engine uses --------------------------------------------------
-
-    def is_stored(self, idx: np.ndarray) -> np.ndarray:
-        return self.state[idx] == STORED
-
-    def flags_of(self, idx: np.ndarray) -> np.ndarray:
-        return self.flags[idx]
-
-    def crc_of(self, idx: np.ndarray) -> np.ndarray:
-        return self.crc[idx]
-
-    def stored_count(self) -> int:
-        return int(np.count_nonzero(self.state == STORED))
+    def stored_mask(self, idx: np.ndarray) -> np.ndarray:
+        """Which of ``idx`` are stored, as cheaply as the store can tell (default: :meth:`is_stored`)."""
+        return self.is_stored(idx)
 
     def missing(self, idx: np.ndarray | None = None) -> np.ndarray:
         """The admitted indices (of ``idx``, or of all) that are not stored yet."""
-        idx = np.arange(self.length) if idx is None else idx
-        keep = self.state[idx] != STORED
-        if self.slot_of is not None:
-            keep &= self.slot_of[idx] >= 0
-        return idx[keep]
-
-    memory_mapped = True  # gather reads this host's page cache: batches can be gathered anywhere on it
-
-    def gather(self, idx: np.ndarray, out: list | None = None, threads: int | None = None) -> list:
-        """The column rows of stored samples ``idx``: one vectorised read per column, split over
-        several threads for large batches (into ``out`` when given)."""
-        rows = idx if self.slot_of is None else self.slot_of[idx]
-        return take_rows(self.columns, rows, out, threads)
-
-    def put(self, idx: np.ndarray, flags: np.ndarray, crc: np.ndarray, cpos: np.ndarray, stacked: list,
-            bpos: np.ndarray, blobs: list):
-        """Store samples ``idx``: rows of the conforming ones (positions ``cpos``), blobs (positions
-        ``bpos``), then their records, ``state`` last so no reader trusts a half-written sample.
-
-        Returns ``None`` (everything kept); a store that can refuse (a full server) returns a bool
-        mask of the samples it kept."""
-        was = self.state[idx] != EMPTY
-        if was.any():
-            self.state[idx[was]] = EMPTY  # a sample being replaced must not look stored meanwhile
-        if len(cpos):
-            rows_idx = idx[cpos] if self.slot_of is None else self.slot_of[idx[cpos]]
-            if len(rows_idx) > 1 and not (np.diff(rows_idx) > 0).all():
-                order = np.argsort(rows_idx, kind="stable")  # runs of consecutive rows → one write each
-                rows_idx, stacked = rows_idx[order], [rows[order] for rows in stacked]
-            for k, rows in enumerate(stacked):
-                self.write_rows(k, rows_idx, rows)
-        if len(bpos):
-            offsets = self.append_blobs(blobs)
-            self.off[idx[bpos]] = offsets
-            self.len[idx[bpos]] = [len(b) for b in blobs]
-        self.flags[idx] = flags
-        self.crc[idx] = crc
-        self.state[idx] = STORED
-
-    # -- heap ---------------------------------------------------------------------------------
-
-    def _heap(self) -> int:
-        if self._heap_fd is None:
-            path = os.path.join(self.root, HEAP)
-            if self.writable:
-                self._heap_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            else:
-                try:
-                    self._heap_fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    raise CorruptCacheError(f"{path} is missing but the index points into it: the cache is incomplete. Re-import or re-create it.") from None
-            self._fds.append(self._heap_fd)
-        return self._heap_fd
-
-    def append_blobs(self, blobs: list[bytes]) -> list[int]:
-        """Append ``blobs`` to the heap under an exclusive lock; return their offsets."""
-        fd = self._heap()
-        data = b"".join(blobs)
-        # fcntl.lockf locks are per process, so they also exclude forked children that share our
-        # file descriptors; the thread lock covers threads of this process.
-        lock_fd = os.open(os.path.join(self.root, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            with self._heap_lock:
-                if fcntl is not None:
-                    fcntl.lockf(lock_fd, fcntl.LOCK_EX)
-                try:
-                    start = os.fstat(fd).st_size
-                    written = 0
-                    while written < len(data):
-                        written += os.pwrite(fd, data[written:], start + written)
-                finally:
-                    if fcntl is not None:
-                        fcntl.lockf(lock_fd, fcntl.LOCK_UN)
-        finally:
-            os.close(lock_fd)
-        offsets, pos = [], start
-        for b in blobs:
-            offsets.append(pos)
-            pos += len(b)
-        return offsets
-
-    def read_blob(self, i: int) -> bytes:
-        off, n = int(self.off[i]), int(self.len[i])
-        data = os.pread(self._heap(), n, off)
-        if len(data) != n:
-            raise CorruptCacheError(f"sample {i}: {os.path.join(self.root, HEAP)} is shorter than the index says; the cache is damaged.")
-        return data
-
-    def write_rows(self, k: int, indices: np.ndarray, rows: np.ndarray) -> None:
-        """Write ``rows`` of column ``k`` at ``indices``.
-
-        Uses ``pwrite`` on runs of consecutive indices rather than stores through the mapping:
-        the kernel copies into the page cache without a page fault per 4 KiB, about 5× faster,
-        and readers' mappings see the same pages.
-        """
-        rows = np.ascontiguousarray(rows)
-        fd = self.column_fds[k]
-        if rows.nbytes == 0:
-            return
-        flat = rows.reshape(len(indices), -1).view(np.uint8)
-        row_bytes = flat.shape[1]
-        breaks = np.flatnonzero(np.diff(indices) != 1) + 1
-        for run in np.split(np.arange(len(indices)), breaks):
-            start, stop = int(run[0]), int(run[-1]) + 1
-            data = memoryview(flat[start:stop]).cast("B")
-            offset = int(indices[start]) * row_bytes
-            written = 0
-            while written < len(data):
-                written += os.pwrite(fd, data[written:], offset + written)
-
-    def data_bytes(self) -> int:
-        """Bytes of sample data stored so far (column rows of stored samples, plus the heap)."""
-        rows = sum(int(np.prod(c.shape[1:], dtype=np.int64)) * c.itemsize for c in self.columns)
-        heap = os.path.join(self.root, HEAP)
-        return self.stored_count() * rows + (os.path.getsize(heap) if os.path.exists(heap) else 0)
-
-    def stored_bytes(self) -> int:
-        """Bytes the cache occupies on disk (allocated blocks, preallocated columns included)."""
-        total = 0
-        for name in os.listdir(self.root):
-            try:
-                st = os.stat(os.path.join(self.root, name))
-            except FileNotFoundError:
-                continue
-            total += getattr(st, "st_blocks", 0) * 512 or st.st_size
-        return total
-
-    def close(self) -> None:
-        for fd in self._fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds = []
+        idx = np.arange(self.length) if idx is None else np.asarray(idx, dtype=np.int64)
+        return idx[self.admitted(idx) & ~self.stored_mask(idx)]
 
 
 def admission_slots(length: int, capacity: int, seed: int) -> np.ndarray:
@@ -456,23 +204,6 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1
     return out
 
 
-def remove_cache(root: str) -> None:
-    """Delete the cache files in ``root`` (metadata first, so nobody sees a cache with half its data)."""
-    if not os.path.isdir(root):
-        return
-    try:
-        names = list_cache_files(root)
-    except (CorruptCacheError, FileNotFoundError):
-        names = [n for n in os.listdir(root) if n in (INDEX, HEAP) or (n.startswith("col-") and n.endswith(".bin"))]
-    meta_path = os.path.join(root, META)
-    if os.path.exists(meta_path):
-        os.unlink(meta_path)
-    for name in names + [LOCK]:
-        p = os.path.join(root, name)
-        if os.path.isfile(p):
-            os.unlink(p)
-
-
 def check_compatible(root: str, existing: dict, wanted: dict) -> None:
     """Raise :class:`StaleCacheError` if the cache metadata at ``root`` does not fit ``wanted``."""
     from .fingerprint import differences
@@ -485,3 +216,81 @@ def check_compatible(root: str, existing: dict, wanted: dict) -> None:
             f"the cache at {root} was built from a different source: " + "; ".join(diffs) + ". "
             "Use a new path for this source, or pass overwrite=True to discard the old cache and rebuild it."
         )
+
+
+def sample_crcs(columns: list, flags: np.ndarray, blobs: dict | None = None, threads: int = 1) -> np.ndarray:
+    """CRC-32 of each sample as stored: its column rows, then its variable-length blob; a free-form
+    sample (``FLAG_FREEFORM``) is its blob alone. ``blobs`` maps a position to that sample's heap blob.
+
+    Example:
+        >>> rows = np.arange(6, dtype=np.uint8).reshape(2, 3)
+        >>> list(sample_crcs([rows], np.zeros(2, np.uint8))) == [row_crc([r]) for r in rows]
+        True
+    """
+    blobs = blobs or {}
+    n = len(flags)
+    free = {m for m in blobs if flags[m] & FLAG_FREEFORM}
+    crc = batch_crc(columns, n, {m: b for m, b in blobs.items() if m not in free}, threads=threads)
+    for m in free:
+        crc[m] = row_crc([], blobs[m])
+    return crc
+
+
+def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict | None = None, threads: int = 1) -> np.ndarray:
+    """Which of the stored samples ``idx`` of ``store`` match their checksum (a bool per sample).
+
+    Args:
+        store: any :class:`Store` (local files, Redis, read-through).
+        idx: stored sample indices (int64).
+        columns: their column rows if already gathered (``store.gather(idx)``); read otherwise.
+        blobs: ``position -> heap blob`` if already read; read otherwise (an unreadable blob fails).
+        threads: split the checksums of large rows over the gather pool.
+    """
+    flags = store.flags_of(idx)
+    if columns is None:
+        columns = store.gather(idx)
+    if blobs is None:
+        blobs = {}
+        for m in np.flatnonzero(flags & (FLAG_FREEFORM | FLAG_VAR)).tolist():
+            try:
+                blobs[m] = store.read_blob(int(idx[m]))
+            except CorruptCacheError:
+                blobs[m] = b""  # a record pointing past the heap: fails its crc
+    return sample_crcs(columns, flags, blobs, threads=threads) == store.crc_of(idx)
+
+
+def verify_store(store, *, where: str, callback=None, verified: np.ndarray | None = None, chunk: int = 1024) -> int:
+    """Check every stored sample of ``store`` against its checksum; return how many were checked.
+
+    Args:
+        store: the store to check.
+        where: the cache's path or URL, for the error message.
+        callback: progress in samples (any fsspec-style callback).
+        verified: a bool array over all samples; those that pass are set ``True``.
+        chunk: samples read at a time.
+
+    Raises:
+        CorruptCacheError: listing the first damaged samples.
+    """
+    cb = as_callback(callback)
+    stored = np.flatnonzero(store.is_stored(np.arange(store.length)))
+    cb.set_size(len(stored))
+    cb.absolute_update(0)  # a callback may come from an earlier phase counted in other units (bytes)
+    bad = []
+    for start in range(0, len(stored), chunk):
+        part = stored[start : start + chunk]
+        # Gathered here and held until the next chunk's gather: freeing the buffers first makes the
+        # allocator return them to the OS and fault fresh pages in for every chunk (1.5x slower).
+        columns = store.gather(part)
+        ok = verify(store, part, columns=columns)
+        if verified is not None:
+            verified[part[ok]] = True
+        bad.extend(int(i) for i in part[~ok])
+        cb.relative_update(len(part))
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (" …" if len(bad) > 10 else "")
+        raise CorruptCacheError(
+            f"{len(bad)} sample(s) in the cache at {where} fail their checksum (indices {shown}). "
+            "Re-create them by opening the cache with its source, or pull / import the cache again."
+        )
+    return len(stored)

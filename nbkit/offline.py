@@ -17,11 +17,12 @@ Example:
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
+
+from .files import atomic_write
 
 __all__ = ["write_mnist", "mnist_raw_folder", "has_mnist"]
 
@@ -84,11 +85,7 @@ def _images(rng, templates, labels) -> np.ndarray:
 def _write_idx(path: Path, array: np.ndarray) -> None:
     magic = 0x0800 | array.ndim  # 0x08 = unsigned byte, then the number of dimensions
     header = struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(np.ascontiguousarray(array, dtype=np.uint8).tobytes())
-    os.replace(tmp, path)
+    atomic_write(str(path), header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
 
 
 def write_mnist(root, *, name: str = "MNIST", n_train: int = 60000, n_test: int = 10000, seed: int = 0) -> Path:

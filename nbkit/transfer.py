@@ -1,25 +1,9 @@
 """Copy a cache directory to and from any fsspec URL (``gs://`` first): :func:`push` and :func:`pull`.
 
-A pushed cache is the cache's own files under the URL, one object per file, plus ``manifest.json``:
-the size and sha256 of every file, and how many samples are stored. The manifest is what makes a
-push resumable and a pull verifiable:
-
-* **push** hashes the local files, skips every file the remote already holds with the same size and
-  a matching manifest entry, uploads the rest in parallel (largest first, progress in bytes), then
-  writes the manifest and, last of all, ``nbkit.json``. ``nbkit.json`` is what makes a directory (or
-  a prefix) a cache, and it is deleted *first* when pushing over an older cache, so no reader ever
-  sees a half-pushed cache as complete. A failed push re-raises with what to do; rerunning it
-  resumes (the manifest is checkpointed after every large file).
-* **pull** refuses a prefix without ``nbkit.json``, downloads into a temporary sibling of the
-  target (large files as several ranged reads in flight at once), hashes each file as it arrives
-  and checks it against the manifest, and only then renames the directory into place. A file whose
-  sha256 matches is byte-identical to what was pushed, so samples are not re-verified one by one
-  (the engine still checks each sample's CRC the first time it reads it). Files that the target
-  already holds with the right hash are copied locally instead of downloaded.
-
-An endpoint that cannot be reached (wrong ``endpoint_url``, no network) fails at once with an
-``OSError`` naming the URL, the endpoint and the fix, instead of after gcsfs's ~30 s of retries;
-a connection lost in the middle of a transfer fails the same way once gcsfs's retries give up.
+A pushed cache is its files under the URL plus ``manifest.json`` (:mod:`nbkit.manifest`); a push is
+resumable and publishes ``nbkit.json`` last, a pull checks every sha256 before it swaps the copy
+into place, and an unreachable endpoint fails at once naming the fix (``docs/DESIGN.md``,
+"Transfer and archives").
 
 Example:
     >>> import tempfile, torch, nbkit
@@ -35,43 +19,34 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 import queue
 import shutil
-import socket
-import sys
 import tempfile
 import threading
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from . import format as fmt
+from .cachedir import cache_root, check_replaceable, swap_into_place
 from .errors import CorruptCacheError
+from .files import CHUNK
+from .manifest import (MANIFEST, build_manifest, check_entry, check_name, manifest_bytes, read_remote_manifest,
+                       sha256_file, trusted_remote_manifest)
 from .progress import as_callback
+from .remote import (BLOCK, abandon, endpoint_of, is_connection_error, is_local, network_errors, remote_sizes,
+                     unreachable, url_to_fs, write_bytes)
 
-__all__ = ["push", "pull", "TransferReport", "MANIFEST", "build_manifest", "read_remote_manifest"]
+__all__ = ["push", "pull", "TransferReport", "Stopped", "describe"]
 
-#: The object (and archive member) listing every file's size and sha256.
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "nbkit-manifest"
-# Bytes in flight per upload; also the unit of progress. 32 MiB is a multiple of GCS's 256 KiB
-# resumable-upload granularity and measured fastest against the emulator.
-BLOCK = 32 << 20
-_CHUNK = 4 << 20
 # Downloads fetch a large file as ranged reads of PART bytes, at most PARTS_IN_FLIGHT of them
 # (over all files) fetched and not yet written: this bounds pull's memory to ~100 MiB. Against the
 # emulator, 16 MiB parts with 4+ in flight, hashed as they arrive, match gcsfs's get_file (no hash).
 PART = 16 << 20
 PARTS_IN_FLIGHT = 6
-# A TCP connect to the endpoint before the first request: an unreachable endpoint then fails at
-# once rather than after gcsfs's retries (6 tries, ~30 s, per request).
-PROBE_SECONDS = 10.0
 # After a file finishes, checkpoint the manifest if at least this much was uploaded since the
 # last checkpoint: a failed push then resumes after the large files, at the cost of one small
 # extra object write.
@@ -101,205 +76,19 @@ class TransferReport:
     stopped: bool = False
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """Raised where the work is done (a worker thread, a tar reader) when the callback asked to stop."""
 
 
-# -- manifest ---------------------------------------------------------------------------------------
+def describe(cb, text: str) -> None:
+    """``cb.set_description(text)`` for callbacks that have it (an fsspec-style callback may not).
 
-
-def sha256_file(path: str, progress=None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                return h.hexdigest()
-            h.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-
-
-def cache_root(cache_path) -> str:
-    """The absolute local directory of a cache, or ``FileNotFoundError`` naming the fix."""
-    root = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
-    fmt.read_meta(root)  # raises FileNotFoundError / CorruptCacheError with the fix
-    return root
-
-
-def data_files(root: str) -> list[str]:
-    """The cache's data files (without ``nbkit.json``), in copy order."""
-    return [n for n in fmt.list_cache_files(root) if n != fmt.META]
-
-
-def stored_count(root: str) -> tuple[int, int]:
-    """``(stored, length)`` of the cache at ``root``."""
-    from .dataset import CachedDataset
-
-    ds = CachedDataset.open(root)
-    return len(ds) - len(ds.missing()), len(ds)
-
-
-def build_manifest(root: str, progress=None) -> dict:
-    """Size and sha256 of every file of the cache at ``root`` (``nbkit.json`` included).
-
-    Example:
-        >>> import tempfile, torch, nbkit
-        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
-        >>> sorted(build_manifest(ds.root)["files"])
-        ['col-0.bin', 'index.bin', 'nbkit.json']
+    Stop flags are read as ``getattr(cb, "stop_requested", False) is True``: a plain fsspec
+    ``Callback`` answers every unknown attribute with a (truthy) no-op method.
     """
-    stored, length = stored_count(root)
-    files = {}
-    for name in data_files(root) + [fmt.META]:
-        path = os.path.join(root, name)
-        files[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path, progress)}
-    return new_manifest(files, stored, length)
-
-
-def new_manifest(files: dict, stored: int, length: int) -> dict:
-    """The manifest of a cache holding ``files`` (``name -> {"size", "sha256"}``), as push and export write it."""
-    return {"format": MANIFEST_FORMAT, "version": 1, "stored": stored, "length": length, "files": files}
-
-
-def manifest_bytes(manifest: dict) -> bytes:
-    return json.dumps(manifest, indent=1, sort_keys=True).encode()
-
-
-def parse_manifest(raw: bytes, where: str) -> dict:
-    try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise CorruptCacheError(f"{where} is not valid JSON ({e}); push the cache again with nbkit.push") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), dict):
-        raise CorruptCacheError(f"{where} is not an nbkit manifest; push the cache again with nbkit.push")
-    return manifest
-
-
-def _fs(url: str, storage_options):
-    from fsspec.core import url_to_fs
-
-    fs, path = url_to_fs(url, **(storage_options or {}))
-    return fs, path.rstrip("/")
-
-
-def _is_local(fs) -> bool:
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
-
-
-def read_remote_manifest(fs, rroot: str) -> dict | None:
-    """The manifest at ``rroot``, or ``None`` if there is none; ``CorruptCacheError`` if it is damaged.
-
-    Example:
-        >>> import fsspec, tempfile, torch, nbkit
-        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
-        >>> _ = nbkit.push(ds.root, "memory://doctest/manifest")
-        >>> read_remote_manifest(fsspec.filesystem("memory"), "/doctest/manifest")["length"]
-        4
-    """
-    try:
-        raw = fs.cat_file(f"{rroot}/{MANIFEST}")
-    except FileNotFoundError:
-        return None
-    return parse_manifest(raw, f"{rroot}/{MANIFEST}")
-
-
-def trusted_remote_manifest(fs, rroot: str) -> dict | None:
-    """The manifest at ``rroot``, or ``None`` if there is none or it is damaged (then nothing in it is trusted)."""
-    try:
-        return read_remote_manifest(fs, rroot)
-    except CorruptCacheError:
-        return None
-
-
-def _remote_sizes(fs, rroot: str) -> dict:
-    try:
-        entries = fs.ls(rroot, detail=True)
-    except FileNotFoundError:
-        return {}
-    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries if e.get("type") != "directory"}
-
-
-def _write_remote(fs, rpath: str, data: bytes) -> None:
-    with fs.open(rpath, "wb") as f:
-        f.write(data)
-
-
-# -- reaching the endpoint -------------------------------------------------------------------------
-
-
-def endpoint_of(fs) -> str | None:
-    """The HTTP(S) endpoint an object-store filesystem talks to, or ``None`` (local, memory …).
-
-    Example:
-        >>> import fsspec
-        >>> endpoint_of(fsspec.filesystem("memory")) is None
-        True
-    """
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if "gs" in protocols:
-        base = getattr(fs, "base", None)  # gcsfs: "<endpoint>/storage/v1/"; honours endpoint_url and STORAGE_EMULATOR_HOST
-        return base.split("/storage/v1", 1)[0] if base else None
-    return getattr(fs, "endpoint_url", None)  # s3fs and others that take endpoint_url
-
-
-def _connection_errors() -> tuple:
-    """Exception types that mean "the endpoint could not be reached or dropped the connection"."""
-    types = [ConnectionError, socket.gaierror, TimeoutError]
-    # Only look at HTTP stacks that are already loaded: if they are not, they raised nothing.
-    aiohttp = sys.modules.get("aiohttp")
-    if aiohttp is not None:
-        types.append(aiohttp.ClientConnectionError)  # connect refused, server disconnected, timeouts
-    requests = sys.modules.get("requests")
-    if requests is not None:
-        types.append(requests.exceptions.ConnectionError)
-    return tuple(types)
-
-
-def is_connection_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failure to reach the storage endpoint (rather than, say, a missing file)."""
-    return isinstance(exc, _connection_errors())
-
-
-def _unreachable(url: str, endpoint: str | None, exc: BaseException, doing: str, fix: str) -> OSError:
-    where = f"the endpoint {endpoint}" if endpoint else "the storage backend"
-    return OSError(
-        f"could not reach {where} while {doing} {url} ({type(exc).__name__}: {exc}). Check the URL, the endpoint "
-        f"(storage_options['endpoint_url'] or STORAGE_EMULATOR_HOST), the network and the credentials, then {fix}."
-    )
-
-
-def _check_reachable(fs, url: str, doing: str, fix: str) -> None:
-    """Open (and close) one TCP connection to the endpoint; raise the clear ``OSError`` if that fails."""
-    endpoint = endpoint_of(fs)
-    if not endpoint or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")):
-        return  # nothing to probe, or the HTTP stack may reach it through a proxy we cannot see
-    parts = urlsplit(endpoint)
-    if not parts.hostname:
-        return
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname, port), timeout=PROBE_SECONDS).close()
-    except OSError as e:
-        raise _unreachable(url, endpoint, e, doing, fix) from e
-
-
-@contextlib.contextmanager
-def network_errors(fs, url: str, doing: str, fix: str):
-    """Check that the endpoint answers, then turn connection failures inside the block into the clear ``OSError``.
-
-    Example:
-        >>> import fsspec
-        >>> with network_errors(fsspec.filesystem("memory"), "memory://x", "pushing to", "rerun"):
-        ...     pass
-    """
-    _check_reachable(fs, url, doing, fix)
-    try:
-        yield
-    except _connection_errors() as e:
-        raise _unreachable(url, endpoint_of(fs), e, doing, fix) from e
+    set_description = getattr(cb, "set_description", None)
+    if set_description is not None:
+        set_description(text)
 
 
 # -- parallel copy with progress on the calling thread --------------------------------------------
@@ -342,10 +131,10 @@ def _run_parallel(jobs, cb, max_workers: int, on_done=None):
                         except Exception as e:  # noqa: BLE001 - e.g. the checkpoint write failed: stop like any failure
                             failure = (name, e)
                             stop.set()
-                elif not isinstance(exc, _Stopped) and failure is None:
+                elif not isinstance(exc, Stopped) and failure is None:
                     failure = (name, exc)
                     stop.set()
-            if getattr(cb, "stop_requested", False):
+            if getattr(cb, "stop_requested", False) is True:
                 stop.set()
             if stop.is_set():
                 for fut in pending:
@@ -386,24 +175,24 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
     start = time.perf_counter()
     cb = as_callback(callback)
     root = cache_root(cache_path)
-    fs, rroot = _fs(url, storage_options)
+    fs, rroot = url_to_fs(url, storage_options)
     fix = f"rerun nbkit.push({root!r}, {url!r}): it resumes, skipping the files already uploaded"
     with network_errors(fs, url, "pushing to", fix):
         return _push(root, url, fs, rroot, cb, max_workers, start, fix)
 
 
 def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
-    cb.set_description("hashing")
+    describe(cb, "hashing")
     manifest = build_manifest(root)
     files = manifest["files"]
     names = [n for n in files if n != fmt.META]
 
     fs.invalidate_cache()
-    if _is_local(fs):
+    if is_local(fs):
         fs.makedirs(rroot, exist_ok=True)  # object stores have no directories to create
     remote = trusted_remote_manifest(fs, rroot)  # a damaged one: everything is uploaded again
     remote_files = (remote or {}).get("files", {})
-    sizes = _remote_sizes(fs, rroot)
+    sizes = remote_sizes(fs, rroot)
 
     def present(name):
         return remote_files.get(name) == files[name] and sizes.get(name) == files[name]["size"]
@@ -411,7 +200,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     todo = sorted((n for n in names if not present(n)), key=lambda n: -files[n]["size"])
     skipped = tuple(n for n in names if n not in todo)
     if not todo and present(fmt.META) and remote == manifest:
-        cb.set_description("up to date")
+        describe(cb, "up to date")
         return TransferReport(skipped=skipped + (fmt.META,), seconds=time.perf_counter() - start)
 
     # Unpublish first: from here until nbkit.json is written again the prefix is not a cache.
@@ -424,12 +213,12 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     total = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
     cb.set_size(total)
     cb.absolute_update(0)
-    cb.set_description(f"pushing to {url}")
+    describe(cb, f"pushing to {url}")
     state = {"since_checkpoint": 0, "confirmed": set(skipped)}
 
     def checkpoint():
         partial = dict(manifest, files={n: files[n] for n in sorted(state["confirmed"])})
-        _write_remote(fs, f"{rroot}/{MANIFEST}", manifest_bytes(partial))
+        write_bytes(fs, f"{rroot}/{MANIFEST}", manifest_bytes(partial))
         state["since_checkpoint"] = 0
 
     def on_done(name, last):
@@ -444,13 +233,13 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
             with open(os.path.join(root, name), "rb") as src:
                 dst = fs.open(f"{rroot}/{name}", "wb", block_size=BLOCK)
                 try:
-                    while chunk := src.read(_CHUNK):
+                    while chunk := src.read(CHUNK):
                         if stop.is_set():
-                            raise _Stopped()
+                            raise Stopped()
                         dst.write(chunk)
                         report(len(chunk))
                 except BaseException as e:
-                    _abandon(dst, tell_backend=not is_connection_error(e))
+                    abandon(dst, tell_backend=not is_connection_error(e))
                     raise
                 dst.close()  # the last part goes up here: the object exists only once it is whole
         return job
@@ -462,7 +251,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         if is_connection_error(exc):
             # The checkpoint would only wait for the same dead endpoint; files confirmed before the
             # last checkpoint are skipped by the rerun, the few since then are sent again.
-            raise _unreachable(url, endpoint_of(fs), exc, f"uploading {name} (nothing was published) to", fix) from exc
+            raise unreachable(url, endpoint_of(fs), exc, f"uploading {name} (nothing was published) to", fix) from exc
         note = ""
         if state["since_checkpoint"]:
             try:
@@ -477,40 +266,18 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     if stopped:
         if state["since_checkpoint"]:
             checkpoint()
-        cb.set_description("stopped")
+        describe(cb, "stopped")
         return TransferReport(tuple(done), skipped, nbytes, time.perf_counter() - start, stopped=True)
 
-    cb.set_description("publishing")
-    _write_remote(fs, f"{rroot}/{MANIFEST}", manifest_bytes(manifest))
+    describe(cb, "publishing")
+    write_bytes(fs, f"{rroot}/{MANIFEST}", manifest_bytes(manifest))
     with open(os.path.join(root, fmt.META), "rb") as f:
         meta = f.read()
-    _write_remote(fs, f"{rroot}/{fmt.META}", meta)
+    write_bytes(fs, f"{rroot}/{fmt.META}", meta)
     cb.relative_update(len(meta))
-    cb.set_description("pushed")
+    describe(cb, "pushed")
     fs.invalidate_cache()
     return TransferReport(tuple(done) + (fmt.META,), skipped, nbytes + len(meta), time.perf_counter() - start)
-
-
-def _abandon(f, *, tell_backend: bool) -> None:
-    """Drop a file being written without committing it.
-
-    fsspec files commit what they hold on ``close()`` (also from ``__del__``), so a failed or
-    stopped upload must never be closed normally: that would publish a truncated object.
-    ``discard()`` cancels it at the backend (the resumable upload session on GCS); when the backend
-    is unreachable that would only wait through the same retries, so the file is just marked closed.
-    """
-    from fsspec.spec import AbstractBufferedFile
-
-    if tell_backend:
-        try:
-            f.discard()
-        except Exception:  # noqa: BLE001 - best effort: a failed cancel leaves an upload session that expires on its own
-            pass
-    if isinstance(f, AbstractBufferedFile):
-        f.closed = True
-    elif not getattr(f, "closed", True):
-        # Local and memory files: the partial file is not in the manifest, so it is never trusted.
-        f.close()
 
 
 # -- pull -------------------------------------------------------------------------------------------
@@ -546,7 +313,7 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
     """
     start = time.perf_counter()
     cb = as_callback(callback)
-    fs, rroot = _fs(url, storage_options)
+    fs, rroot = url_to_fs(url, storage_options)
     dest = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
     fix = f"rerun nbkit.pull({url!r}, {dest!r}) ({dest} is unchanged)"
     with network_errors(fs, url, "pulling from", fix):
@@ -567,9 +334,9 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     if fmt.META not in files:
         raise CorruptCacheError(f"{url}/{MANIFEST} does not list {fmt.META}; push the cache again with nbkit.push.")
     for name in files:
-        _check_name(name, f"{url}/{MANIFEST}")
+        check_name(name, f"{url}/{MANIFEST}")
 
-    _check_replaceable(dest)
+    check_replaceable(dest)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.pull-", dir=parent)
@@ -584,7 +351,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         nbytes = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
         cb.set_size(nbytes)
         cb.absolute_update(0)
-        cb.set_description(f"pulling from {url}")
+        describe(cb, f"pulling from {url}")
         budget = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
 
         with ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="nbkit-fetch") as fetchers:
@@ -592,7 +359,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
                 def job(report, stop):
                     sha = _download(fs, f"{rroot}/{name}", os.path.join(tmp, name), files[name]["size"],
                                     fetchers, budget, report, stop)
-                    _check_hash(url, name, files[name], sha, os.path.getsize(os.path.join(tmp, name)))
+                    check_entry(url, name, files[name], sha, os.path.getsize(os.path.join(tmp, name)))
                 return job
 
             done, failure, stopped = _run_parallel([(n, download(n)) for n in todo], cb, max_workers)
@@ -601,23 +368,23 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
             if isinstance(exc, CorruptCacheError):
                 raise exc
             if is_connection_error(exc):
-                raise _unreachable(url, endpoint_of(fs), exc, f"downloading {name} from", fix) from exc
+                raise unreachable(url, endpoint_of(fs), exc, f"downloading {name} from", fix) from exc
             raise OSError(f"pull of {url} failed while downloading {name}: {type(exc).__name__}: {exc}. "
                           f"{dest} is unchanged; {fix}.") from exc
         if stopped:
-            cb.set_description("stopped")
+            describe(cb, "stopped")
             return TransferReport(tuple(done), tuple(reused), sum(files[n]["size"] for n in done), time.perf_counter() - start, stopped=True)
         # nbkit.json last, and checked like the rest.
         meta = fs.cat_file(f"{rroot}/{fmt.META}")
-        _check_hash(url, fmt.META, files[fmt.META], hashlib.sha256(meta).hexdigest(), len(meta))
+        check_entry(url, fmt.META, files[fmt.META], hashlib.sha256(meta).hexdigest(), len(meta))
         with open(os.path.join(tmp, fmt.META), "wb") as f:
             f.write(meta)
         cb.relative_update(len(meta))
-        _swap_into_place(tmp, dest)
+        swap_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    cb.set_description("pulled")
+    describe(cb, "pulled")
     return TransferReport(tuple(todo) + (fmt.META,), tuple(reused), nbytes, time.perf_counter() - start)
 
 
@@ -644,7 +411,7 @@ def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, s
             ahead.append(fetchers.submit(fs.cat_file, rpath, start=begin, end=min(begin + PART, size)))
 
     if stop.is_set():
-        raise _Stopped()
+        raise Stopped()
     try:
         with open(lpath, "wb") as out:
             request_more()
@@ -656,7 +423,7 @@ def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, s
                     budget.release()
                 request_more()
                 if stop.is_set():
-                    raise _Stopped()
+                    raise Stopped()
                 h.update(data)  # hashlib and the write release the GIL: the fetches go on meanwhile
                 out.write(data)
                 report(len(data))
@@ -665,50 +432,3 @@ def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, s
             fut.cancel()
             budget.release()
     return h.hexdigest()
-
-
-def _check_name(name: str, where: str) -> None:
-    # A manifest (or archive) names files inside one flat directory; anything else is hostile or broken.
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
-        raise CorruptCacheError(f"{where} lists the file name {name!r}, which is not a plain file name inside the cache")
-
-
-def _check_hash(url: str, name: str, entry: dict, sha: str, size: int) -> None:
-    if size != entry["size"] or sha != entry["sha256"]:
-        raise CorruptCacheError(
-            f"{url}/{name} does not match its manifest entry (size {size} vs {entry['size']}, sha256 {sha[:12]}… vs "
-            f"{entry['sha256'][:12]}…): the remote copy is damaged or was changed while being read. Push the cache again "
-            "from a good copy with nbkit.push, then pull."
-        )
-
-
-def _verify(root: str, cb) -> None:
-    from .dataset import CachedDataset
-
-    cb.set_description("verifying checksums")
-    ds = CachedDataset.open(root)
-    ds.verify(callback=cb)
-    ds._files.close()  # noqa: SLF001 - release the maps before the directory is renamed
-
-
-def _check_replaceable(dest: str) -> None:
-    """``dest`` may be absent, an empty directory, or an nbkit cache; never anything else."""
-    if not os.path.exists(dest):
-        return
-    if not os.path.isdir(dest):
-        raise NotADirectoryError(f"{dest} exists and is not a directory; choose another cache path")
-    if os.listdir(dest) and not os.path.exists(os.path.join(dest, fmt.META)):
-        raise FileExistsError(f"{dest} exists, is not empty and is not an nbkit cache; choose another path or empty it first")
-
-
-def _swap_into_place(tmp: str, dest: str) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
-    if os.path.exists(dest):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.old-", dir=os.path.dirname(dest))
-        os.rename(dest, os.path.join(old, "cache"))
-        os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, dest)

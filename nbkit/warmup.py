@@ -69,7 +69,7 @@ class _Chunks(Dataset):
     def __getitem__(self, k):
         chunk = self.chunks[k]
         # Another process (a TPU peer, a reader) may have filled some meanwhile.
-        todo = self.cached._files.missing(chunk)
+        todo = self.cached.store.missing(chunk)
         if len(todo):
             self.cached._compute_and_store(todo)
         return len(chunk)
@@ -95,7 +95,7 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
         if not (0 <= rank < world):
             raise ValueError(f"shard=(rank, world) needs 0 <= rank < world, got {shard}")
         all_idx = all_idx[rank::world]
-    files = cached._files
+    files = cached.store
     missing = files.missing(all_idx)
     all_idx = all_idx[files.admitted(all_idx)]  # beyond a byte budget: nothing to fill
     skipped = len(all_idx) - len(missing)
@@ -109,7 +109,7 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
     if num_workers == 0:
         filler = _Chunks(cached, chunks)
         for k in range(len(chunks)):
-            if getattr(cb, "stop_requested", False):
+            if getattr(cb, "stop_requested", False) is True:
                 stopped = True
                 break
             n = filler[k]
@@ -123,7 +123,7 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
             for n in it:
                 done += int(n)
                 cb.relative_update(int(n))
-                if getattr(cb, "stop_requested", False):
+                if getattr(cb, "stop_requested", False) is True:
                     stopped = done < len(missing)
                     break
         finally:

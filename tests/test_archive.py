@@ -11,7 +11,7 @@ import pytest
 import nbkit
 from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
 from nbkit import format as fmt
-from nbkit.archive import _open_decompressed
+from nbkit.archive import open_decompressed
 from nbkit.errors import CorruptCacheError, UnsafeArchiveError
 from nbkit.progress import Callback
 from sources import DictSource, TupleSource, assert_equal
@@ -41,7 +41,7 @@ def test_round_trip_and_reproducible(tmp_path, cache, compression):
     os.utime(os.path.join(cache, fmt.INDEX), (1, 1))  # file times must not leak into the archive
     nbkit.export_tar(cache, b, compression=compression)
     assert a.read_bytes() == b.read_bytes()
-    with open(a, "rb") as raw, tarfile.open(fileobj=_open_decompressed(raw), mode="r|") as tar:
+    with open(a, "rb") as raw, tarfile.open(fileobj=open_decompressed(raw), mode="r|") as tar:
         members = list(tar)
     names = [m.name for m in members]
     assert names[-2:] == ["manifest.json", fmt.META] and names[:-2] == sorted(names[:-2])
@@ -185,3 +185,19 @@ def test_missing_zstandard_names_the_extra(tmp_path, cache, monkeypatch):
 def test_unknown_compression_is_refused(tmp_path, cache):
     with pytest.raises(ValueError, match="compression"):
         nbkit.export_tar(cache, tmp_path / "c.tar.xz", compression="xz")
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["export_tar", "plain-tar"])
+def test_a_plain_fsspec_callback_works(tmp_path, cache, plain):
+    import fsspec.callbacks
+
+    tar = tmp_path / "c.tar"
+    if plain:  # no manifest: import_tar checks every sample's checksum, reporting through the callback
+        subprocess.run(["tar", "cf", str(tar), "-C", cache, "."], check=True)
+    else:
+        cb = fsspec.callbacks.Callback()
+        assert nbkit.export_tar(cache, tar, callback=cb).bytes == cb.size == cb.value
+    cb = fsspec.callbacks.Callback()
+    nbkit.import_tar(tar, tmp_path / "copy", callback=cb)
+    assert cb.value == cb.size
+    assert_same_samples(tmp_path / "copy")

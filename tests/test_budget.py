@@ -50,10 +50,10 @@ def test_admitted_set_is_stable_across_sessions_and_spread_out(tmp_path):
     logs.mkdir()
     a = nbkit.CachedDataset(TupleSource(n), tmp_path / "c", max_bytes=budget_for(n, 0.3))
     a.warmup()
-    stored_a = set(np.flatnonzero(a._files.is_stored(np.arange(n))))
+    stored_a = set(np.flatnonzero(a.store.is_stored(np.arange(n))))
     b = nbkit.CachedDataset(CountingSource(n, str(logs)), tmp_path / "c2", max_bytes=budget_for(n, 0.3))
     b.warmup()
-    stored_b = set(np.flatnonzero(b._files.is_stored(np.arange(n))))
+    stored_b = set(np.flatnonzero(b.store.is_stored(np.arange(n))))
     assert stored_a == stored_b  # the same subset in another session / cache
     # spread over the whole index range, not a prefix
     first_half = sum(1 for i in stored_a if i < n // 2)
@@ -67,7 +67,7 @@ def test_open_without_source_names_the_budget(tmp_path):
     ds = nbkit.CachedDataset(TupleSource(n), tmp_path, max_bytes=budget_for(n, 0.2))
     ds.warmup()
     opened = nbkit.CachedDataset.open(tmp_path)
-    outside = int(np.flatnonzero(~opened._files.admitted(np.arange(n)))[0])
+    outside = int(np.flatnonzero(~opened.store.admitted(np.arange(n)))[0])
     with pytest.raises(nbkit.MissingSampleError, match="byte budget"):
         opened[outside]
 

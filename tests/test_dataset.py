@@ -240,7 +240,7 @@ def test_opening_maps_files_without_reading_them(tmp_path):
     big = TupleSource(5000, shape=(64, 64))
     nbkit.CachedDataset(big, tmp_path).warmup(chunk_size=1000)
     ds = nbkit.CachedDataset.open(tmp_path)
-    col = ds._files.columns[0]
+    col = ds.store.columns[0]
     assert not col.flags.owndata  # a view of the mapped file, not a copy in RAM
     assert ds.stats.cached == 5000
 
@@ -251,3 +251,15 @@ def test_dataset_pickles_without_open_files(tmp_path):
     clone = pickle.loads(pickle.dumps(ds))
     assert clone._files_obj is None
     assert_equal(clone[0], ds[0])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_warmup_and_verify_take_a_plain_fsspec_callback(tmp_path, num_workers):
+    import fsspec.callbacks
+
+    ds = nbkit.CachedDataset(TupleSource(100), tmp_path)
+    cb = fsspec.callbacks.Callback()
+    assert ds.warmup(num_workers=num_workers, callback=cb, chunk_size=30).computed == 100
+    assert (cb.size, cb.value) == (100, 100)
+    cb = fsspec.callbacks.Callback()
+    assert ds.verify(callback=cb) == 100 and cb.value == 100

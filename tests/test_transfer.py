@@ -12,7 +12,8 @@ import torch
 import nbkit
 from fixtures_gcs import gcs, gcs_emulator, gcs_server, short_gcsfs_retries  # noqa: F401 - pytest fixtures
 from nbkit import format as fmt
-from nbkit import transfer
+from nbkit import manifest, transfer
+from nbkit.remote import url_to_fs
 from nbkit.errors import CorruptCacheError
 from nbkit.progress import Callback
 from servers import free_port
@@ -52,7 +53,7 @@ def remote(request, tmp_path):
 
 
 def remote_names(url, storage_options):
-    fs, root = transfer._fs(url, storage_options)
+    fs, root = url_to_fs(url, storage_options)
     fs.invalidate_cache()
     return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
 
@@ -73,7 +74,7 @@ def test_push_pull_round_trip(tmp_path, remote):
     report = nbkit.push(ds.root, url, callback=cb, storage_options=so)
     assert report.transferred[-1] == fmt.META and not report.skipped
     assert cb.value == cb.size == report.bytes and cb.calls > 0
-    expected = sorted(fmt.list_cache_files(ds.root) + [transfer.MANIFEST])
+    expected = sorted(fmt.list_cache_files(ds.root) + [manifest.MANIFEST])
     assert remote_names(url, so) == expected  # one object per file, nothing else
 
     cb = Recorder()
@@ -110,7 +111,7 @@ def test_pull_refuses_a_prefix_without_published_metadata(tmp_path, remote):
     url, so = remote
     ds = make_cache(tmp_path / "c")
     nbkit.push(ds.root, url, storage_options=so)
-    fs, root = transfer._fs(url, so)
+    fs, root = url_to_fs(url, so)
     fs.rm_file(f"{root}/{fmt.META}")
     with pytest.raises(FileNotFoundError, match="no complete nbkit cache"):
         nbkit.pull(url, tmp_path / "copy", storage_options=so)
@@ -121,7 +122,7 @@ def test_tampered_byte_is_detected_on_pull(tmp_path, remote):
     url, so = remote
     ds = make_cache(tmp_path / "c", TupleSource(n=50))
     nbkit.push(ds.root, url, storage_options=so)
-    fs, root = transfer._fs(url, so)
+    fs, root = url_to_fs(url, so)
     victim = f"{root}/col-0.bin"
     data = bytearray(fs.cat_file(victim))
     data[len(data) // 2] ^= 0x01
@@ -202,7 +203,7 @@ class Watch:
 
     async def manifest_lists(self, name):
         try:
-            raw = await self.observer._cat_file(f"{self.prefix}/{transfer.MANIFEST}")
+            raw = await self.observer._cat_file(f"{self.prefix}/{manifest.MANIFEST}")
         except FileNotFoundError:
             return False
         return name in json.loads(raw)["files"]
@@ -295,3 +296,15 @@ def test_objects_pushed_stay_few(tmp_path, gcs):
     size = sum(os.path.getsize(os.path.join(ds.root, n)) for n in fmt.list_cache_files(ds.root))
     objects = gcs.fs.find(f"{gcs.name}/c")
     assert len(objects) <= -(-size // (64 << 20)) + 4
+
+
+def test_a_plain_fsspec_callback_works(tmp_path):
+    import fsspec.callbacks
+
+    ds = make_cache(tmp_path / "c")
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/cache"
+    cb = fsspec.callbacks.Callback()
+    assert nbkit.push(ds.root, url, callback=cb).bytes == cb.size == cb.value
+    cb = fsspec.callbacks.Callback()
+    assert nbkit.pull(url, tmp_path / "copy", callback=cb).bytes == cb.size == cb.value
+    assert len(nbkit.CachedDataset.open(tmp_path / "copy").missing()) == 0

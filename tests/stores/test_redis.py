@@ -1,4 +1,4 @@
-"""The Redis store (nbkit.redis_store): samples in real redis-server processes on 127.0.0.1."""
+"""The Redis store (nbkit.stores.redis): samples in real redis-server processes on 127.0.0.1."""
 
 import subprocess
 import sys
@@ -45,9 +45,9 @@ def test_batches_are_one_mget_per_server(redis_url):
     src = TupleSource(300)
     ds = nbkit.CachedDataset(src, redis_url)
     ds.warmup()
-    store = ds._files
+    store = ds.store
     calls = []
-    client = store._clients[0]
+    client = store.location.clients()[0]
     original = client.mget
     client.mget = lambda *a, **k: calls.append(len(a[0])) or original(*a, **k)
     try:
@@ -60,13 +60,13 @@ def test_batches_are_one_mget_per_server(redis_url):
 
 
 def test_large_writes_are_split(redis_url, monkeypatch):
-    from nbkit import redis_store
+    from nbkit.stores import redis as redis_store
 
-    monkeypatch.setattr(redis_store, "_PUT_BYTES", 1)  # every sample is over it: one sample a call
+    monkeypatch.setattr(redis_store, "PUT_BYTES", 1)  # every sample is over it: one sample a call
     src = DictSource(40)
     ds = nbkit.CachedDataset(src, redis_url)
     calls = []
-    store = ds._files
+    store = ds.store
     script = store._put[0]
     store._put[0] = lambda **kw: calls.append(len(kw["keys"]) - 3) or script(**kw)
     ds.warmup()
@@ -195,7 +195,7 @@ def test_full_server_stops_storing_and_serves_from_source(redis_factory):
     assert len([w for w in caught if "is full" in str(w.message)]) == 1  # said once
     stored = ds.stats.cached
     assert 100 <= stored < 1500 and report.computed == 1500
-    assert ds._files.not_stored == 1500 - stored
+    assert ds.store.not_stored == 1500 - stored
     assert int(server.client().info("memory")["used_memory"]) <= 4 * 2**20
     ds.reset_stats()
     with warnings.catch_warnings():
@@ -357,7 +357,7 @@ def test_byte_budget_in_redis(redis_url):
 
 
 def test_urls_and_options():
-    from nbkit.redis_store import parse_url, resolve_redis
+    from nbkit.stores.redis import parse_url, resolve as resolve_redis
 
     u = parse_url("rediss://user:p%40ss@h1,h2:7000,[::1]:7001/5/a/b.c")
     assert u.servers == [("h1", 6379), ("h2", 7000), ("::1", 7001)] and u.db == 5 and u.name == "a/b.c"
@@ -368,7 +368,7 @@ def test_urls_and_options():
             parse_url(bad)
     with pytest.raises(ValueError, match="local_max_bytes"):
         resolve_redis("redis://h/0/x", local_max_bytes=10)
-    from nbkit.storage import resolve
+    from nbkit.stores.registry import resolve
 
     loc = resolve("redis://h1:1,h2:2/0/x", {"socket_timeout": 3})
     assert loc.is_remote and loc.root == "redis://h1:1,h2:2/0/x" and loc.prepare() is False and loc.publish() is False

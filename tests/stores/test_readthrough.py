@@ -1,4 +1,4 @@
-"""Read-through (nbkit.readthrough): a pushed cache read from the GCS emulator through a local area
+"""Read-through (nbkit.stores.readthrough): a pushed cache read from the GCS emulator through a local area
 smaller than the cache, with real gcsfs, real torchvision MNIST (offline files) and real DataLoader
 workers."""
 
@@ -15,7 +15,9 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 import nbkit
 from nbkit import format as fmt
 from nbkit.errors import CorruptCacheError
-from nbkit.readthrough import PrefetchSampler, _area_lock, area_usage, store_of
+from nbkit.samplers import PrefetchSampler
+from nbkit.stores.readthrough import area_usage, store_of
+from nbkit.stores.readthrough.area import area_lock
 
 
 def _mnist(root):
@@ -67,7 +69,7 @@ class UsageMonitor:
 
     def _run(self):
         while not self._stop.is_set():
-            with _area_lock(self.root):
+            with area_lock(self.root):
                 self.peak = max(self.peak, area_usage(self.root))
             time.sleep(0.001)
 

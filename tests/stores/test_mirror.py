@@ -10,14 +10,16 @@ import pytest
 import nbkit
 from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
 from nbkit import format as fmt
-from nbkit import storage, transfer
+from nbkit.remote import url_to_fs
+from nbkit.stores import mirror
+from nbkit.stores.registry import resolve
 from servers import free_port
 from sources import CountingSource, TupleSource, assert_equal, computed_counts
 
 
 def test_local_paths_resolve_to_themselves(tmp_path):
     for given in (str(tmp_path / "c"), tmp_path / "c", f"file://{tmp_path}/c"):
-        loc = storage.resolve(given)
+        loc = resolve(given)
         assert loc.root == str(tmp_path / "c") and not loc.is_remote
         assert loc.prepare() is False and loc.publish() is False
     assert not (tmp_path / "c").exists()
@@ -25,13 +27,13 @@ def test_local_paths_resolve_to_themselves(tmp_path):
 
 def test_remote_urls_get_distinct_working_copies(tmp_path, monkeypatch):
     monkeypatch.setenv("NBKIT_CACHE_DIR", str(tmp_path / "wc"))
-    a = storage.resolve("gs://bucket/mnist")
+    a = resolve("gs://bucket/mnist")
     assert a.is_remote and a.url == "gs://bucket/mnist"
     assert os.path.dirname(a.root) == str(tmp_path / "wc") and os.path.basename(a.root).startswith("mnist-")
-    assert storage.resolve("gs://bucket/mnist/").root == a.root
-    assert storage.resolve("gs://other/mnist").root != a.root
-    assert storage.resolve("gs://bucket/mnist", {"endpoint_url": "http://127.0.0.1:1"}).root != a.root
-    assert storage.resolve("memory://bucket/mnist").is_remote
+    assert resolve("gs://bucket/mnist/").root == a.root
+    assert resolve("gs://other/mnist").root != a.root
+    assert resolve("gs://bucket/mnist", {"endpoint_url": "http://127.0.0.1:1"}).root != a.root
+    assert resolve("memory://bucket/mnist").is_remote
 
 
 @pytest.fixture(params=["memory", "gcs"])
@@ -56,7 +58,7 @@ def test_cached_dataset_on_a_remote_url_end_to_end(tmp_path, monkeypatch, remote
     assert a.path == url and a.root.startswith(str(tmp_path / "host-a"))
     report = a.warmup()
     assert report.computed == 64
-    fs, root = transfer._fs(url, so)
+    fs, root = url_to_fs(url, so)
     fs.invalidate_cache()
     assert fs.exists(f"{root}/{fmt.META}")  # published after warmup
     before = computed_counts(log)
@@ -85,7 +87,7 @@ def test_partial_cache_is_not_published(tmp_path, monkeypatch, remote):
     host(monkeypatch, tmp_path, "host-a")
     a = nbkit.CachedDataset(TupleSource(n=64), url, storage_options=so)
     a.warmup(shard=(0, 2))
-    fs, root = transfer._fs(url, so)
+    fs, root = url_to_fs(url, so)
     fs.invalidate_cache()
     assert not fs.exists(f"{root}/{fmt.META}")
     assert a.sync() is None and not fs.exists(f"{root}/{fmt.META}")
@@ -103,7 +105,7 @@ def test_older_working_copy_is_refreshed_and_up_to_date_one_is_kept(tmp_path, mo
     nbkit.CachedDataset(TupleSource(n=64), url, storage_options=so).warmup()
 
     host(monkeypatch, tmp_path, "host-b")
-    loc = storage.resolve(url, so)
+    loc = resolve(url, so)
     assert loc.root == stale.root
     assert loc.prepare() is True  # remote holds more samples: pulled
     assert len(nbkit.CachedDataset.open(loc.root).missing()) == 0
@@ -115,14 +117,14 @@ def test_publish_waits_for_another_hosts_lease(tmp_path, monkeypatch, remote):
     url, so = remote
     host(monkeypatch, tmp_path, "host-a")
     ds = nbkit.CachedDataset(TupleSource(n=32), url, storage_options=so)
-    fs, root = transfer._fs(url, so)
-    lease = f"{root}/{storage.LEASE}"
+    fs, root = url_to_fs(url, so)
+    lease = f"{root}/{mirror.LEASE}"
     fs.pipe_file(lease, json.dumps({"host": "other", "time": time.time(), "token": "x"}).encode())
     ds.warmup()  # publish is skipped: another host is publishing
     fs.invalidate_cache()
     assert not fs.exists(f"{root}/{fmt.META}")
     # An abandoned lease (older than LEASE_SECONDS) is taken over.
-    fs.pipe_file(lease, json.dumps({"host": "other", "time": time.time() - storage.LEASE_SECONDS - 1, "token": "x"}).encode())
+    fs.pipe_file(lease, json.dumps({"host": "other", "time": time.time() - mirror.LEASE_SECONDS - 1, "token": "x"}).encode())
     ds.sync()
     fs.invalidate_cache()
     assert fs.exists(f"{root}/{fmt.META}") and not fs.exists(lease)
@@ -131,7 +133,7 @@ def test_publish_waits_for_another_hosts_lease(tmp_path, monkeypatch, remote):
 def test_remote_without_cache_leaves_working_copy_alone(tmp_path, monkeypatch, remote):
     url, so = remote
     host(monkeypatch, tmp_path, "host-a")
-    loc = storage.resolve(url, so)
+    loc = resolve(url, so)
     assert loc.prepare() is False and not os.path.exists(loc.root)
     with pytest.raises(FileNotFoundError):
         nbkit.CachedDataset.open(url, storage_options=so)

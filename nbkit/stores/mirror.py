@@ -1,0 +1,172 @@
+"""A remote cache (``gs://…``, ``memory://…``, any non-local fsspec URL) used through a local working copy.
+
+The engine memory-maps files, so the cache is read and written in a working copy under
+``$NBKIT_CACHE_DIR/<name>-<hash of the URL>`` (default ``~/.cache/nbkit``): ``prepare()`` pulls
+the remote cache when it is complete and holds more samples than the copy; ``publish()`` (after
+``warmup()`` and on ``ds.sync()``) pushes the copy once every sample is stored, unless the remote
+already holds it or another host holds the publish lease. See ``docs/DESIGN.md`` ("Stores").
+
+Example:
+    >>> loc = resolve("memory://bucket/cache")
+    >>> loc.is_remote, loc.root == working_copy_dir("memory://bucket/cache")
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+from .. import format as fmt
+from ..cachedir import stored_count
+from ..errors import CorruptCacheError
+from ..files import file_lock
+from ..manifest import sha256_file, trusted_remote_manifest
+from ..remote import network_errors, url_to_fs
+from ..transfer import pull, push
+from .base import Location
+
+__all__ = ["MirrorLocation", "resolve", "working_copy_dir", "lease", "LEASE", "LEASE_SECONDS"]
+
+#: The object a host creates under a remote prefix while it publishes there.
+LEASE = ".nbkit-publish-lease"
+#: A lease older than this (seconds) is taken as abandoned.
+LEASE_SECONDS = 15 * 60
+
+
+def working_copy_dir(url: str, storage_options: dict | None = None) -> str:
+    """Where the working copy of the remote cache at ``url`` lives.
+
+    ``$NBKIT_CACHE_DIR`` (default ``~/.cache/nbkit``), then the last part of the URL and a hash of
+    the URL (and of the endpoint, when ``storage_options`` names one).
+
+    Example:
+        >>> os.path.basename(working_copy_dir("gs://bucket/mnist/"))[:6]
+        'mnist-'
+    """
+    base = os.environ.get("NBKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nbkit")
+    normalized = url.rstrip("/")
+    endpoint = (storage_options or {}).get("endpoint_url") or ""
+    digest = hashlib.sha256(f"{normalized}\n{endpoint}".encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", normalized.rsplit("/", 1)[-1].split("://")[-1]) or "cache"
+    return os.path.join(os.path.abspath(base), f"{name}-{digest}")
+
+
+def resolve(url: str, storage_options: dict | None = None, **location_options) -> "MirrorLocation":
+    """The :class:`MirrorLocation` of a remote URL; no network access."""
+    unknown = {k for k, v in location_options.items() if v is not None}
+    if unknown:
+        raise TypeError(f"unexpected options for a remote cache's working copy: {sorted(unknown)}")
+    return MirrorLocation(url=url, root=working_copy_dir(url, storage_options), is_remote=True,
+                          storage_options=dict(storage_options or {}))
+
+
+@dataclass
+class MirrorLocation(Location):
+    """A remote cache and its local working copy (``root``). Processes of one host share the copy under a file lock."""
+
+    def prepare(self, callback=None) -> bool:
+        """Pull the remote cache into the working copy if that is missing or older; return whether it pulled.
+
+        A no-op for a remote URL with no complete cache yet.
+        """
+        fs, rroot = url_to_fs(self.url, self.storage_options)
+        fix = "open the cache again: a complete remote cache is pulled, otherwise warming starts from the working copy"
+        with file_lock(self.root + ".lock"), network_errors(fs, self.url, "looking for a cache at", fix):
+            fs.invalidate_cache()
+            if not fs.exists(f"{rroot}/{fmt.META}"):
+                return False
+            remote_stored = int((trusted_remote_manifest(fs, rroot) or {}).get("stored", 0))
+            local_stored = _local_stored(self.root)
+            if local_stored is not None and local_stored >= remote_stored:
+                return False
+            pull(self.url, self.root, callback=callback, storage_options=self.storage_options)
+            return True
+
+    def publish(self, callback=None) -> bool:
+        """Push the working copy to the URL if it is complete; return whether it pushed.
+
+        Skipped (returns ``False``) while samples are missing, when the remote already holds this
+        complete cache, or while another host holds the publish lease.
+        """
+        with file_lock(self.root + ".lock"):
+            if not os.path.exists(os.path.join(self.root, fmt.META)):
+                return False
+            stored, length = stored_count(self.root)
+            if stored < length:
+                return False
+            fs, rroot = url_to_fs(self.url, self.storage_options)
+            fix = f"call sync() on the dataset again, or nbkit.push({self.root!r}, {self.url!r}): it resumes"
+            with network_errors(fs, self.url, "publishing to", fix):
+                return self._publish(fs, rroot, length, callback)
+
+    def _publish(self, fs, rroot: str, length: int, callback) -> bool:
+        fs.invalidate_cache()
+        remote = trusted_remote_manifest(fs, rroot)
+        if (remote is not None and fs.exists(f"{rroot}/{fmt.META}") and int(remote.get("stored", -1)) >= length
+                and remote["files"].get(fmt.META, {}).get("sha256") == sha256_file(os.path.join(self.root, fmt.META))):
+            return False  # the remote already holds this cache, complete
+        with lease(fs, rroot) as held:
+            if not held:
+                return False
+            push(self.root, self.url, callback=callback, storage_options=self.storage_options)
+            return True
+
+
+def _local_stored(root: str) -> int | None:
+    """Samples stored in the working copy, or ``None`` if it is missing or unreadable."""
+    if not os.path.exists(os.path.join(root, fmt.META)):
+        return None
+    try:
+        return stored_count(root)[0]
+    except (CorruptCacheError, OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def lease(fs, rroot: str):
+    """Hold the publish lease of a remote prefix; yields whether we hold it.
+
+    Created exclusively (``"xb"``: ``ifGenerationMatch=0`` on GCS) and read back, so where the
+    backend enforces exclusive creation one host publishes at a time, and elsewhere the window is
+    a single round trip; a lease older than :data:`LEASE_SECONDS` is taken as abandoned.
+    """
+    path = f"{rroot}/{LEASE}"
+    token = uuid.uuid4().hex
+    body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "token": token}).encode()
+    held = False
+    for _ in range(2):
+        # Look first: not every backend enforces exclusive creation (the GCS emulator does not).
+        try:
+            age = time.time() - float(json.loads(fs.cat_file(path))["time"])
+        except FileNotFoundError:
+            age = None
+        except (ValueError, KeyError, TypeError):
+            age = LEASE_SECONDS  # unreadable: treat as abandoned
+        if age is not None:
+            if age < LEASE_SECONDS:
+                break
+            fs.rm_file(path)
+        try:
+            with fs.open(path, "xb") as f:
+                f.write(body)
+        except FileExistsError:
+            continue  # another host created it just now: look again
+        try:
+            held = json.loads(fs.cat_file(path)).get("token") == token
+        except (FileNotFoundError, ValueError):
+            held = False
+        break
+    try:
+        yield held
+    finally:
+        if held:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(path)

@@ -1,0 +1,651 @@
+"""A cache whose samples live in Redis: one in-memory cache shared by many hosts.
+
+``redis://[[user]:password@]host[:port][,host[:port]…]/<db>/<name>`` (``rediss://`` for TLS): samples
+sharded over the servers (``i % n``), one value per sample checked against its CRC like a local
+cache; a full server is never allowed to evict silently, and lost samples are recomputed from the
+source (``docs/DESIGN.md``, "Stores").
+
+Example:
+    >>> from nbkit.stores.redis import parse_url
+    >>> parse_url("redis://10.0.0.1:6379,10.0.0.2:6380/0/mnist").servers
+    [('10.0.0.1', 6379), ('10.0.0.2', 6380)]
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import struct
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import format as fmt
+from ..errors import CorruptCacheError, MissingSampleError
+from ..extras import require
+from .base import Location
+
+__all__ = ["RedisLocation", "RedisStore", "RedisURL", "parse_url", "resolve", "resolve_redis", "FULL_RETRY_SECONDS", "PUT_BYTES"]
+
+FULL_RETRY_SECONDS = 30.0  # after a write hit maxmemory, skip writes to that server this long
+_HEADER = struct.Struct("<BI")  # flags, crc: the record fields stored in front of each sample
+PUT_BYTES = 16 << 20  # at most this much sample data per write call (large samples, bounded buffers)
+_BITMAP_ABOVE = 8192  # is_stored() of more indices than this reads the bitmap, not the samples
+_NAME = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")  # no glob character: key patterns need no escaping
+
+# Store samples on one server, atomically: nothing if the server lost this cache (returns -1, the
+# caller re-creates its metadata and retries) or is at maxmemory (the first write, SET, fails with
+# OOM before anything changed). KEYS: live marker, bitmap, byte counter, sample keys; ARGV: pairs
+# of (index, value).
+_PUT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local grown = 0
+for j = 4, #KEYS do
+  local old = redis.call('STRLEN', KEYS[j])
+  local v = ARGV[2 * (j - 3)]
+  redis.call('SET', KEYS[j], v)
+  redis.call('SETBIT', KEYS[2], ARGV[2 * (j - 3) - 1], 1)
+  grown = grown + string.len(v) - old
+end
+redis.call('INCRBY', KEYS[3], grown)
+return grown
+"""
+
+# Delete samples (that could not be replaced on a full server). DEL comes first: it is allowed at
+# maxmemory, and once a script has written, Redis lets it finish. KEYS: bitmap, byte counter,
+# sample keys; ARGV: their indices.
+_DROP = """
+local shrunk = 0
+for j = 3, #KEYS do
+  local old = redis.call('STRLEN', KEYS[j])
+  if redis.call('DEL', KEYS[j]) == 1 then
+    redis.call('SETBIT', KEYS[1], ARGV[j - 2], 0)
+    shrunk = shrunk + old
+  end
+end
+redis.call('DECRBY', KEYS[2], shrunk)
+return shrunk
+"""
+
+
+def _redis():
+    return require("redis", extra="redis", feature="redis:// caches")
+
+
+@dataclass(frozen=True)
+class RedisURL:
+    """A parsed ``redis://`` cache URL.
+
+    Attributes:
+        servers: ``(host, port)`` of each server, in shard order.
+        db: the Redis database number.
+        name: the cache's namespace.
+        username, password: from the URL's user info, if any.
+        ssl: ``True`` for ``rediss://``.
+
+    Example:
+        >>> parse_url("rediss://h1,h2:7000/0/mnist").ssl
+        True
+    """
+
+    servers: list
+    db: int
+    name: str
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+
+
+def parse_url(url: str) -> RedisURL:
+    """Split ``redis://[user:pass@]h1[:p1][,h2[:p2]…]/<db>/<name>`` into its parts.
+
+    Example:
+        >>> u = parse_url("redis://:secret@cache-host/3/team/mnist")
+        >>> u.servers, u.db, u.name, u.password
+        ([('cache-host', 6379)], 3, 'team/mnist', 'secret')
+    """
+    from urllib.parse import unquote
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("redis", "rediss"):
+        raise ValueError(f"{url!r} is not a redis:// or rediss:// URL")
+    netloc, _, path = rest.partition("/")
+    username = password = None
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    servers = []
+    for part in netloc.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part.startswith("["):  # [IPv6]:port
+            host, _, tail = part[1:].partition("]")
+            port = tail.lstrip(":") or "6379"
+        else:
+            host, _, port = part.partition(":")
+            port = port or "6379"
+        if not host or not port.isdigit():
+            raise ValueError(f"bad server {part!r} in {url!r}: expected host:port, e.g. redis://10.0.0.1:6379/0/mnist")
+        servers.append((host, int(port)))
+    if not servers:
+        raise ValueError(f"{url!r} names no server: expected redis://host:port/<db>/<name>, e.g. redis://127.0.0.1:6379/0/mnist")
+    segments = [s for s in path.split("/") if s]
+    db = 0
+    if segments and segments[0].isdigit():
+        db = int(segments.pop(0))
+    name = "/".join(segments)
+    if not _NAME.match(name):
+        raise ValueError(
+            f"{url!r} needs a cache name after the database number, made of letters, digits, '.', '_', '-' and '/' "
+            f"(got {name!r}): e.g. redis://127.0.0.1:6379/0/mnist. The name keeps caches sharing a server apart."
+        )
+    return RedisURL(servers=servers, db=db, name=name, username=username, password=password, ssl=scheme == "rediss")
+
+
+def resolve(url: str, storage_options: dict | None = None, **location_options) -> "RedisLocation":
+    """The :class:`RedisLocation` of a ``redis://`` URL; no network access (the registry calls this).
+
+    Example:
+        >>> resolve("redis://127.0.0.1:6379/0/team/mnist").meta_key
+        'nbkit:team/mnist:meta'
+    """
+    if location_options.get("local_max_bytes") is not None:
+        raise ValueError(f"local_max_bytes applies to a gs:// cache read through a local area, not to the Redis cache {url}")
+    unknown = set(location_options) - {"local_max_bytes"}
+    if unknown:
+        raise TypeError(f"unexpected options for a Redis cache: {sorted(unknown)}")
+    return RedisLocation(url, storage_options)
+
+
+resolve_redis = resolve  # the name before nbkit.stores
+
+
+def meta_tag(meta: dict) -> str:
+    """A short hash of the metadata: sample keys of different caches (or generations) never collide."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _meta_body(meta: dict) -> bytes:
+    """The metadata as stored under ``nbkit:<name>:meta``."""
+    return json.dumps(meta, indent=1, sort_keys=True).encode()
+
+
+class RedisLocation(Location):
+    """Where a Redis cache lives: its servers, database and name. Holds one client per server per process.
+
+    Example:
+        >>> loc = resolve("redis://127.0.0.1:6379,127.0.0.1:6380/0/mnist")
+        >>> loc.is_remote, loc.root
+        (True, 'redis://127.0.0.1:6379,127.0.0.1:6380/0/mnist')
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.parsed = parse_url(url)
+        p = self.parsed
+        hosts = ",".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h, port in p.servers)
+        super().__init__(url=url, root=f"{'rediss' if p.ssl else 'redis'}://{hosts}/{p.db}/{p.name}", is_remote=True,
+                         storage_options=dict(storage_options or {}))
+        self.prefix = f"nbkit:{p.name}:"
+        self.meta_key = self.prefix + "meta"
+        self._clients = None
+        self._clients_pid = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_clients"] = None  # connections never cross a fork or a pickle: each process opens its own
+        state["_clients_pid"] = None
+        return state
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{h}:{port}" for h, port in self.parsed.servers]
+
+    def clients(self) -> list:
+        """One ``redis.Redis`` per server for this process, opened (and their eviction policy checked) on first use."""
+        if self._clients is None or self._clients_pid != os.getpid():
+            redis = _redis()
+            from redis.backoff import ExponentialBackoff
+            from redis.retry import Retry
+
+            p = self.parsed
+            options = {"socket_connect_timeout": 5, "socket_timeout": 60, "username": p.username, "password": p.password}
+            if p.ssl:
+                options["ssl"] = True
+            options.update(self.storage_options)
+            clients = []
+            for k, (host, port) in enumerate(p.servers):
+                retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 4)  # rides over a restart or a dropped connection
+                clients.append(redis.Redis(host=host, port=port, db=p.db, retry=retry, **options))
+                self._check_policy(k, clients[-1])
+            self._clients, self._clients_pid = clients, os.getpid()
+        return self._clients
+
+    def call(self, k: int, fn, *args, **kwargs):
+        """``fn(*args)`` against server ``k``, turning a lost connection into an error that names the server."""
+        redis = _redis()
+        try:
+            return fn(*args, **kwargs)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            raise ConnectionError(
+                f"the Redis server {self.addresses[k]} of the cache {self.root} does not answer ({e}). Start it again "
+                "(a server that comes back empty is refilled from the source), or check the URL and storage_options."
+            ) from e
+
+    def tag_prefix(self, meta: dict) -> str:
+        """The prefix of the keys of the cache with metadata ``meta``: its samples, bitmap, byte counter, live marker."""
+        return f"{self.prefix}{meta_tag(meta)}:"
+
+    # -- the engine's hooks ------------------------------------------------------------------------
+
+    def read_meta(self) -> dict | None:
+        clients = self.clients()
+        found = {}
+        for k, c in enumerate(clients):
+            raw = self.call(k, c.get, self.meta_key)
+            if raw is not None:
+                found[k] = raw
+        if not found:
+            return None
+        if len(set(found.values())) > 1:
+            raise CorruptCacheError(
+                f"the servers of the Redis cache {self.root} hold different metadata for {self.parsed.name!r} "
+                f"(servers {sorted(self.addresses[k] for k in found)}): a server list changed, or caches were created "
+                "against different server lists. Pass overwrite=True to discard them and rebuild, or use another name."
+            )
+        return self._parse(next(iter(found.values())))
+
+    def publish_meta(self, meta: dict) -> dict:
+        clients = self.clients()
+        body = _meta_body(dict(meta, shards=len(clients)))
+        self._write(0, clients[0].set, self.meta_key, body, nx=True)
+        won = self.call(0, clients[0].get, self.meta_key) or body  # the first creator wins; take its metadata
+        winner = self._parse(won)
+        live = self.tag_prefix(winner) + "live"
+        for k, c in enumerate(clients):
+            if k:
+                self._write(k, c.set, self.meta_key, won, nx=True)
+            self._write(k, c.set, live, b"1")
+        return winner
+
+    def open_store(self, meta: dict, *, writable: bool) -> "RedisStore":
+        return RedisStore(self, meta, writable=writable)
+
+    def remove(self) -> None:
+        """Delete every key of this cache name on every server (metadata first)."""
+        clients = self.clients()
+        for k, c in enumerate(clients):
+            self.call(k, c.delete, self.meta_key)
+        for k, c in enumerate(clients):
+            self.call(k, _unlink_matching, c, self.prefix + "*")  # scan_iter is lazy: iterate inside call()
+
+    def prepare(self, callback=None) -> bool:
+        return False  # nothing to pull: every host reads the servers directly
+
+    def publish(self, callback=None) -> bool:
+        return False  # samples are visible to every host as soon as they are stored
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _write(self, k: int, fn, *args, **kwargs):
+        try:
+            return self.call(k, fn, *args, **kwargs)
+        except _redis().exceptions.ResponseError as e:
+            if not _is_oom(e):
+                raise
+            raise OSError(
+                errno.ENOSPC,
+                f"the Redis server {self.addresses[k]} is at its memory limit (maxmemory) and cannot even hold the "
+                f"metadata of the cache {self.root}. Raise its maxmemory (CONFIG SET maxmemory …), free memory, or use "
+                "another server.",
+            ) from e
+
+    def _parse(self, raw: bytes) -> dict:
+        meta = fmt.parse_meta(raw, f"{self.meta_key} on {self.root}",
+                              "Use another cache name, or pass overwrite=True to rebuild the cache.")
+        shards = meta.get("shards", 1)
+        if shards != len(self.parsed.servers):
+            raise ValueError(
+                f"the Redis cache {self.parsed.name!r} was created sharded over {shards} server(s); the URL {self.url} names "
+                f"{len(self.parsed.servers)}. Give the same server list, in the same order, on every host (or pass "
+                "overwrite=True to rebuild it over these servers)."
+            )
+        return meta
+
+    def _check_policy(self, k: int, client) -> None:
+        """Refuse a server that would evict samples silently when full (``maxmemory-policy allkeys-*``)."""
+        redis = _redis()
+        address = self.addresses[k]
+        try:
+            policy = self.call(k, client.info, "memory").get("maxmemory_policy")
+        except redis.exceptions.ResponseError:  # INFO not allowed for this user: try CONFIG GET
+            try:
+                policy = self.call(k, client.config_get, "maxmemory-policy").get("maxmemory-policy")
+            except redis.exceptions.ResponseError:
+                policy = None
+        if policy is None:
+            warnings.warn(
+                f"cannot read the maxmemory-policy of the Redis server {address} (INFO and CONFIG are not allowed): make "
+                "sure it is noeviction or volatile-*. Under allkeys-* Redis evicts cached samples when full; nbkit then "
+                "recomputes them or reports them missing, at the cost of misses.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        if str(policy).startswith("allkeys-"):
+            host, port = self.parsed.servers[k]
+            raise ValueError(
+                f"the Redis server {address} has maxmemory-policy {policy}: when full it would silently evict cached samples "
+                f"(and nbkit's metadata). Use a policy that never evicts keys without a TTL: run "
+                f"`redis-cli -h {host} -p {port} CONFIG SET maxmemory-policy noeviction` (or volatile-lru), or start "
+                "redis-server with --maxmemory-policy noeviction. nbkit then stops storing when the server is full."
+            )
+
+
+def _unlink_matching(client, pattern: str, batch: int = 1000) -> None:
+    """Delete the keys matching ``pattern`` on one server, ``batch`` at a time (SCAN, never KEYS)."""
+    keys = []
+    for key in client.scan_iter(match=pattern, count=batch):
+        keys.append(key)
+        if len(keys) >= batch:
+            client.unlink(*keys)
+            keys = []
+    if keys:
+        client.unlink(*keys)
+
+
+def _pieces(pos: np.ndarray, values: list):
+    """Split positions into runs of at most :data:`PUT_BYTES` of values (one script call each)."""
+    start, size = 0, 0
+    for j, p in enumerate(pos.tolist()):
+        size += len(values[p])
+        if size > PUT_BYTES and j > start:
+            yield pos[start:j]
+            start, size = j, len(values[p])
+    if start < len(pos):
+        yield pos[start:]
+
+
+def _connection(pool):
+    try:
+        return pool.get_connection()
+    except TypeError:  # redis-py < 5.3 wants the command name
+        return pool.get_connection("MGET")
+
+
+def _is_oom(e: Exception) -> bool:
+    # redis-py >= 4.4 raises OutOfMemoryError (and strips the "OOM" prefix); older ones a plain ResponseError.
+    oom = getattr(_redis().exceptions, "OutOfMemoryError", ())
+    return isinstance(e, oom) or "OOM" in str(e) or "maxmemory" in str(e)
+
+
+class RedisStore(fmt.Store):
+    """The samples of one cache in Redis, for one process (see ``docs/DESIGN.md``, "Store protocol").
+
+    Reads of a batch fetch every sample of it with one ``MGET`` per server and keep the values until
+    the next batch, so ``is_stored`` / ``flags_of`` / ``gather`` / ``read_blob`` / ``crc_of`` of that
+    batch cost one round trip in all. ``put`` writes one atomic script call per server.
+
+    Attributes:
+        not_stored: samples this process could not store because their server was full.
+
+    Example:
+        >>> RedisStore.row_crc([b"abc"]) == __import__("zlib").crc32(b"abc")  # the same checksums as a local cache
+        True
+    """
+
+    def __init__(self, location: RedisLocation, meta: dict, *, writable: bool):
+        super().__init__(meta, writable=writable)
+        self.location = location
+        self._clients = location.clients()
+        self._n = len(self._clients)
+        base = location.tag_prefix(meta)
+        self._sample_prefix = (base + "s:").encode()
+        self._live = base + "live"
+        self._bits = base + "bits"
+        self._bytes = base + "bytes"
+        self._meta_body = _meta_body(meta)
+        self._cols = []  # (offset in the rows, row bytes, dtype, shape) per column
+        offset = 0
+        for leaf in self.schema.columns:
+            nbytes = self.schema.row_bytes(leaf)
+            self._cols.append((offset, nbytes, self.schema.column_dtype(leaf), leaf.shape))
+            offset += nbytes
+        self._row_bytes = offset
+        self._buf: dict[int, bytes | None] = {}  # the values of the last batch read or written
+        self._put = [c.register_script(_PUT) for c in self._clients]
+        self._drop = [c.register_script(_DROP) for c in self._clients]
+        self._full_until = [0.0] * self._n
+        self.not_stored = 0
+        self._warned = False
+
+    # -- reads -------------------------------------------------------------------------------------------
+
+    def _key(self, i) -> bytes:
+        return self._sample_prefix + b"%d" % i
+
+    def _groups(self, idx: np.ndarray):
+        """``(server, positions in idx)`` for each server that holds some of ``idx``."""
+        if self._n == 1:
+            return [(0, np.arange(len(idx)))] if len(idx) else []
+        shard = idx % self._n
+        return [(k, pos) for k in range(self._n) if len(pos := np.flatnonzero(shard == k))]
+
+    def _fetch(self, idx: np.ndarray) -> None:
+        """Read the values of ``idx`` (one MGET per server) into the buffer, replacing it."""
+        groups = [(k, idx[pos]) for k, pos in self._groups(idx)]
+        requests = [(k, [self._live] + [self._key(i) for i in sub]) for k, sub in groups]
+        replies = self._mget_all(requests)
+        buf = {}
+        for (k, sub), values in zip(groups, replies):
+            if values[0] is None:
+                self._lost(k, sub, values[1:])
+            buf.update(zip(sub.tolist(), values[1:]))
+        self._buf = buf
+
+    def _mget_all(self, requests: list) -> list:
+        """``MGET`` on several servers at once: send every request, then read every reply."""
+        if len(requests) > 1:
+            conns = []
+            try:
+                for k, keys in requests:
+                    conn = _connection(self._clients[k].connection_pool)
+                    conns.append((k, conn))
+                    conn.send_command("MGET", *keys)
+                return [conn.read_response() for _, conn in conns]
+            except BaseException as e:
+                for _, conn in conns:
+                    conn.disconnect()  # an unread reply must never be taken for the next command's
+                if not isinstance(e, (_redis().exceptions.ConnectionError, _redis().exceptions.TimeoutError, OSError)):
+                    raise
+            finally:
+                for k, conn in conns:
+                    self._clients[k].connection_pool.release(conn)
+        # One server, or a connection failed above: one call per server, with the clients' retries.
+        return [self.location.call(k, self._clients[k].mget, keys) for k, keys in requests]
+
+    def _lost(self, k: int, sub: np.ndarray, values: list) -> None:
+        """Server ``k`` no longer knows this cache: it restarted empty, was flushed, or the cache was removed."""
+        if self.writable:
+            self._heal(k)  # the engine recomputes whatever is missing from the source
+            return
+        gone = [int(i) for i, v in zip(sub, values) if v is None]
+        if gone:
+            shown = ", ".join(map(str, gone[:10])) + (" …" if len(gone) > 10 else "")
+            raise MissingSampleError(
+                f"the Redis server {self.location.addresses[k]} no longer holds the cache {self.location.root} (it restarted "
+                f"without persistence, was flushed, or the cache was removed): samples {shown} are gone. Open the cache "
+                "with its source (nbkit.CachedDataset(source, url)) to recompute them, or warm it up again."
+            )
+
+    def _heal(self, k: int) -> None:
+        """Publish the metadata and this cache's marker on server ``k`` again, after it lost them."""
+        c = self._clients[k]
+        try:
+            self.location.call(k, c.set, self.location.meta_key, self._meta_body, nx=True)
+            self.location.call(k, c.set, self._live, b"1")
+        except _redis().exceptions.ResponseError as e:
+            if not _is_oom(e):
+                raise
+            self._full(k, 0)
+
+    def _values(self, idx: np.ndarray) -> list:
+        buf = self._buf
+        try:
+            return [buf[i] for i in idx.tolist()]
+        except KeyError:
+            self._fetch(idx)
+            return [self._buf[i] for i in idx.tolist()]
+
+    def is_stored(self, idx: np.ndarray) -> np.ndarray:
+        if len(idx) > _BITMAP_ABOVE:
+            self._buf = {}
+            return self._stored_bits(idx)
+        self._fetch(idx)
+        buf = self._buf
+        return np.fromiter((buf[i] is not None for i in idx.tolist()), dtype=bool, count=len(idx))
+
+    def flags_of(self, idx: np.ndarray) -> np.ndarray:
+        return np.fromiter((v[0] if v else 0 for v in self._values(idx)), dtype=np.uint8, count=len(idx))
+
+    def crc_of(self, idx: np.ndarray) -> np.ndarray:
+        return np.fromiter((_HEADER.unpack_from(v)[1] if v else 0 for v in self._values(idx)), dtype=np.uint32, count=len(idx))
+
+    def gather(self, idx: np.ndarray) -> list:
+        """The column rows of samples ``idx`` (zeros for a free-form or absent sample, whose CRC then decides)."""
+        if not self._cols:
+            return []
+        values = self._values(idx)
+        n, width = len(values), _HEADER.size + self._row_bytes
+        if all(v is not None and len(v) == width for v in values):
+            table = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(n, width)  # one copy, then per column
+            start = _HEADER.size
+        else:
+            blank = bytes(self._row_bytes)
+            rows = [v[_HEADER.size:width] if v and not v[0] & fmt.FLAG_FREEFORM else blank for v in values]
+            table = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(n, self._row_bytes)
+            start = 0
+        out = []
+        for offset, nbytes, dtype, shape in self._cols:
+            part = table[:, start + offset:start + offset + nbytes].copy()  # aligned, writable, C order
+            out.append(part.view(dtype).reshape(n, *shape))
+        return out
+
+    def read_blob(self, i: int) -> bytes:
+        v = self._values(np.array([i]))[0]
+        if v is None:
+            raise CorruptCacheError(f"sample {i} of the Redis cache {self.location.root} vanished while it was read; read it again.")
+        if v[0] & fmt.FLAG_FREEFORM:
+            return v[_HEADER.size:]
+        return v[_HEADER.size + self._row_bytes:]
+
+    # -- the bitmap of stored samples -------------------------------------------------------------------
+
+    def _stored_bits(self, idx: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(idx), dtype=bool)
+        for k, pos in self._groups(idx):
+            sub = idx[pos]
+            lo, hi = int(sub.min()) >> 3, int(sub.max()) >> 3
+            c = self._clients[k]
+            raw = self.location.call(k, c.getrange, self._bits, lo, hi)
+            bits = np.zeros(hi - lo + 1, np.uint8)
+            bits[: len(raw)] = np.frombuffer(raw, np.uint8)
+            out[pos] = (bits[(sub >> 3) - lo] >> (7 - (sub & 7)).astype(np.uint8)) & 1 == 1  # bit 0 is the high bit
+        return out
+
+    def stored_mask(self, idx: np.ndarray) -> np.ndarray:
+        """Which of ``idx`` are stored, from the bitmap (one read per server, no sample values)."""
+        self._buf = {}
+        return self._stored_bits(idx)
+
+    def stored_count(self) -> int:
+        return sum(int(self.location.call(k, c.bitcount, self._bits)) for k, c in enumerate(self._clients))
+
+    def data_bytes(self) -> int:
+        return sum(int(self.location.call(k, c.get, self._bytes) or 0) for k, c in enumerate(self._clients))
+
+    def stored_bytes(self) -> int:
+        """Bytes of sample values held by the servers (Redis adds a small per-key overhead on top)."""
+        return self.data_bytes()
+
+    # -- writes -------------------------------------------------------------------------------------------
+
+    def put(self, idx: np.ndarray, flags: np.ndarray, crc: np.ndarray, cpos: np.ndarray, stacked: list,
+            bpos: np.ndarray, blobs: list) -> np.ndarray:
+        """Store samples ``idx`` (each one value: record fields, rows, blob); a sample is visible only once whole.
+
+        Returns which samples were kept (a full server refuses some)."""
+        kept = np.ones(len(idx), dtype=bool)
+        ids = idx.tolist()
+        pieces = [[_HEADER.pack(f, c)] for f, c in zip(flags.tolist(), crc.tolist())]
+        if len(cpos) and stacked:
+            m = len(cpos)
+            parts = [np.ascontiguousarray(s).reshape(m, -1).view(np.uint8) for s in stacked]
+            rows = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+            for r, j in zip(rows, cpos.tolist()):
+                pieces[j].append(r)
+        for j, blob in zip(bpos.tolist(), blobs):
+            pieces[j].append(blob)
+        values = [b"".join(p) for p in pieces]  # one copy per sample
+        replaced = {i for i in ids if self._buf.get(i) is not None}
+        self._buf.update(zip(ids, values))  # served from here even if a full server refuses them
+        for k, pos in self._groups(idx):
+            for part in _pieces(pos, values):
+                sub = idx[part].tolist()
+                if time.monotonic() < self._full_until[k]:
+                    self._refused(k, sub, replaced)
+                    kept[part] = False
+                    continue
+                keys = [self._live, self._bits, self._bytes] + [self._key(i) for i in sub]
+                args = [x for i, j in zip(sub, part.tolist()) for x in (i, values[j])]
+                try:
+                    if self.location.call(k, self._put[k], keys=keys, args=args) == -1:
+                        self._heal(k)  # the server lost this cache since we last looked: mark it again, then store
+                        self.location.call(k, self._put[k], keys=keys, args=args)
+                except _redis().exceptions.ResponseError as e:
+                    if not _is_oom(e):
+                        raise
+                    self._full(k, len(sub))
+                    self._refused(k, sub, replaced)
+                    kept[part] = False
+        return kept
+
+    def _refused(self, k: int, sub: list, replaced: set) -> None:
+        """Samples server ``k`` could not store: count them, and drop older values they were meant to replace."""
+        self.not_stored += len(sub)
+        old = [i for i in sub if i in replaced]
+        if old:
+            # A sample rewritten after failing its checksum must not stay readable in its damaged form.
+            self.location.call(k, self._drop[k], keys=[self._bits, self._bytes] + [self._key(i) for i in old], args=old)
+
+    def _full(self, k: int, refused: int) -> None:
+        """Server ``k`` hit maxmemory refusing ``refused`` samples: skip it for a while, and warn once."""
+        self._full_until[k] = time.monotonic() + FULL_RETRY_SECONDS
+        if self._warned:
+            return
+        self._warned = True
+        c = self._clients[k]
+        try:
+            info = self.location.call(k, c.info, "memory")
+        except _redis().exceptions.ResponseError:  # INFO not allowed for this user
+            info = {}
+        stored_here = int(self.location.call(k, c.bitcount, self._bits))
+        warnings.warn(
+            f"the Redis server {self.location.addresses[k]} is full (maxmemory {int(info.get('maxmemory', 0)) / 2**20:.1f} MiB, "
+            f"used {int(info.get('used_memory', 0)) / 2**20:.1f} MiB) after storing {stored_here} samples of the cache "
+            f"{self.location.root} there; {refused} samples were not stored. nbkit stops storing on that server: its other "
+            "samples are computed from the source on every read (correct, but misses). Raise its maxmemory "
+            "(CONFIG SET maxmemory …), add servers to the URL, or free memory.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def close(self) -> None:
+        self._buf = {}

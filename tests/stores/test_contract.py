@@ -1,0 +1,193 @@
+"""One store contract, every backend: what ``CachedDataset`` may rely on from any store
+(docs/DESIGN.md, "Store protocol"), in the style of fsspec's abstract test suites.
+
+Each backend is a small adapter (:class:`Backend`) that knows how to make a cache of a source at a
+fresh location and how to open it again without the source, on this host or on another one. The
+tests in :class:`StoreContract` are written once against that adapter and run for a local
+directory, ``memory://`` and the GCS emulator through the mirror (working copy), Redis, and a
+bucket read through a bounded local area.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec.callbacks
+import numpy as np
+import pytest
+from fixtures_gcs import gcs, gcs_server  # noqa: F401  (pytest fixtures)
+from fixtures_redis import redis_server, redis_url  # noqa: F401  (pytest fixtures)
+from sources import TupleSource, VarShapeSource, assert_equal
+
+import nbkit
+from nbkit import format as fmt
+
+
+class Backend:
+    """How to reach one kind of store. Subclasses set :meth:`location`; the rest is shared."""
+
+    name = "?"
+    writable = True  # the engine stores computed samples here (read-through: no)
+
+    def __init__(self, tmp_path, monkeypatch, request):
+        self.tmp_path, self.monkeypatch, self.request = tmp_path, monkeypatch, request
+        self.host = 0
+        self.on_host(0)
+
+    def on_host(self, k: int) -> None:
+        """Act as host ``k``: its own working copies and local areas."""
+        self.host = k
+        self.monkeypatch.setenv("NBKIT_CACHE_DIR", str(self.tmp_path / f"host-{k}"))
+
+    def location(self) -> tuple:
+        """A fresh ``(path or URL, options for CachedDataset)``."""
+        raise NotImplementedError
+
+    def create(self, source, *, only=None):
+        """A cache of ``source`` (every sample, or the indices ``only``) here; returns ``(dataset, url, options)``."""
+        url, options = self.location()
+        ds = nbkit.CachedDataset(source, url, **options)
+        if only is None:
+            ds.warmup()
+        else:
+            ds[list(only)]
+            ds.sync()
+        return ds, url, options
+
+    def open(self, url, options):
+        """The cache at ``url`` without its source, from this host."""
+        return nbkit.CachedDataset.open(url, **options)
+
+
+class Local(Backend):
+    name = "local"
+
+    def location(self):
+        return str(self.tmp_path / f"cache-{uuid.uuid4().hex[:6]}"), {}
+
+
+class Memory(Backend):
+    name = "memory"
+
+    def location(self):
+        return f"memory://contract-{uuid.uuid4().hex[:10]}/cache", {}
+
+
+class GCS(Backend):
+    name = "gcs"
+
+    def location(self):
+        bucket = self.request.getfixturevalue("gcs")
+        return f"{bucket.url}/cache", {"storage_options": bucket.storage_options}
+
+
+class Redis(Backend):
+    name = "redis"
+
+    def location(self):
+        return self.request.getfixturevalue("redis_url"), {}
+
+
+class ReadThrough(Backend):
+    """A cache warmed locally, pushed to ``memory://``, read through a small local area."""
+
+    name = "readthrough"
+    writable = False
+
+    def location(self):
+        return f"memory://contract-rt-{uuid.uuid4().hex[:10]}/cache", {"local_max_bytes": 256 << 10}
+
+    def create(self, source, *, only=None):
+        url, options = self.location()
+        local = nbkit.CachedDataset(source, self.tmp_path / f"local-{uuid.uuid4().hex[:6]}")
+        if only is None:
+            local.warmup()
+        else:
+            local[list(only)]
+        nbkit.push(local.root, url)
+        return nbkit.CachedDataset(source, url, **options), url, options
+
+
+BACKENDS = [Local, Memory, GCS, Redis, ReadThrough]
+
+
+@pytest.fixture(params=BACKENDS, ids=[b.name for b in BACKENDS])
+def backend(request, tmp_path, monkeypatch):
+    return request.param(tmp_path, monkeypatch, request)
+
+
+class StoreContract:
+    """The tests every backend passes."""
+
+    n = 300
+
+    def test_round_trip_without_the_source(self, backend):
+        src = TupleSource(self.n)
+        _, url, options = backend.create(src)
+        ds = backend.open(url, options)
+        assert len(ds) == self.n and ds.source is None
+        for i in (0, 7, self.n - 1):
+            assert_equal(ds[i], src[i], f"sample {i}")
+        batch = nbkit.collate(ds.__getitems__([5, 3, 5, 250]))
+        assert_equal(list(batch), list(nbkit.collate([src[5], src[3], src[5], src[250]])))
+
+    def test_store_protocol(self, backend):
+        src = TupleSource(self.n)
+        _, url, options = backend.create(src)
+        store = backend.open(url, options).store
+        idx = np.arange(self.n, dtype=np.int64)
+        assert (store.length, store.capacity, store.n_columns) == (self.n, self.n, 2)
+        assert store.admitted(idx).all() and store.is_stored(idx).all()
+        assert len(store.missing()) == 0 and store.stored_count() == self.n
+        assert store.flags_of(idx[:10]).dtype == np.uint8 and store.crc_of(idx[:10]).dtype == np.uint32
+        rows = store.gather(idx[:10])
+        assert [len(r) for r in rows] == [10, 10]
+        assert fmt.verify(store, idx).all()
+        assert store.data_bytes() > 0 and store.stored_bytes() > 0
+
+    def test_missing_samples(self, backend):
+        src = TupleSource(self.n)
+        ds, url, options = backend.create(src, only=range(0, self.n, 3))
+        expected = np.setdiff1d(np.arange(self.n), np.arange(0, self.n, 3))
+        assert np.array_equal(ds.missing(), expected if backend.writable else np.zeros(0, np.int64))
+        assert np.array_equal(ds.store.missing(expected[:5]), expected[:5] if backend.writable else [])
+        assert ds.stats.cached == len(range(0, self.n, 3))
+        assert_equal(ds[1], src[1])  # computed from the source (and stored, where the store can)
+        if backend.writable:
+            assert ds.store.is_stored(np.array([1]))[0]
+
+    def test_variable_shapes_and_blobs(self, backend):
+        src = VarShapeSource(40)
+        _, url, options = backend.create(src)
+        ds = backend.open(url, options)
+        for i in range(len(src)):
+            assert_equal(ds[i], src[i], f"sample {i}")
+        assert ds.verify() == len(src)
+
+    def test_verify_with_a_plain_fsspec_callback(self, backend):
+        src = TupleSource(self.n)
+        ds, _, _ = backend.create(src)
+        cb = fsspec.callbacks.Callback()
+        assert ds.verify(callback=cb) == self.n
+        assert (cb.size, cb.value) == (self.n, self.n)
+
+    def test_stats_after_an_epoch(self, backend):
+        src = TupleSource(self.n)
+        _, url, options = backend.create(src)
+        ds = backend.open(url, options)
+        loader = nbkit.collate(ds.__getitems__(list(range(self.n))))
+        assert len(loader[0]) == self.n
+        s = ds.stats
+        assert (s.hits, s.misses, s.cached, s.total, s.complete) == (self.n, 0, self.n, self.n, True)
+
+    def test_another_host_sees_the_cache(self, backend):
+        src = TupleSource(self.n)
+        _, url, options = backend.create(src)
+        backend.on_host(1)
+        ds = backend.open(url, options)
+        assert ds.stats.cached == self.n
+        assert_equal(ds[42], src[42])
+
+
+class TestStores(StoreContract):
+    """The contract, once for each backend."""

@@ -1,0 +1,61 @@
+"""The store registry (nbkit.stores.registry) and the deprecated aliases of the old module paths."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import nbkit
+from nbkit.stores import registry
+from nbkit.stores.base import Location
+from nbkit.stores.mirror import MirrorLocation
+
+
+def test_schemes_and_options_pick_the_backend(tmp_path):
+    assert type(registry.resolve(tmp_path)) is Location
+    assert type(registry.resolve(f"file://{tmp_path}")) is Location
+    assert isinstance(registry.resolve("memory://b/c"), MirrorLocation)
+    assert registry.backend_of("redis://h/0/x") == registry.backend_of("rediss://h/0/x") == "nbkit.stores.redis:resolve"
+    assert registry.backend_of("gs://b/c", local_max_bytes=10) == "nbkit.stores.readthrough:resolve"
+    assert registry.backend_of("gs://b/c", local_max_bytes=None) == "nbkit.stores.mirror:resolve"
+    with pytest.raises(ValueError, match="only applies to a remote cache"):
+        registry.resolve(tmp_path, local_max_bytes=10)
+
+
+def test_register_a_scheme():
+    registry.register("mine", "nbkit.stores.mirror:resolve")
+    try:
+        loc = registry.resolve("mine://b/c")
+        assert isinstance(loc, MirrorLocation) and loc.url == "mine://b/c"
+    finally:
+        registry.SCHEMES.pop("mine")
+
+
+def test_a_missing_backend_package_names_the_extra():
+    code = ("import sys; sys.modules['gcsfs'] = None\n"
+            "from nbkit.stores.registry import resolve\n"
+            "try:\n    resolve('gs://bucket/cache')\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "gs:// caches needs the gcsfs package: pip install 'nbkit[gcs]'" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("old, name, new", [
+    ("nbkit.storage", "resolve", "nbkit.stores.registry"),
+    ("nbkit.storage", "working_copy_dir", "nbkit.stores.mirror"),
+    ("nbkit.readthrough", "PrefetchSampler", "nbkit.samplers"),
+    ("nbkit.readthrough", "store_of", "nbkit.stores.readthrough"),
+    ("nbkit.redis_store", "parse_url", "nbkit.stores.redis"),
+])
+def test_old_import_paths_still_work(old, name, new):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=f"use {new}.{name}"):
+        got = getattr(importlib.import_module(old), name)
+    assert got is getattr(importlib.import_module(new), name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # importing the alias module itself warns about nothing
+        importlib.import_module(old)
+    assert getattr(nbkit, old.split(".")[1]).__name__ == old
+    with pytest.raises(AttributeError):
+        getattr(importlib.import_module(old), "no_such_name")

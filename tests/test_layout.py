@@ -1,0 +1,189 @@
+"""The package layout (docs/DESIGN.md, "Layers"): imports among nbkit's modules run one way, and no
+module imports another module's ``_private`` name.
+
+Every import statement counts, at module level or inside a function (a lazy import is still a
+dependency). The deprecated alias modules forward names through ``importlib`` and are documented
+as such; they hold no import statements of nbkit modules, so they cannot hide a cycle here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nbkit"
+
+# The layers below the engine (nbkit.dataset): none of them may import it, directly or through others.
+BELOW_DATASET = ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.codec",
+                 "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.format", "nbkit.cachedir",
+                 "nbkit.manifest", "nbkit.transfer", "nbkit.archive", "nbkit.stores", "nbkit.warmup")
+# The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
+# Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
+LAYERS = {
+    0: ("nbkit.errors", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.gather"),
+    1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote"),
+    2: ("nbkit.format",),
+    3: ("nbkit.cachedir",),
+    4: ("nbkit.manifest",),
+    5: ("nbkit.transfer", "nbkit.archive"),
+    6: ("nbkit.stores",),
+    7: ("nbkit.warmup", "nbkit.dataset", "nbkit.samplers", "nbkit.loader"),
+}
+TOP = max(LAYERS) + 1
+
+
+def layer_of(module: str) -> int:
+    for layer, names in LAYERS.items():
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return layer
+    return TOP
+
+
+# Thin lazy aliases of moved modules, kept for one release: they import nbkit.extras.moved only,
+# which imports the new module by name on first use.
+ALIASES = ("nbkit.storage", "nbkit.readthrough", "nbkit.redis_store")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict:
+    """``name -> (path, is_package)`` of every module under ``nbkit/``."""
+    return {module_name(p): (p, p.name == "__init__.py") for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, is_package: bool, known) -> list:
+    """``(target module, imported name or None, line)`` for every import of an nbkit module in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "nbkit" or alias.name.startswith("nbkit."):
+                    found.append((alias.name, None, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source != "nbkit" and not source.startswith("nbkit."):
+                continue
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                if sub in known:
+                    found.append((sub, None, node.lineno))  # from package import submodule
+                else:
+                    found.append((source, alias.name, node.lineno))
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    known = modules()
+    edges = {}
+    for name, (path, is_package) in known.items():
+        edges[name] = imports_of(name, path, is_package, known)
+    return known, edges
+
+
+def test_every_import_names_an_existing_module(graph):
+    known, edges = graph
+    missing = [(src, dst, line) for src, targets in edges.items() for dst, _, line in targets if dst not in known]
+    assert not missing, f"imports of modules that do not exist: {missing}"
+
+
+def test_no_cross_module_private_import(graph):
+    _, edges = graph
+    bad = [f"{src}:{line} imports {name} from {dst}" for src, targets in edges.items() for dst, name, line in targets
+           if name is not None and name.startswith("_") and not name.startswith("__") and dst != src]
+    bad += [f"{src}:{line} imports the private module {dst}" for src, targets in edges.items() for dst, _, line in targets
+            if dst.rpartition(".")[2].startswith("_") and not dst.endswith("__init__")]
+    assert not bad, "a helper used elsewhere drops its underscore:\n" + "\n".join(bad)
+
+
+def _cycles(edges) -> list:
+    """Every strongly connected set of more than one module (Tarjan), plus self-imports."""
+    adj = {src: sorted({dst for dst, _, _ in targets if dst in edges and dst != src}) for src, targets in edges.items()}
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in adj[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(adj):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle(graph):
+    _, edges = graph
+    cycles = _cycles({k: v for k, v in edges.items() if k not in ALIASES})
+    assert not cycles, f"import cycles among nbkit modules (lazy imports count too): {cycles}"
+
+
+def test_cycle_finder_finds_a_cycle():
+    edges = {"a": [("b", None, 1)], "b": [("c", None, 1)], "c": [("a", None, 1)], "d": [("a", None, 1)]}
+    assert _cycles(edges) == [["a", "b", "c"]]
+
+
+def _reach(edges, start) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        v = todo.pop()
+        for dst, _, _ in edges.get(v, ()):
+            if dst not in seen:
+                seen.add(dst)
+                todo.append(dst)
+    return seen
+
+
+def test_nothing_below_the_engine_imports_it(graph):
+    _, edges = graph
+    lower = [m for m in edges if m.startswith(BELOW_DATASET) and m not in ALIASES]
+    assert "nbkit.format" in lower and "nbkit.stores.registry" in lower
+    bad = {m: sorted(_reach(edges, m) & {"nbkit.dataset", "nbkit"}) for m in lower}
+    bad = {m: r for m, r in bad.items() if r}
+    assert not bad, f"modules below nbkit.dataset that import it (or the package, which imports it): {bad}"
+
+
+def test_imports_run_down_the_layers(graph):
+    _, edges = graph
+    bad = [f"{src} (layer {layer_of(src)}) imports {dst} (layer {layer_of(dst)})"
+           for src, targets in edges.items() if src not in ALIASES
+           for dst, _, _ in targets if layer_of(dst) > layer_of(src)]
+    assert not bad, "imports against the layers of docs/DESIGN.md:\n" + "\n".join(bad)
+
+
+def test_aliases_import_nothing_directly(graph):
+    _, edges = graph
+    for alias in ALIASES:
+        assert {dst for dst, _, _ in edges[alias]} == {"nbkit.extras"}, f"{alias} should forward lazily (extras.moved)"
