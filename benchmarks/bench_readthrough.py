@@ -58,7 +58,9 @@ def run(args):
     from torch.utils.data import DataLoader, RandomSampler
 
     import nbkit
-    from nbkit.readthrough import PrefetchSampler, area_usage, store_of
+    from nbkit.samplers import PrefetchSampler
+    from nbkit.stores.readthrough.area import area_usage
+    from nbkit.stores.readthrough.store import store_of
 
     work = Path(tempfile.mkdtemp(prefix="nbkit-bench-readthrough-"))
     os.environ["NBKIT_CACHE_DIR"] = str(work / "areas")

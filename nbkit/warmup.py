@@ -101,15 +101,14 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
     skipped = len(all_idx) - len(missing)
     cb.set_size(len(all_idx))
     cb.absolute_update(skipped)
-    if hasattr(cb, "set_description"):
-        cb.set_description("warming up" if len(missing) else "already complete")
+    cb.set_description("warming up" if len(missing) else "already complete")
     chunks = [missing[s : s + chunk_size] for s in range(0, len(missing), chunk_size)]
     done = 0
     stopped = False
     if num_workers == 0:
         filler = _Chunks(cached, chunks)
         for k in range(len(chunks)):
-            if getattr(cb, "stop_requested", False) is True:
+            if cb.stop_requested is True:
                 stopped = True
                 break
             n = filler[k]
@@ -123,12 +122,11 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
             for n in it:
                 done += int(n)
                 cb.relative_update(int(n))
-                if getattr(cb, "stop_requested", False) is True:
+                if cb.stop_requested is True:
                     stopped = done < len(missing)
                     break
         finally:
             del it
     seconds = time.perf_counter() - start
-    if hasattr(cb, "set_description"):
-        cb.set_description("stopped" if stopped else "done")
+    cb.set_description("stopped" if stopped else "done")
     return WarmupReport(computed=done, skipped=skipped, total=len(all_idx), seconds=seconds, stopped=stopped)

@@ -279,3 +279,16 @@ def test_large_batches_are_gathered_into_pinned_memory_for_cuda(tmp_path):
     loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=2, pin_memory=True)
     got = torch.cat([x for x, _ in loader])
     assert torch.equal(got, torch.stack([src[i][0] for i in range(64)]))
+
+
+def test_read_through_cache(tmp_path, monkeypatch):
+    """A bucket cache read through a bounded local area (memory:// stands in for gs://)."""
+    monkeypatch.setenv("NBKIT_CACHE_DIR", str(tmp_path / "areas"))
+    src = TupleSource(300)
+    local = nbkit.CachedDataset(src, tmp_path / "local")
+    local.warmup()
+    url = f"memory://nbkit-loader/{tmp_path.name}"
+    nbkit.push(local.root, url)
+    remote = nbkit.CachedDataset.open(url, local_max_bytes=64 << 10)
+    seen = _check_epoch(remote, src, remote.loader(32, seed=3))
+    assert sorted(seen) == list(range(300))
