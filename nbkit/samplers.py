@@ -26,12 +26,11 @@ Example:
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from .extras import xla_runtime_started
 from .stores.readthrough import store_of
 
 __all__ = ["EpochSampler", "default_rank_world", "PrefetchSampler", "plan_windows"]
@@ -39,16 +38,16 @@ __all__ = ["EpochSampler", "default_rank_world", "PrefetchSampler", "plan_window
 
 def default_rank_world() -> tuple[int, int]:
     """``(rank, world_size)`` of this process: from ``torch.distributed`` when it is initialised,
-    else from the torch_xla runtime when torch_xla is already imported, else ``(0, 1)``."""
+    else from the torch_xla runtime when this process has started it, else ``(0, 1)``."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if "torch_xla.runtime" in sys.modules:  # never import torch_xla ourselves: it grabs the device
-        xr = sys.modules["torch_xla.runtime"]
-        try:
-            return int(xr.global_ordinal()), int(xr.world_size())
-        except RuntimeError:  # imported but no runtime started in this process
-            pass
+    # Ask torch_xla only when its runtime is already running here: asking would start it (and a
+    # process that started it can no longer spawn one process per TPU chip).
+    if xla_runtime_started():
+        import torch_xla.runtime as xr  # already imported by whoever started the runtime
+
+        return int(xr.global_ordinal()), int(xr.world_size())
     return 0, 1
 
 

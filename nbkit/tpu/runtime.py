@@ -24,6 +24,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from nbkit.extras import xla_runtime_started
 from nbkit.text import Table
 
 __all__ = ["RuntimeInfo", "describe", "KINDS"]
@@ -314,14 +315,7 @@ def _version_mismatch(torch_version: str, xla_version: Optional[str]) -> Optiona
 
 
 def runtime_initialized() -> bool:
-    # Only a process that imported torch_xla can have started its runtime; never import it here.
-    xla = sys.modules.get("torch_xla")
-    if xla is None:
-        return False
-    try:
-        return bool(xla._XLAC._xla_runtime_is_initialized())
-    except AttributeError:
-        return False
+    return xla_runtime_started()
 
 
 def xla_requirements(torch_version: str, tpu: bool) -> tuple:
