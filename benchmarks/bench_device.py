@@ -7,7 +7,7 @@ one run:
 
 * raw torchvision through a ``DataLoader`` (``num_workers`` 0/4/8/16, as many as the machine has);
 * nbkit through a ``DataLoader``: the line people type (default collate, ``pin_memory``) with
-  ``num_workers`` 0/2/4/8, and ``collate_fn=nbkit.collate``;
+  ``num_workers`` 0/2/4/8 (and 8 with ``persistent_workers=True``), and ``collate_fn=nbkit.collate``;
 * ``ds.loader(256, device=...)`` (:class:`nbkit.DeviceLoader`), and for JPEG the uint8 pattern
   (cache ``PILToTensor`` output, normalise on the device with ``batch_transform``);
 * the **on-device limit**: the same training with the whole preprocessed dataset already in
@@ -225,6 +225,9 @@ def bench_workload(name, args, device, log):
         for w in nb_workers:
             add(f"nbkit-default-w{w}-{tag}", f"nbkit, default collate, `num_workers={w}`",
                 lambda w=w: DataLoader(ds, BATCH, shuffle=True, num_workers=w, pin_memory=pin), train)
+        w = nb_workers[-1]
+        add(f"nbkit-default-w{w}-persistent-{tag}", f"nbkit, default collate, `num_workers={w}`, `persistent_workers=True`",
+            lambda: DataLoader(ds, BATCH, shuffle=True, num_workers=w, pin_memory=pin, persistent_workers=True), train)
         add(f"deviceloader-{tag}", f"nbkit `ds.loader({BATCH}, device=…)`", lambda: ds.loader(BATCH, device=dev_arg), train,
             kind="deviceloader")
         if u8 is not None:

@@ -155,8 +155,9 @@ def _relink(text: str, md_dir: Path, out_dir: Path) -> str:
 def assemble(results_dir: Path = RESULTS, output: Path = OUTPUT, failures: list[str] | None = None) -> str:
     """Write ``output`` from its kept introduction, the machine section and every results file."""
     parts = [read_intro(output), MARKER, "", machine_info()]
-    # The engine first (issue 2's targets), then the issues in order; anything else after.
-    order = {name: k for k, name in enumerate(("engine", "transfer", "budget", "redis", "readthrough"))}
+    # The engine first (issue 2's targets), the device benchmark (issue 11), then the issues in order.
+    order = {name: k for k, name in enumerate(("engine", "device-cuda", "device-cpu", "transfer", "budget", "redis",
+                                               "readthrough"))}
     for md in sorted(results_dir.glob("*.md"), key=lambda p: (order.get(p.stem, len(order)), p.stem)):
         parts.append(_relink(md.read_text(), md.parent, output.parent).rstrip() + "\n")
         parts.append(f"<sub>Source: `benchmarks/results/{md.name}`.</sub>\n")
