@@ -274,7 +274,7 @@ def test_compare_training_against_the_on_device_limit(tmp_path):
     assert result.wait_share(result.rows[-1]) == 0.0
     assert 0.0 <= result.wait_share(result.rows[0]) < 1.0
     text = str(result)
-    assert "on-device limit" in text and "data wait" in text and "training epochs on cpu" in text
+    assert "on-device limit" in text and "data wait" in text and f"training epochs on {result.device}" in text
     assert "<table" in result._repr_html_()
     fig = result.plot(path=tmp_path / "training.png", title="TupleSource")
     assert (tmp_path / "training.png").stat().st_size > 0
