@@ -341,9 +341,16 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", default=None, help="where caches go (default: <data-dir>/work-device)")
     p.add_argument("--results", default=str(HERE / "results"))
     p.add_argument("--epochs", type=int, default=None, help="timed epochs per row (default 2, quick 1)")
+    p.add_argument("--render-only", metavar="KIND", choices=("cuda", "cpu"),
+                   help="rebuild results/device-KIND.md and its plot from device-KIND.json, measuring nothing")
     p.add_argument("--jpeg-n", type=int, default=None,
                    help="JPEG images in the full run (default: 8,000 on a GPU, the workload's 4,000 on the CPU)")
     args = p.parse_args(argv)
+    if args.render_only:
+        stem = Path(args.results) / f"device-{args.render_only}"
+        data = json.loads(stem.with_suffix(".json").read_text())
+        write(Path(args.results), f"device-{args.render_only}", data["meta"], data["results"])
+        return 0
     args.work_dir = args.work_dir or str(Path(args.data_dir) / "work-device")
     args.epochs = args.epochs or (1 if args.quick else 2)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -361,16 +368,70 @@ def main(argv=None) -> int:
         results[name] = bench_workload(name, args, device, log)
     meta = {"device": device.type, "machine": machine(), "epochs": args.epochs, "quick": args.quick,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    text = render(results, meta)
-    print(text)
-    out = Path(args.results)
+    print(write(Path(args.results), f"device-{device.type}", meta, results))
+    return 0
+
+
+def plot(results, meta, path) -> bool:
+    """The training epochs of each workload as :class:`nbkit.bench.TrainingComparison` bars
+    (compute vs waiting for data); ``False`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    from nbkit.bench import TrainingComparison, TrainingRow
+
+    picks = ("raw-w16", "raw-w8", "nbkit-default-w0-train", "nbkit-default-w2-train", "deviceloader-train",
+             "deviceloader-u8-train", "limit-train")
+    names = {"nbkit-default-w0-train": "nbkit, DataLoader", "nbkit-default-w2-train": "nbkit, DataLoader, 2 workers",
+             "deviceloader-train": "nbkit, ds.loader", "deviceloader-u8-train": "nbkit, ds.loader, uint8 cache",
+             "limit-train": TrainingComparison.LIMIT}
+    figures = []
+    for name, res in results.items():
+        rows = {r["key"]: r for r in res["rows"]}
+        chosen = [k for k in picks if k in rows]
+        raw = [k for k in chosen if k.startswith("raw")][:1]
+        chosen = raw + [k for k in chosen if not k.startswith("raw")]
+        if "limit-train" not in chosen:
+            return False
+        comparison = TrainingComparison(
+            [TrainingRow(names.get(k, "raw, " + rows[k]["label"].split(", ", 1)[-1].replace("`", "")), rows[k]["best"],
+                         tuple(rows[k]["epochs"]), res["n"]) for k in chosen], device=meta["machine"].split(",")[0].replace("one ", ""),
+            batch_size=BATCH)
+        figures.append(comparison.plot(title=name))
+    # One image, workloads stacked.
+    from PIL import Image
+    import io
+
+    images = []
+    for fig in figures:
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=100)
+        plt.close(fig)
+        images.append(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+    out = Image.new("RGB", (max(i.width for i in images), sum(i.height for i in images)), "white")
+    y = 0
+    for im in images:
+        out.paste(im, (0, y))
+        y += im.height
+    out.save(path)
+    return True
+
+
+def write(out: Path, stem: str, meta, results) -> str:
+    """Write ``<stem>.md``, ``<stem>.json`` and, for a GPU run, ``<stem>.png``; return the markdown."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"device-{device.type}"
+    text = render(results, meta)
+    if meta["device"] == "cuda" and not meta["quick"] and plot(results, meta, out / f"{stem}.png"):
+        text += f"\n![Training epochs on the GPU: compute vs waiting for data]({stem}.png)\n"
     for fname, content in ((f"{stem}.md", text), (f"{stem}.json", json.dumps({"meta": meta, "results": results}, indent=1))):
         tmp = out / f".{fname}.tmp-{os.getpid()}"
         tmp.write_text(content + "\n")
         os.replace(tmp, out / fname)
-    return 0
+    return text
 
 
 if __name__ == "__main__":

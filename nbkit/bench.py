@@ -450,7 +450,7 @@ class TrainingComparison:
         details.append(f"{self.rows[0].samples:,} samples an epoch on {self.device}" if self.rows else self.device)
         if self.batch_size:
             details.append(f"batch size {self.batch_size}")
-        ax.set_title(" · ".join(details), fontsize=10, loc="left")
+        ax.set_title(" · ".join(details), fontsize=9.5, wrap=True)
         if path is not None:
             fig.savefig(path, dpi=110)
         return fig
