@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 
 import numpy as np
 import torch
@@ -57,6 +58,9 @@ class CachedDataset(Dataset):
         storage_options: passed to fsspec for remote URLs (e.g. ``{"token": ...}`` for gcsfs).
         local_max_bytes: for a remote cache (``gs://…``) larger than the local disk: read it through
             a local area of at most this many bytes, fetching pieces on demand, instead of pulling it whole.
+        max_files_per_folder, compress: torch_xla's ``CachedDataset`` options, accepted with a
+            ``FutureWarning`` and ignored (nbkit writes no per-sample files, and compresses copies
+            with ``nbkit.export_tar(..., compression="zst")``).
 
     Raises:
         StaleCacheError: the cache at ``path`` was built from a different source.
@@ -66,7 +70,9 @@ class CachedDataset(Dataset):
 
     def __init__(self, dataset, path, *, transform=None, overwrite: bool = False, allow_pickle: bool = False,
                  fingerprint_samples: int = 3, max_bytes: int | None = None, storage_options: dict | None = None,
-                 local_max_bytes: int | None = None):
+                 local_max_bytes: int | None = None, max_files_per_folder: int | None = None,
+                 compress: bool | None = None):
+        _warn_torch_xla_options(max_files_per_folder=max_files_per_folder, compress=compress)
         self._source = dataset
         self.transform = transform
         self.allow_pickle = allow_pickle
@@ -605,6 +611,25 @@ class CachedDataset(Dataset):
     @property
     def is_complete(self) -> bool:
         return len(self.store.missing()) == 0
+
+
+#: torch_xla's CachedDataset options: what nbkit does instead (each is accepted, ignored, and warned about).
+_TORCH_XLA_OPTIONS = {
+    "max_files_per_folder": "nbkit writes no file per sample, so there are no folders to split: a cache is a few "
+                            "column files, an index and a heap",
+    "compress": "nbkit stores samples uncompressed so they can be memory-mapped; to carry a smaller copy, "
+                "compress it with nbkit.export_tar(path, 'cache.tar.zst', compression='zst')",
+}
+
+
+def _warn_torch_xla_options(**options) -> None:
+    """One ``FutureWarning`` for each of torch_xla's ``CachedDataset`` options that was given (they are ignored)."""
+    for name, value in options.items():
+        if value is None:
+            continue
+        warnings.warn(f"CachedDataset({name}={value!r}) is an option of torch_xla's CachedDataset; nbkit ignores it: "
+                      f"{_TORCH_XLA_OPTIONS[name]}. Remove {name}= (it will raise TypeError in a future release).",
+                      FutureWarning, stacklevel=3)
 
 
 def _capacity(max_bytes: int, length: int, schema, probes: list, allow_pickle: bool) -> int:
