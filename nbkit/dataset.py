@@ -92,6 +92,9 @@ class CachedDataset(Dataset):
         self._files_pid = None
         self._counters = SharedCounters.create()
         self._verified = None
+        # A remote cache filled by reads is published once it is complete (see _publish_if_complete).
+        self._publish_pending = self._location.publishes and dataset is not None
+        self._unfilled_from = 0  # no index below this one is missing (a hint: it only grows)
         self._token = uuid.uuid4().hex  # names this dataset to batch handles sent by DataLoader workers
         register_gatherer(self._token, self._collate_stored)
 
@@ -305,6 +308,8 @@ class CachedDataset(Dataset):
         unkept = self._compute_and_store(todo[admitted]) if admitted.any() else {}
         unkept.update((int(i), None) for i in todo[~admitted])
         self._counters.add(hits=len(idx) - misses, misses=misses)
+        if self._publish_pending:
+            self._publish_if_complete()
         if unkept:
             return self._mixed(idx, unkept, single)
         return self._read_stored(idx, single)
@@ -505,6 +510,31 @@ class CachedDataset(Dataset):
         self._verified[idx[kept]] = True
         self._counters.add(stored=int(kept.sum()), refused=n - int(kept.sum()))
         return kept
+
+    def _publish_if_complete(self) -> None:
+        """Publish a remote cache (``gs://…``) as soon as reads have stored its last sample, so that
+        ordinary training fills the bucket, without ``warmup()`` or ``sync()``.
+
+        Cheap enough to call after every read that stored something: it rescans the index only from
+        the lowest sample not known to be stored, and only once that one is. Every process (DataLoader
+        workers, TPU replicas) checks for itself, and more than one may find the cache complete; the
+        location's ``publish`` holds the working copy's lock, skips a remote that already holds this
+        cache and respects another host's lease, so the cache is pushed once.
+        """
+        f = self.store
+        while self._unfilled_from < self._length:
+            if f.missing(np.array([self._unfilled_from], dtype=np.int64)).size:
+                return  # the usual answer while the cache fills: one lookup
+            stop = min(self._length, self._unfilled_from + 65536)
+            gap = f.missing(np.arange(self._unfilled_from, stop, dtype=np.int64))
+            self._unfilled_from = int(gap[0]) if gap.size else stop
+        self._publish_pending = False
+        try:
+            self._location.publish()
+        except OSError as e:
+            # Training goes on from the working copy; only sharing it waits.
+            warnings.warn(f"nbkit: the cache at {self.path} is complete but could not be published; training goes on "
+                          f"from the local working copy. {e}", RuntimeWarning, stacklevel=2)
 
     # -- bulk operations -------------------------------------------------------------------------------
 

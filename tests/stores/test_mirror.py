@@ -6,6 +6,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 import nbkit
 from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
@@ -135,8 +136,61 @@ def test_remote_without_cache_leaves_working_copy_alone(tmp_path, monkeypatch, r
     host(monkeypatch, tmp_path, "host-a")
     loc = resolve(url, so)
     assert loc.prepare() is False and not os.path.exists(loc.root)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as err:
         nbkit.CachedDataset.open(url, storage_options=so)
+    text = str(err.value)
+    assert text.startswith(f"no nbkit cache at {url}: nothing has been published there")
+    assert f"nbkit.CachedDataset(source, {url!r})" in text and f"nbkit.push(local_cache_dir, {url!r})" in text
+    assert loc.root not in text  # the hashed working copy is not where the user should look or build
+
+
+def test_cache_filled_by_training_is_published(tmp_path, monkeypatch, remote):
+    url, so = remote
+    host(monkeypatch, tmp_path, "host-a")
+    ds = nbkit.CachedDataset(TupleSource(n=64), url, storage_options=so)
+    fs, root = url_to_fs(url, so)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+    for i in order[:40]:  # part of an epoch, read the way training reads: no warmup(), no sync()
+        ds[i]
+    ds.__getitems__(order[40:63])
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/{fmt.META}")  # one sample missing: nothing published yet
+    ds[order[63]]  # the read that completes the cache publishes it
+    fs.invalidate_cache()
+    assert fs.exists(f"{root}/{fmt.META}") and not fs.exists(f"{root}/{mirror.LEASE}")
+
+    host(monkeypatch, tmp_path, "host-b")  # another machine, without the source
+    other = nbkit.CachedDataset.open(url, storage_options=so)
+    assert other.root.startswith(str(tmp_path / "host-b")) and len(other.missing()) == 0
+    src = TupleSource(n=64)
+    for i in range(64):
+        assert_equal(other[i], src[i], f"sample {i} on host B")
+
+
+def test_dataloader_workers_publish_a_completed_cache_once(tmp_path, monkeypatch, gcs):
+    url, so = f"{gcs.url}/trained", gcs.storage_options
+    host(monkeypatch, tmp_path, "host-a")
+    pushes = tmp_path / "pushes"
+    real_push = mirror.push
+
+    def logged_push(*args, **kwargs):  # runs in whichever worker process publishes (fork keeps the patch)
+        with open(pushes, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_push(*args, **kwargs)
+
+    monkeypatch.setattr(mirror, "push", logged_push)
+    ds = nbkit.CachedDataset(TupleSource(n=96), url, storage_options=so)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
+                                         multiprocessing_context="fork")
+    assert sum(len(y) for _, y in loader) == 96
+    assert len(pushes.read_text().split()) == 1  # both workers may see it complete; one push
+    assert sum(len(y) for _, y in loader) == 96  # a second epoch reads; nothing more to publish
+    assert len(pushes.read_text().split()) == 1
+
+    host(monkeypatch, tmp_path, "host-b")
+    other = nbkit.CachedDataset.open(url, storage_options=so)
+    assert len(other.missing()) == 0
+    assert_equal(other[95], TupleSource(n=96)[95])
 
 
 def test_unreachable_bucket_fails_at_once_naming_the_endpoint(tmp_path, monkeypatch):
@@ -146,3 +200,22 @@ def test_unreachable_bucket_fails_at_once_naming_the_endpoint(tmp_path, monkeypa
                                       r"cache at gs://nbkit-nowhere/mnist .*open the cache again") as err:
         nbkit.CachedDataset(TupleSource(n=8), "gs://nbkit-nowhere/mnist", storage_options=nothing_listens)
     assert isinstance(err.value.__cause__, ConnectionRefusedError)
+
+
+def test_failed_publish_after_training_warns_and_training_goes_on(tmp_path, monkeypatch):
+    host(monkeypatch, tmp_path, "host-a")
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/cache"
+    ds = nbkit.CachedDataset(TupleSource(n=8), url)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("the endpoint went away")
+
+    monkeypatch.setattr(mirror, "push", unreachable)
+    with pytest.warns(RuntimeWarning, match=rf"cache at {url} is complete but could not be published; training goes "
+                                            r"on .*the endpoint went away.*call sync\(\) on the dataset again"):
+        ds.__getitems__(list(range(8)))
+    assert_equal(ds[7], TupleSource(n=8)[7])  # the working copy serves reads; no second try per read
+    monkeypatch.undo()
+    ds.sync()
+    fs, root = url_to_fs(url, None)
+    assert fs.exists(f"{root}/{fmt.META}")
