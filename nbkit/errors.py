@@ -1,11 +1,11 @@
 """The exceptions nbkit raises on purpose.
 
 Each is a small subclass of a built-in type, so callers who do not know nbkit can still catch
-``ValueError`` or ``LookupError``.
+``ValueError`` or ``LookupError``. Messages name the thing, what was expected, and the fix.
 
 Example:
     >>> issubclass(MissingSampleError, LookupError), issubclass(MissingSampleError, RuntimeError)
-    (True, True) Messages name the thing, what was expected, and the fix.
+    (True, True)
 """
 
 from __future__ import annotations
