@@ -35,6 +35,7 @@ from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, colla
 from .errors import CorruptCacheError, MissingSampleError
 from .fingerprint import fingerprint
 from .stats import SharedCounters, Stats
+from .transforms import apply_transform
 
 __all__ = ["CachedDataset"]
 
@@ -45,8 +46,9 @@ class CachedDataset(Dataset):
         dataset: the source (any object with ``__len__`` and ``__getitem__``), or ``None`` to open an
             existing cache without it (same as :meth:`open`).
         path: where the cache lives: a local directory or an fsspec URL (``gs://bucket/prefix`` …).
-        transform: applied to each sample *after* it is read from the cache, e.g. random augmentation on
-            top of cached deterministic preprocessing.
+        transform: applied to each whole sample *after* it is read from the cache, e.g. random
+            augmentation on top of cached deterministic preprocessing; ``nbkit.fields(RandomCrop(24), None)``
+            runs one callable per field instead.
         overwrite: discard an existing cache at ``path`` built from a different source.
         allow_pickle: store leaves of types nbkit does not know by pickling them, and allow reading
             such leaves back. Off by default: a cache received from someone else must not run code.
@@ -394,7 +396,7 @@ class CachedDataset(Dataset):
 
     def _finish(self, samples: list, single: bool):
         if self.transform is not None:
-            samples = [self.transform(s) for s in samples]
+            samples = apply_transform(self.transform, samples, self.path)
         return samples[0] if single else samples
 
     def _read_one(self, i: int):
