@@ -45,7 +45,8 @@ class CachedDataset(Dataset):
     Args:
         dataset: the source (any object with ``__len__`` and ``__getitem__``), or ``None`` to open an
             existing cache without it (same as :meth:`open`).
-        path: where the cache lives: a local directory or an fsspec URL (``gs://bucket/prefix`` …).
+        path: where the cache lives: a local directory or an fsspec URL (``gs://bucket/prefix`` …); a
+            remote cache is published there once complete, whether ``warmup()`` or training filled it.
         transform: applied to each whole sample *after* it is read from the cache, e.g. random
             augmentation on top of cached deterministic preprocessing; ``nbkit.fields(RandomCrop(24), None)``
             runs one callable per field instead.
