@@ -49,10 +49,11 @@ def _mp_fn(index):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for step, (data, target) in enumerate(pl.MpDeviceLoader(train_loader, device)):
-        loss = F.cross_entropy(model(data), target)
         opt.zero_grad()
+        output = model(data)
+        loss = F.cross_entropy(output, target)
         loss.backward()
-        opt.step()
+        opt.step()  # the tutorial's xm.optimizer_step(opt) all-reduces: XLA:CPU has no collectives across processes
         xm.mark_step()
         losses.append(loss.item())
         if step + 1 == STEPS:
