@@ -202,6 +202,39 @@ def test_unreachable_bucket_fails_at_once_naming_the_endpoint(tmp_path, monkeypa
     assert isinstance(err.value.__cause__, ConnectionRefusedError)
 
 
+def _read_half(url, so, half, pushes):
+    def logged_push(*args, **kwargs):
+        with open(pushes, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_push(*args, **kwargs)
+
+    real_push = mirror.push
+    mirror.push = logged_push
+    ds = nbkit.CachedDataset(TupleSource(n=64), url, storage_options=so)
+    for start in range(half, 64, 16):  # the two processes interleave their reads
+        ds.__getitems__(list(range(start, start + 8)))
+
+
+def test_processes_filling_one_cache_by_reads_publish_it_once(tmp_path, monkeypatch, gcs):
+    import multiprocessing
+
+    url, so = f"{gcs.url}/two-processes", gcs.storage_options
+    host(monkeypatch, tmp_path, "host-a")
+    pushes = tmp_path / "pushes"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_read_half, args=(url, so, half, str(pushes))) for half in (0, 8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert len(pushes.read_text().split()) == 1
+    host(monkeypatch, tmp_path, "host-b")
+    other = nbkit.CachedDataset.open(url, storage_options=so)
+    assert len(other.missing()) == 0
+    assert_equal(other[63], TupleSource(n=64)[63])
+
+
 def test_failed_publish_after_training_warns_and_training_goes_on(tmp_path, monkeypatch):
     host(monkeypatch, tmp_path, "host-a")
     url = f"memory://nbkit-tests/{uuid.uuid4().hex}/cache"
