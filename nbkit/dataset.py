@@ -646,7 +646,7 @@ class CachedDataset(Dataset):
         return len(self.store.missing()) == 0
 
 
-#: torch_xla's CachedDataset options: what nbkit does instead (each is accepted, ignored, and warned about).
+# torch_xla's CachedDataset options and what nbkit does instead (each is accepted, ignored, and warned about).
 _TORCH_XLA_OPTIONS = {
     "max_files_per_folder": "nbkit writes no file per sample, so there are no folders to split: a cache is a few "
                             "column files, an index and a heap",

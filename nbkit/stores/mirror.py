@@ -3,8 +3,9 @@
 The engine memory-maps files, so the cache is read and written in a working copy under
 ``$NBKIT_CACHE_DIR/<name>-<hash of the URL>`` (default ``~/.cache/nbkit``): ``prepare()`` pulls
 the remote cache when it is complete and holds more samples than the copy; ``publish()`` (after
-``warmup()``, on ``ds.sync()``, and when training's reads store the last sample) pushes the copy once
-every sample is stored, unless the remote already holds it or another host holds the publish lease. See ``docs/DESIGN.md`` ("Stores").
+``warmup()``, on ``ds.sync()``, and when training's reads store the last sample) pushes the copy
+once every sample is stored, unless the remote already holds it or another host holds the publish
+lease. See ``docs/DESIGN.md`` ("Stores").
 
 Example:
     >>> loc = resolve("memory://bucket/cache")
