@@ -167,18 +167,23 @@ def test_cache_filled_by_training_is_published(tmp_path, monkeypatch, remote):
         assert_equal(other[i], src[i], f"sample {i} on host B")
 
 
-def test_dataloader_workers_publish_a_completed_cache_once(tmp_path, monkeypatch, gcs):
-    url, so = f"{gcs.url}/trained", gcs.storage_options
-    host(monkeypatch, tmp_path, "host-a")
-    pushes = tmp_path / "pushes"
+def logging_push(pushes):
+    """``mirror.push`` that first appends the id of the process pushing to the file ``pushes``."""
     real_push = mirror.push
 
-    def logged_push(*args, **kwargs):  # runs in whichever worker process publishes (fork keeps the patch)
+    def logged_push(*args, **kwargs):
         with open(pushes, "a") as f:
             f.write(f"{os.getpid()}\n")
         return real_push(*args, **kwargs)
 
-    monkeypatch.setattr(mirror, "push", logged_push)
+    return logged_push
+
+
+def test_dataloader_workers_publish_a_completed_cache_once(tmp_path, monkeypatch, gcs):
+    url, so = f"{gcs.url}/trained", gcs.storage_options
+    host(monkeypatch, tmp_path, "host-a")
+    pushes = tmp_path / "pushes"
+    monkeypatch.setattr(mirror, "push", logging_push(pushes))  # forked workers keep the patch
     ds = nbkit.CachedDataset(TupleSource(n=96), url, storage_options=so)
     loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
                                          multiprocessing_context="fork")
@@ -203,13 +208,7 @@ def test_unreachable_bucket_fails_at_once_naming_the_endpoint(tmp_path, monkeypa
 
 
 def _read_half(url, so, half, pushes):
-    def logged_push(*args, **kwargs):
-        with open(pushes, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        return real_push(*args, **kwargs)
-
-    real_push = mirror.push
-    mirror.push = logged_push
+    mirror.push = logging_push(pushes)  # in this child process only
     ds = nbkit.CachedDataset(TupleSource(n=64), url, storage_options=so)
     for start in range(half, 64, 16):  # the two processes interleave their reads
         ds.__getitems__(list(range(start, start + 8)))
