@@ -179,6 +179,15 @@ def logging_push(pushes):
     return logged_push
 
 
+def assert_published_once(pushes, url, so, n, monkeypatch, tmp_path):
+    """One push happened, and another machine opening ``url`` without the source finds all ``n`` samples."""
+    assert len(pushes.read_text().split()) == 1
+    host(monkeypatch, tmp_path, "host-b")
+    other = nbkit.CachedDataset.open(url, storage_options=so)
+    assert len(other.missing()) == 0
+    assert_equal(other[n - 1], TupleSource(n=n)[n - 1])
+
+
 def test_dataloader_workers_publish_a_completed_cache_once(tmp_path, monkeypatch, gcs):
     url, so = f"{gcs.url}/trained", gcs.storage_options
     host(monkeypatch, tmp_path, "host-a")
@@ -187,15 +196,9 @@ def test_dataloader_workers_publish_a_completed_cache_once(tmp_path, monkeypatch
     ds = nbkit.CachedDataset(TupleSource(n=96), url, storage_options=so)
     loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
                                          multiprocessing_context="fork")
-    assert sum(len(y) for _, y in loader) == 96
-    assert len(pushes.read_text().split()) == 1  # both workers may see it complete; one push
-    assert sum(len(y) for _, y in loader) == 96  # a second epoch reads; nothing more to publish
-    assert len(pushes.read_text().split()) == 1
-
-    host(monkeypatch, tmp_path, "host-b")
-    other = nbkit.CachedDataset.open(url, storage_options=so)
-    assert len(other.missing()) == 0
-    assert_equal(other[95], TupleSource(n=96)[95])
+    for epoch in range(2):  # both workers may see the cache complete; the second epoch only reads
+        assert sum(len(y) for _, y in loader) == 96
+    assert_published_once(pushes, url, so, 96, monkeypatch, tmp_path)
 
 
 def test_unreachable_bucket_fails_at_once_naming_the_endpoint(tmp_path, monkeypatch):
@@ -227,11 +230,7 @@ def test_processes_filling_one_cache_by_reads_publish_it_once(tmp_path, monkeypa
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0]
-    assert len(pushes.read_text().split()) == 1
-    host(monkeypatch, tmp_path, "host-b")
-    other = nbkit.CachedDataset.open(url, storage_options=so)
-    assert len(other.missing()) == 0
-    assert_equal(other[63], TupleSource(n=64)[63])
+    assert_published_once(pushes, url, so, 64, monkeypatch, tmp_path)
 
 
 def test_failed_publish_after_training_warns_and_training_goes_on(tmp_path, monkeypatch):
