@@ -79,13 +79,16 @@ def test_fields_by_key_by_position_and_namedtuples():
 
 
 def test_fields_mismatches_are_clear():
-    with pytest.raises(TypeError, match=r"has 1 callables for a sample of 2 fields, a tuple \(Tensor\[2\] float32, int\)"):
+    with pytest.raises(TypeError, match=r"has 1 callables for a sample of 2 fields, "
+                                        r"a tuple \(Tensor\[2\] float32, int\)"):
         nbkit.fields(torch.neg)((torch.ones(2), 1))
-    with pytest.raises(TypeError, match=r"the sample has no field 'img'; it is a dict \{'image': Tensor\[2\] float32\}"):
+    with pytest.raises(TypeError, match=r"the sample has no field 'img'; "
+                                        r"it is a dict \{'image': Tensor\[2\] float32\}"):
         nbkit.fields(img=torch.neg)({"image": torch.ones(2)})
     with pytest.raises(TypeError, match="names fields by key, but the sample is a tuple"):
         nbkit.fields(image=torch.neg)((torch.ones(2),))
-    with pytest.raises(TypeError, match=r"the sample is Tensor\[2\] float32; for a sample that is one value, pass transform=f"):
+    with pytest.raises(TypeError, match=r"the sample is Tensor\[2\] float32; "
+                                        r"for a sample that is one value, pass transform=f"):
         nbkit.fields(torch.neg)(torch.ones(2))
     with pytest.raises(TypeError, match="must be callable or None, got int"):
         nbkit.fields(3, None)

@@ -44,8 +44,8 @@ def test_torch_xla_tutorial_flow_in_xmp_spawn_then_tar_czf(mnist_root, tmp_path)
     assert len(ds) == 2000 and 0 < len(missing) < 2000 - len(trained) and ds.verify() == 2000 - len(missing)
     from torchvision import datasets, transforms
 
-    src = datasets.MNIST(mnist_root, train=True, download=False,
-                         transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))]))
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    src = datasets.MNIST(mnist_root, train=True, download=False, transform=tf)
     for i in trained[:5] + trained[-5:]:
         x, y = ds[i]
         assert torch.equal(x, src[i][0]) and y == src[i][1]
