@@ -97,6 +97,34 @@ def test_open_without_source(tmp_path):
         opened.warmup()
 
 
+def test_missing_sample_is_caught_by_torch_xla_style_except_runtime_error(tmp_path):
+    nbkit.CachedDataset(TupleSource(10), tmp_path)[0]
+    opened = nbkit.CachedDataset(None, tmp_path)
+    try:
+        opened[3]
+    except RuntimeError as e:  # what torch_xla's CachedDataset raised for a sample it never stored
+        assert isinstance(e, nbkit.MissingSampleError) and isinstance(e, LookupError)
+    else:
+        pytest.fail("a missing sample must raise")
+
+
+def test_torch_xla_options_are_accepted_with_a_future_warning(tmp_path):
+    with pytest.warns(FutureWarning) as record:
+        ds = nbkit.CachedDataset(TupleSource(10), tmp_path, max_files_per_folder=1000, compress=True)
+    folders, compress = (str(w.message) for w in record)
+    assert folders.startswith("CachedDataset(max_files_per_folder=1000) is an option of torch_xla's CachedDataset; "
+                              "nbkit ignores it: nbkit writes no file per sample")
+    assert folders.endswith("Remove max_files_per_folder= (it will raise TypeError in a future release).")
+    assert compress.startswith("CachedDataset(compress=True)")
+    assert "export_tar(path, 'cache.tar.zst', compression='zst')" in compress
+    assert all(w.filename == __file__ for w in record if w.category is FutureWarning)  # points at the caller's line
+    assert ds.warmup().computed == 10 and not any(p.is_dir() for p in tmp_path.iterdir())  # no folders
+    with pytest.warns(FutureWarning, match="compress=False"):
+        nbkit.CachedDataset(None, tmp_path, compress=False)
+    with pytest.raises(TypeError, match="max_files_per_folders"):
+        nbkit.CachedDataset(TupleSource(10), tmp_path, max_files_per_folders=10)
+
+
 def test_open_missing_cache_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no nbkit cache .*CachedDataset\(source"):
         nbkit.CachedDataset.open(tmp_path / "nothing")
