@@ -1,9 +1,9 @@
 """How one sample becomes bytes and back, without pickle unless asked.
 
-A sample is any nesting of tuples, lists and dicts (string keys) whose leaves are tensors, numpy
-arrays or scalars, Python numbers, strings, bytes or ``None``. :func:`flatten` splits a sample
-into a *structure* (hashable, JSON-able) and a list of leaves. A :class:`Schema`, inferred from a
-few samples, decides per leaf how it is stored:
+A sample is any nesting of tuples, namedtuples, lists and dicts (string keys) whose leaves are
+tensors, numpy arrays or scalars, PIL images, Python numbers, strings, bytes or ``None``.
+:func:`flatten` splits a sample into a *structure* (hashable, JSON-able) and a list of leaves. A
+:class:`Schema`, inferred from a few samples, decides per leaf how it is stored:
 
 * ``col`` — same dtype and shape in every sample: one row of a fixed-size column file, so a
   batch read is one vectorised gather;
@@ -15,7 +15,23 @@ self-describing *free-form* blob: slower, but it always works. Decoding only eve
 ``numpy.frombuffer``; pickle is used only for leaves of other types, and only when the writer and
 the reader both pass ``allow_pickle=True``.
 
-Example:
+* **Tensors** of every dtype torch can hold come back with that dtype; those numpy lacks
+  (bfloat16, float8, complex32, uint1 …) are stored as their bit pattern in an integer of the
+  same size and viewed back. Quantized tensors are refused (``TypeError``: store
+  ``dequantize()``).
+* **PIL images** are stored without pickle: their pixels as ``numpy.asarray`` gives them (uint8
+  ``(H, W[, C])`` for 8-bit modes), their mode and size, and the palette of ``P``/``PA`` images;
+  they come back as PIL images of the same mode, size, pixels and palette (``info`` — EXIF, ICC
+  profile, transparency — is not kept). Images of one mode and size are a column (the mode is in
+  the schema); palette images, and images whose size or mode varies, go in the var blob. Batched,
+  :mod:`nbkit.collate` stacks them as ``PILToTensor`` would: ``(N, C, H, W)``, uint8 for 8-bit
+  modes (a channels-last view of the gathered rows); images of different sizes raise a
+  ``TypeError`` that names the fix. Pillow is imported only once an image is seen or rebuilt.
+* **namedtuples** keep their type: the structure names the class (``"module:qualname"``) and the
+  reader imports it by that name (never by unpickling). A class that cannot be found again by its
+  name (defined inside a function, bound to another name) is refused when the cache is created.
+
+Example:Example:
     >>> import torch
     >>> from nbkit.codec import encode_freeform, decode_freeform
     >>> sample = (torch.arange(3), {"label": 7, "name": "seven"})
