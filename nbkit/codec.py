@@ -70,7 +70,7 @@ def flatten(sample, leaves: list, where: str = "sample", named: bool = True):
     """
     if isinstance(sample, tuple):
         children = tuple(flatten(x, leaves, f"{where}[{i}]", named) for i, x in enumerate(sample))
-        if named and hasattr(type(sample), "_fields"):
+        if named and is_namedtuple(sample):
             return ("N", named_path(sample_type(sample), where), children)
         return ("T", children)
     if isinstance(sample, list):
@@ -86,6 +86,11 @@ def flatten(sample, leaves: list, where: str = "sample", named: bool = True):
         return ("D", keys, tuple(flatten(sample[k], leaves, f"{where}[{k!r}]", named) for k in keys))
     leaves.append(sample)
     return "*"
+
+
+def is_namedtuple(value) -> bool:
+    """Whether ``value`` is an instance of a ``collections.namedtuple`` / ``typing.NamedTuple`` class."""
+    return isinstance(value, tuple) and hasattr(type(value), "_fields") and hasattr(type(value), "_make")
 
 
 def sample_type(value) -> type:
@@ -134,7 +139,8 @@ def named_type(path: str, n_fields: int, where: str = "sample") -> type:
             f"{where} is a namedtuple {path.replace(':', '.')}, which nbkit cannot import here ({e}). Import or "
             "define it (at the top level, under the same name) before reading the cache."
         ) from e
-    if not (isinstance(cls, type) and issubclass(cls, tuple) and len(getattr(cls, "_fields", ())) == n_fields):
+    if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_make")
+            and len(getattr(cls, "_fields", ())) == n_fields):
         raise TypeError(
             f"{where} is stored as a namedtuple {path.replace(':', '.')} of {n_fields} fields, but that name now "
             f"holds {cls!r}. Restore the definition, or rebuild the cache with overwrite=True."
@@ -827,7 +833,7 @@ def _compile_structure(structure):
         n = len(subs)
 
         def named(s, out):
-            if not isinstance(s, tuple) or len(s) != n or not hasattr(type(s), "_fields"):
+            if not is_namedtuple(s) or len(s) != n:
                 return False
             cls = sample_type(s)
             if f"{cls.__module__}:{cls.__qualname__}" != path:

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from .codec import array_to_leaf, batch_leaf_values, channels_first, native, named_type, stack_pil, unflatten_columns
+from .codec import (array_to_leaf, batch_leaf_values, channels_first, is_namedtuple, named_type, native, stack_pil,
+                    unflatten_columns)
 
 __all__ = ["SampleBatch", "DeferredBatch", "BatchHandle", "collate", "collate_columns", "map_tensors", "iter_tensors"]
 
@@ -265,7 +266,7 @@ def as_row(sample):
     typ = type(sample)
     row = _ROWS.get(typ)
     if row is None:
-        if not (isinstance(sample, tuple) and hasattr(typ, "_fields")) or isinstance(sample, NamedRow):
+        if not is_namedtuple(sample) or isinstance(sample, NamedRow):
             return sample
         return named_row(typ)._make(sample)
     return row._make(sample) if issubclass(row, NamedRow) else row(sample)
@@ -289,7 +290,7 @@ try:
     from torch.utils.data._utils.collate import collate as _torch_collate
     from torch.utils.data._utils.collate import default_collate_fn_map
 except ImportError:  # torch < 1.13: default_collate then stacks sample by sample, still correct
-    pass
+    _torch_collate = default_collate_fn_map = None
 else:
     # torch documents extending default_collate this way (see torch.utils.data.default_collate).
     for _row in _ROW_TYPES:
@@ -319,7 +320,7 @@ def collate(batch):
     if isinstance(batch, TensorBatch):
         return batch.stacked
     image = sys.modules.get("PIL.Image")  # PIL images in a batch of samples read one by one
-    if image is not None and "_torch_collate" in globals():
+    if image is not None and _torch_collate is not None:
         return _torch_collate(batch, collate_fn_map={**default_collate_fn_map, image.Image: _collate_pil})
     return default_collate(batch)
 
@@ -341,7 +342,7 @@ def map_tensors(batch, fn):
         return {k: map_tensors(v, fn) for k, v in batch.items()}
     if isinstance(batch, tuple):
         values = [map_tensors(v, fn) for v in batch]
-        return type(batch)._make(values) if hasattr(type(batch), "_fields") else tuple(values)
+        return type(batch)._make(values) if is_namedtuple(batch) else tuple(values)
     if isinstance(batch, list):
         return [map_tensors(v, fn) for v in batch]
     return batch
