@@ -31,7 +31,7 @@ the reader both pass ``allow_pickle=True``.
   reader imports it by that name (never by unpickling). A class that cannot be found again by its
   name (defined inside a function, bound to another name) is refused when the cache is created.
 
-Example:Example:
+Example:
     >>> import torch
     >>> from nbkit.codec import encode_freeform, decode_freeform
     >>> sample = (torch.arange(3), {"label": 7, "name": "seven"})
@@ -337,7 +337,7 @@ def stack_pil(images: list, where: str = "batch") -> torch.Tensor:
     if len(shapes) > 1:
         raise TypeError(
             f"nbkit cannot stack the PIL images of {where} into one tensor: they differ in size or mode "
-            f"({', '.join(sorted(f'{im.mode} {im.size[0]}x{im.size[1]}' for im in images[:8]))}). Make them one size "
+            f"({', '.join(sorted({f'{im.mode} {im.size[0]}x{im.size[1]}' for im in images}))}). Make them one size "
             "in the source (e.g. transforms.Resize and CenterCrop), convert them per sample with "
             "transform=... (e.g. transforms.PILToTensor()), or pass a collate_fn that keeps a list."
         )
