@@ -269,6 +269,25 @@ def test_pil_modes_round_trip_through_the_cache(tmp_path, mode):
     assert_equal(list(opened.__getitems__([3, 1])), [src[3], src[1]])
 
 
+def test_pil_and_namedtuple_sources_under_a_byte_budget_and_warmup_workers(tmp_path):
+    from torchvision.transforms import PILToTensor
+
+    for src in (PilSource(40, "RGB"), NamedSource(40)):
+        full = nbkit.CachedDataset(src, tmp_path / f"w-{type(src).__name__}")
+        assert full.warmup(num_workers=2).computed == 40
+        row = sum(full.schema.row_bytes(leaf) for leaf in full.schema.columns)
+        budget = nbkit.CachedDataset(src, tmp_path / f"b-{type(src).__name__}", max_bytes=40 * 24 + 20 * row)
+        budget.warmup()
+        assert 0 < budget.stats.cached < 40  # the rest are read from the source, laid into the same columns
+        for ds in (full, budget):
+            idx = list(range(0, 40, 3))
+            want = [src[i] for i in idx]
+            assert_equal(list(ds.__getitems__(idx)), want)
+            if isinstance(src, PilSource):
+                want = [(PILToTensor()(img), y) for img, y in want]
+            assert_equal(nbkit.collate(ds.__getitems__(idx)), default_collate(want))
+
+
 def test_mnist_without_totensor(tmp_path, mnist_root):
     from torchvision import datasets, transforms as T
 
