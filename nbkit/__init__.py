@@ -16,6 +16,7 @@ from .loader import DeviceLoader
 from .errors import (CorruptCacheError, MissingSampleError, NondeterministicSourceError, StaleCacheError,
                      UnsafeArchiveError)
 from .progress import Callback, TextProgress
+from .transforms import fields
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "CachedDataset",
     "DeviceLoader",
     "collate",
+    "fields",
     "Callback",
     "TextProgress",
     "StaleCacheError",

@@ -1,9 +1,9 @@
 """How one sample becomes bytes and back, without pickle unless asked.
 
-A sample is any nesting of tuples, lists and dicts (string keys) whose leaves are tensors, numpy
-arrays or scalars, Python numbers, strings, bytes or ``None``. :func:`flatten` splits a sample
-into a *structure* (hashable, JSON-able) and a list of leaves. A :class:`Schema`, inferred from a
-few samples, decides per leaf how it is stored:
+A sample is any nesting of tuples, namedtuples, lists and dicts (string keys) whose leaves are
+tensors, numpy arrays or scalars, PIL images, Python numbers, strings, bytes or ``None``.
+:func:`flatten` splits a sample into a *structure* (hashable, JSON-able) and a list of leaves. A
+:class:`Schema`, inferred from a few samples, decides per leaf how it is stored:
 
 * ``col`` — same dtype and shape in every sample: one row of a fixed-size column file, so a
   batch read is one vectorised gather;
@@ -15,6 +15,22 @@ self-describing *free-form* blob: slower, but it always works. Decoding only eve
 ``numpy.frombuffer``; pickle is used only for leaves of other types, and only when the writer and
 the reader both pass ``allow_pickle=True``.
 
+* **Tensors** of every dtype torch can hold come back with that dtype; those numpy lacks
+  (bfloat16, float8, complex32, uint1 …) are stored as their bit pattern in an integer of the
+  same size and viewed back. Quantized tensors are refused (``TypeError``: store
+  ``dequantize()``).
+* **PIL images** are stored without pickle: their pixels as ``numpy.asarray`` gives them (uint8
+  ``(H, W[, C])`` for 8-bit modes), their mode and size, and the palette of ``P``/``PA`` images;
+  they come back as PIL images of the same mode, size, pixels and palette (``info`` — EXIF, ICC
+  profile, transparency — is not kept). Images of one mode and size are a column (the mode is in
+  the schema); palette images, and images whose size or mode varies, go in the var blob. Batched,
+  :mod:`nbkit.collate` stacks them as ``PILToTensor`` would: ``(N, C, H, W)``, uint8 for 8-bit
+  modes (a channels-last view of the gathered rows); images of different sizes raise a
+  ``TypeError`` that names the fix. Pillow is imported only once an image is seen or rebuilt.
+* **namedtuples** keep their type: the structure names the class (``"module:qualname"``) and the
+  reader imports it by that name (never by unpickling). A class that cannot be found again by its
+  name (defined inside a function, bound to another name) is refused when the cache is created.
+
 Example:
     >>> import torch
     >>> from nbkit.codec import encode_freeform, decode_freeform
@@ -25,11 +41,14 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import json
 import pickle
 import struct
+import sys
+import warnings
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -42,16 +61,20 @@ __all__ = ["Schema", "flatten", "unflatten", "encode_freeform", "decode_freeform
 # structure
 
 
-def flatten(sample, leaves: list, where: str = "sample"):
+def flatten(sample, leaves: list, where: str = "sample", named: bool = True):
     """Append the leaves of ``sample`` to ``leaves`` and return its structure.
 
-    The structure is a nested tuple: ``("T", children)`` for a tuple, ``("L", children)`` for a
+    The structure is a nested tuple: ``("T", children)`` for a tuple, ``("N", "module:qualname",
+    children)`` for a namedtuple (a plain ``"T"`` when not ``named``), ``("L", children)`` for a
     list, ``("D", keys, children)`` for a dict and ``"*"`` for a leaf.
     """
     if isinstance(sample, tuple):
-        return ("T", tuple(flatten(x, leaves, f"{where}[{i}]") for i, x in enumerate(sample)))
+        children = tuple(flatten(x, leaves, f"{where}[{i}]", named) for i, x in enumerate(sample))
+        if named and is_namedtuple(sample):
+            return ("N", named_path(sample_type(sample), where), children)
+        return ("T", children)
     if isinstance(sample, list):
-        return ("L", tuple(flatten(x, leaves, f"{where}[{i}]") for i, x in enumerate(sample)))
+        return ("L", tuple(flatten(x, leaves, f"{where}[{i}]", named) for i, x in enumerate(sample)))
     if isinstance(sample, dict):
         keys = tuple(sample.keys())
         for k in keys:
@@ -60,23 +83,86 @@ def flatten(sample, leaves: list, where: str = "sample"):
                     f"{where} is a dict with key {k!r} of type {type(k).__name__}; nbkit stores dicts "
                     "with string keys only. Convert the keys to str in your dataset."
                 )
-        return ("D", keys, tuple(flatten(sample[k], leaves, f"{where}[{k!r}]") for k in keys))
+        return ("D", keys, tuple(flatten(sample[k], leaves, f"{where}[{k!r}]", named) for k in keys))
     leaves.append(sample)
     return "*"
 
 
-def unflatten(structure, leaves_iter):
+def is_namedtuple(value) -> bool:
+    """Whether ``value`` is an instance of a ``collections.namedtuple`` / ``typing.NamedTuple`` class."""
+    return isinstance(value, tuple) and hasattr(type(value), "_fields") and hasattr(type(value), "_make")
+
+
+def sample_type(value) -> type:
+    """The type a sample container stands for (a batch row from :mod:`nbkit.collate` names its
+    namedtuple in ``_nbkit_named``)."""
+    return getattr(type(value), "_nbkit_named", type(value))
+
+
+def _lookup(path: str):
+    module, _, qualname = path.partition(":")
+    obj = sys.modules.get(module)
+    if obj is None:
+        obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@lru_cache(maxsize=None)
+def _findable(cls: type) -> bool:
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    try:
+        return _lookup(path) is cls
+    except (ImportError, AttributeError):
+        return False
+
+
+def named_path(cls: type, where: str) -> str:
+    """``"module:qualname"`` of a namedtuple class that a reader can import again, else ``TypeError``."""
+    if not _findable(cls):
+        raise TypeError(
+            f"{where} is a namedtuple {cls.__module__}.{cls.__qualname__}, which nbkit cannot find again by its "
+            "module and name (is it defined inside a function, or bound to another name?), so a reader could "
+            "not rebuild it. Define the namedtuple at the top level of a module (or of the notebook) under its "
+            "own name, or return a plain tuple or dict (sample._asdict()) from your dataset."
+        )
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def named_type(path: str, n_fields: int, where: str = "sample") -> type:
+    """The namedtuple class a cache names ``"module:qualname"`` (imported if need be; never unpickled)."""
+    try:
+        cls = _lookup(path)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(
+            f"{where} is a namedtuple {path.replace(':', '.')}, which nbkit cannot import here ({e}). Import or "
+            "define it (at the top level, under the same name) before reading the cache."
+        ) from e
+    if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_make")
+            and len(getattr(cls, "_fields", ())) == n_fields):
+        raise TypeError(
+            f"{where} is stored as a namedtuple {path.replace(':', '.')} of {n_fields} fields, but that name now "
+            f"holds {cls!r}. Restore the definition, or rebuild the cache with overwrite=True."
+        )
+    return cls
+
+
+def unflatten(structure, leaves_iter, where: str = "sample"):
     """Rebuild one sample from its structure and an iterator over its leaves."""
     if structure == "*":
         return next(leaves_iter)
     tag = structure[0]
     if tag == "T":
-        return tuple(unflatten(s, leaves_iter) for s in structure[1])
+        return tuple(unflatten(s, leaves_iter, where) for s in structure[1])
+    if tag == "N":
+        cls = named_type(structure[1], len(structure[2]), where)
+        return cls._make([unflatten(s, leaves_iter, where) for s in structure[2]])
     if tag == "L":
-        return [unflatten(s, leaves_iter) for s in structure[1]]
+        return [unflatten(s, leaves_iter, where) for s in structure[1]]
     if tag == "D":
-        return {k: unflatten(s, leaves_iter) for k, s in zip(structure[1], structure[2])}
-    raise CorruptCacheError(f"unknown structure tag {tag!r} in cache metadata")
+        return {k: unflatten(s, leaves_iter, where) for k, s in zip(structure[1], structure[2])}
+    raise CorruptCacheError(f"unknown structure tag {tag!r} in cache metadata (written by a newer nbkit?)")
 
 
 def unflatten_columns(structure, columns_iter, n: int):
@@ -84,7 +170,10 @@ def unflatten_columns(structure, columns_iter, n: int):
     if structure == "*":
         return next(columns_iter)
     tag = structure[0]
-    children = [unflatten_columns(s, columns_iter, n) for s in structure[1 if tag != "D" else 2]]
+    children = [unflatten_columns(s, columns_iter, n) for s in structure[1 if tag in "TL" else 2]]
+    if tag == "N":
+        make = named_type(structure[1], len(structure[2]))._make
+        return [make(t) for t in zip(*children)] if children else [make(()) for _ in range(n)]
     if not children:
         empty = {"T": tuple, "L": list, "D": dict}[tag]
         return [empty() for _ in range(n)]
@@ -99,43 +188,181 @@ def unflatten_columns(structure, columns_iter, n: int):
 def structure_to_json(structure):
     if structure == "*":
         return "*"
-    if structure[0] == "D":
-        return ["D", list(structure[1]), [structure_to_json(s) for s in structure[2]]]
+    if structure[0] in "DN":
+        head = list(structure[1]) if structure[0] == "D" else structure[1]
+        return [structure[0], head, [structure_to_json(s) for s in structure[2]]]
     return [structure[0], [structure_to_json(s) for s in structure[1]]]
 
 
 def structure_from_json(obj):
     if obj == "*":
         return "*"
-    if not isinstance(obj, list) or not obj or obj[0] not in ("T", "L", "D"):
-        raise CorruptCacheError(f"malformed sample structure in cache metadata: {obj!r}")
+    if not isinstance(obj, list) or not obj or obj[0] not in ("T", "L", "D", "N"):
+        raise CorruptCacheError(f"malformed sample structure in cache metadata: {obj!r} (written by a newer nbkit?)")
     if obj[0] == "D":
         return ("D", tuple(str(k) for k in obj[1]), tuple(structure_from_json(s) for s in obj[2]))
+    if obj[0] == "N":
+        if not isinstance(obj[1], str) or ":" not in obj[1]:
+            raise CorruptCacheError(f"malformed namedtuple name in cache metadata: {obj[1]!r}")
+        return ("N", obj[1], tuple(structure_from_json(s) for s in obj[2]))
     return (obj[0], tuple(structure_from_json(s) for s in obj[1]))
 
 
 # ---------------------------------------------------------------------------------------------
 # leaves
 
-_TORCH_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-    )
-}
+def _torch_dtypes() -> dict:
+    """Every dtype this torch can hold in a dense tensor, by name (``"float8_e4m3fn"``).
+
+    Quantized dtypes are left out: their values need a scale and zero point besides the bytes.
+    """
+    out = {}
+    for name in dir(torch):
+        d = getattr(torch, name)
+        if isinstance(d, torch.dtype) and str(d) == f"torch.{name}" and not name.startswith(("qint", "quint")):
+            out[name] = d
+    return out
+
+
+_TORCH_DTYPES = _torch_dtypes()
 _NP_KINDS = set("biufcSU")  # never "O" (objects) or "V" (void/structured)
+# dtypes numpy lacks travel as their bit pattern in an integer of the same size (bfloat16 as int16,
+# as the first nbkit stored it; float8 as uint8 …), and are viewed back on read.
+_BITS = {1: np.dtype("|u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a cache names ``name``; :class:`CorruptCacheError` if this torch lacks it."""
+    d = _TORCH_DTYPES.get(name)
+    if d is None:
+        raise CorruptCacheError(
+            f"unsupported tensor dtype {name!r} in cache metadata: torch {torch.__version__} has no such dtype. "
+            "Open the cache with the torch version that wrote it (or a newer one)."
+        )
+    return d
+
+
+@lru_cache(maxsize=None)
+def _numpy_twin(dtype: torch.dtype):
+    """The numpy dtype of a tensor of ``dtype``, or ``None`` where numpy has none (bfloat16, float8 …)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32 warns that it is experimental
+        try:
+            return torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:
+            return None
 
 
 def _torch_storage_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype whose bytes hold a tensor of ``dtype`` (bfloat16 travels as int16)."""
-    if dtype == torch.bfloat16:
-        return np.dtype("<i2")
-    return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype).newbyteorder("<")
+    """The numpy dtype whose bytes hold a tensor of ``dtype``."""
+    twin = _numpy_twin(dtype)
+    return _BITS[dtype.itemsize] if twin is None else np.dtype(twin).newbyteorder("<")
+
+
+# ---------------------------------------------------------------------------------------------
+# PIL images: Pillow is imported only once a value from it is seen (``import nbkit`` never does)
+
+PALETTE_MODES = ("P", "PA")
+
+
+def is_pil_image(value) -> bool:
+    if not type(value).__module__.startswith("PIL."):
+        return False
+    from PIL import Image
+
+    return isinstance(value, Image.Image)
+
+
+def pil_pixels(img) -> np.ndarray:
+    """The pixels of a PIL image as ``numpy.asarray`` gives them: ``(H, W)`` or ``(H, W, bands)``,
+    uint8 for 8-bit modes (bool for mode ``"1"``, uint16 / int32 / float32 for ``I;16`` / ``I`` / ``F``)."""
+    return np.asarray(img)
+
+
+def pil_from_pixels(mode: str, arr: np.ndarray, palette: tuple | None = None, where: str = "sample"):
+    """The PIL image of ``mode`` whose pixels are ``arr`` (as :func:`pil_pixels` gave them), with
+    ``palette = (palette_mode, bytes)`` for ``P``/``PA`` images."""
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise ImportError(f"{where} is a PIL image; reading it needs Pillow: pip install pillow") from e
+    size = (arr.shape[1], arr.shape[0])
+    data = np.packbits(arr, axis=1).tobytes() if mode == "1" else np.ascontiguousarray(arr).tobytes()
+    try:
+        img = Image.frombytes(mode, size, data)
+        if palette is not None:
+            img.putpalette(palette[1], rawmode=palette[0])
+    except ValueError as e:
+        raise CorruptCacheError(f"{where}: stored PIL image (mode {mode!r}, size {size}) is malformed ({e})") from e
+    return img
+
+
+def pil_to_bytes(img) -> bytes:
+    """A self-describing blob of one PIL image: pixels, mode, size and palette (never ``info``)."""
+    arr = pil_pixels(img)
+    palette = b""
+    head = {"m": img.mode, "d": arr.dtype.str, "s": list(arr.shape)}
+    if img.mode in PALETTE_MODES and img.palette is not None:
+        head["pm"] = img.palette.mode
+        palette = bytes(img.getpalette(rawmode=img.palette.mode) or ())
+    header = json.dumps(head, separators=(",", ":")).encode()
+    return b"".join([struct.pack("<I", len(header)), header, arr.tobytes(), palette])
+
+
+def pil_from_bytes(data, where: str):
+    """Inverse of :func:`pil_to_bytes`."""
+    mv = memoryview(data)
+    try:
+        (hlen,) = struct.unpack_from("<I", mv, 0)
+        head = json.loads(bytes(mv[4 : 4 + hlen]))
+        mode, shape = str(head["m"]), tuple(int(x) for x in head["s"])
+        dt = storage_dtype("ndarray", head["d"])
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CorruptCacheError(f"{where}: stored PIL image header is malformed ({e})") from e
+    pos = 4 + hlen
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if len(shape) not in (2, 3) or min(shape) < 0 or pos + n > len(mv):
+        raise CorruptCacheError(f"{where}: stored PIL image is truncated")
+    arr = np.frombuffer(mv[pos : pos + n], dtype=dt).reshape(shape)
+    palette = (str(head["pm"]), bytes(mv[pos + n :])) if "pm" in head else None
+    return pil_from_pixels(mode, arr, palette, where)
+
+
+def stack_pil(images: list, where: str = "batch") -> torch.Tensor:
+    """A batch of PIL images as ``default_collate([PILToTensor()(im) for im in images])`` gives it:
+    ``(N, C, H, W)``; ``TypeError`` naming the fix when their sizes or modes differ."""
+    arrays = [pil_pixels(im) for im in images]
+    shapes = {(a.dtype.str, a.shape) for a in arrays}
+    if len(shapes) > 1:
+        raise TypeError(
+            f"nbkit cannot stack the PIL images of {where} into one tensor: they differ in size or mode "
+            f"({', '.join(sorted({f'{im.mode} {im.size[0]}x{im.size[1]}' for im in images}))}). Make them one size "
+            "in the source (e.g. transforms.Resize and CenterCrop), convert them per sample with "
+            "transform=... (e.g. transforms.PILToTensor()), or pass a collate_fn that keeps a list."
+        )
+    return channels_first(torch.from_numpy(native(np.stack(arrays))))
+
+
+def native(arr: np.ndarray) -> np.ndarray:
+    """``arr`` in this machine's byte order (torch takes no other)."""
+    return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
+
+
+def channels_first(pixels: torch.Tensor) -> torch.Tensor:
+    """Stacked PIL pixels ``(N, H, W[, C])`` as ``(N, C, H, W)``, PILToTensor's layout (a view:
+    channels-last in memory, which convolutions take as is)."""
+    return pixels.unsqueeze(1) if pixels.dim() == 3 else pixels.permute(0, 3, 1, 2)
 
 
 def leaf_kind(value, where: str, allow_pickle: bool) -> str:
     if isinstance(value, torch.Tensor):
+        if value.is_quantized:
+            raise TypeError(
+                f"{where} is a quantized tensor ({value.dtype}), which nbkit cannot store: its values need a scale "
+                "and zero point besides the bytes. Store value.dequantize() (or value.int_repr() and the "
+                "quantization parameters) in your dataset."
+            )
         return "tensor"
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _NP_KINDS:
@@ -163,6 +390,8 @@ def leaf_kind(value, where: str, allow_pickle: bool) -> str:
         return "bytes"
     if value is None:
         return "none"
+    if is_pil_image(value):
+        return "pil"
     if allow_pickle:
         return "pickle"
     return _refuse(value, where)
@@ -189,11 +418,13 @@ def leaf_to_array(kind: str, value) -> np.ndarray:
         if t.layout != torch.strided:
             raise TypeError(f"nbkit stores dense tensors only, got layout {t.layout}; call .to_dense() in your dataset")
         t = t.resolve_conj().resolve_neg().contiguous()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
+        if _numpy_twin(t.dtype) is None:
+            t = t.view(_BITS_TORCH[t.dtype.itemsize])
         return t.numpy()
     if kind == "ndarray":
         return np.ascontiguousarray(value)
+    if kind == "pil":
+        return pil_pixels(value)
     if kind == "npscalar":
         return np.asarray(value)
     if kind == "int":
@@ -213,6 +444,9 @@ def leaf_dtype_shape(kind: str, value):
         return str(value.dtype).removeprefix("torch."), tuple(value.shape)
     if kind == "ndarray":
         return value.dtype.str, tuple(value.shape)
+    if kind == "pil":
+        arr = pil_pixels(value)
+        return arr.dtype.str, arr.shape
     if kind == "npscalar":
         return np.dtype(type(value)).str, ()
     return {"int": "<i8", "float": "<f8", "bool": "|b1", "complex": "<c16"}[kind], ()
@@ -221,10 +455,7 @@ def leaf_dtype_shape(kind: str, value):
 def storage_dtype(kind: str, dtype_name: str) -> np.dtype:
     """The numpy dtype of the stored bytes for a leaf described by ``(kind, dtype_name)``."""
     if kind == "tensor":
-        d = _TORCH_DTYPES.get(dtype_name)
-        if d is None:
-            raise CorruptCacheError(f"unsupported tensor dtype {dtype_name!r} in cache metadata")
-        return _torch_storage_dtype(d)
+        return _torch_storage_dtype(torch_dtype(dtype_name))
     try:
         dt = np.dtype(dtype_name)
     except TypeError as e:
@@ -238,9 +469,8 @@ def array_to_leaf(kind: str, dtype_name: str, arr: np.ndarray):
     """Turn stored bytes (as an array of the storage dtype) back into a leaf of ``kind``."""
     if kind == "tensor":
         t = torch.from_numpy(arr)
-        if dtype_name == "bfloat16":
-            t = t.view(torch.bfloat16)
-        return t
+        dtype = torch_dtype(dtype_name)
+        return t if t.dtype == dtype else t.view(dtype)
     if kind == "ndarray":
         return arr
     if kind == "npscalar":
@@ -248,8 +478,10 @@ def array_to_leaf(kind: str, dtype_name: str, arr: np.ndarray):
     return arr.item()
 
 
-def batch_leaf_values(kind: str, dtype_name: str, col: np.ndarray) -> list:
-    """Per-sample leaf values from a gathered column of shape ``(n, *shape)``."""
+def batch_leaf_values(kind: str, dtype_name: str, col: np.ndarray, mode: str = "") -> list:
+    """Per-sample leaf values from a gathered column of shape ``(n, *shape)`` (``mode``: of a PIL leaf)."""
+    if kind == "pil":
+        return [pil_from_pixels(mode, row) for row in col]
     if kind == "tensor":
         return list(torch.unbind(array_to_leaf(kind, dtype_name, col)))
     if kind == "ndarray" or kind == "npscalar":
@@ -263,8 +495,10 @@ def batch_leaf_values(kind: str, dtype_name: str, col: np.ndarray) -> list:
 _FREEFORM_MAGIC = b"NBKF"
 
 
-def _leaf_header_and_payload(value, where: str, allow_pickle: bool):
+def _leaf_header_and_payload(value, where: str, allow_pickle: bool, legacy: bool = False):
     kind = leaf_kind(value, where, allow_pickle)
+    if kind == "pil" and legacy and allow_pickle:
+        kind = "pickle"
     if kind in ("int", "float", "bool", "none"):
         return {"k": kind, "v": value}, b""  # Python's JSON keeps NaN and ±inf
     if kind == "complex":
@@ -278,19 +512,27 @@ def _leaf_header_and_payload(value, where: str, allow_pickle: bool):
     if kind == "pickle":
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         return {"k": "pickle", "n": len(data)}, data
+    if kind == "pil":
+        data = pil_to_bytes(value)
+        return {"k": "pil", "n": len(data)}, data
     arr = leaf_to_array(kind, value)
     dtype_name, shape = leaf_dtype_shape(kind, value)
     data = arr.tobytes()
     return {"k": kind, "d": dtype_name, "s": list(shape), "n": len(data)}, data
 
 
-def encode_freeform(sample, *, allow_pickle: bool, where: str = "sample") -> bytes:
-    """A self-describing blob holding any supported sample."""
+def encode_freeform(sample, *, allow_pickle: bool, where: str = "sample", legacy: bool = False) -> bytes:
+    """A self-describing blob holding any supported sample.
+
+    ``legacy=True`` encodes as nbkit did before it kept namedtuples and PIL images (a namedtuple as
+    a tuple, a PIL image pickled where allowed): source fingerprints hash that, so caches built
+    before still match their source.
+    """
     leaves: list = []
-    structure = flatten(sample, leaves, where)
+    structure = flatten(sample, leaves, where, named=not legacy)
     headers, payloads = [], []
     for j, leaf in enumerate(leaves):
-        h, p = _leaf_header_and_payload(leaf, f"{where} leaf {j}", allow_pickle)
+        h, p = _leaf_header_and_payload(leaf, f"{where} leaf {j}", allow_pickle, legacy)
         headers.append(h)
         payloads.append(p)
     header = json.dumps({"s": structure_to_json(structure), "l": headers}, separators=(",", ":")).encode()
@@ -335,6 +577,8 @@ def decode_freeform(blob, *, allow_pickle: bool, where: str = "sample"):
             if not allow_pickle:
                 raise pickle_refused(where)
             leaves.append(pickle.loads(data))
+        elif k == "pil":
+            leaves.append(pil_from_bytes(data, where))
         elif k in ("tensor", "ndarray", "npscalar"):
             dt = storage_dtype(k, h["d"])
             shape = tuple(int(x) for x in h["s"])
@@ -343,8 +587,8 @@ def decode_freeform(blob, *, allow_pickle: bool, where: str = "sample"):
             arr = np.frombuffer(data, dtype=dt).reshape(shape).copy()
             leaves.append(array_to_leaf(k, h["d"], arr))
         else:
-            raise CorruptCacheError(f"{where}: unknown leaf kind {k!r}")
-    return unflatten(structure, iter(leaves))
+            raise CorruptCacheError(f"{where}: unknown leaf kind {k!r} (written by a newer nbkit?)")
+    return unflatten(structure, iter(leaves), where)
 
 
 def pickle_refused(where: str) -> Exception:
@@ -360,18 +604,23 @@ def pickle_refused(where: str) -> Exception:
 
 @dataclass(frozen=True)
 class Leaf:
-    kind: str  # tensor ndarray npscalar int float bool complex str bytes none pickle
+    kind: str  # tensor ndarray npscalar int float bool complex str bytes none pickle pil
     store: str  # col | var | const
-    dtype: str = ""  # for array-like leaves
+    dtype: str = ""  # for array-like leaves (a PIL col leaf: its pixels' numpy dtype)
     shape: tuple = ()  # for col leaves
     column: int = -1  # column index for col leaves
+    mode: str = ""  # a PIL col leaf's image mode
 
     def to_json(self):
-        return {"kind": self.kind, "store": self.store, "dtype": self.dtype, "shape": list(self.shape), "column": self.column}
+        out = {"kind": self.kind, "store": self.store, "dtype": self.dtype, "shape": list(self.shape), "column": self.column}
+        if self.mode:
+            out["mode"] = self.mode
+        return out
 
     @classmethod
     def from_json(cls, obj):
-        return cls(obj["kind"], obj["store"], obj.get("dtype", ""), tuple(int(x) for x in obj.get("shape", ())), int(obj.get("column", -1)))
+        return cls(obj["kind"], obj["store"], obj.get("dtype", ""), tuple(int(x) for x in obj.get("shape", ())),
+                   int(obj.get("column", -1)), str(obj.get("mode", "")))
 
 
 @dataclass(frozen=True)
@@ -458,6 +707,8 @@ class Schema:
                     return None
                 arr = leaf_to_array(kind, value)
                 var_parts.append(struct.pack(f"<I{len(shape)}q", len(shape), *shape) + arr.tobytes())
+            elif kind == "pil":
+                var_parts.append(pil_to_bytes(value))
             elif kind == "str":
                 var_parts.append(value.encode("utf-8", "surrogatepass"))
             elif kind == "bytes":
@@ -472,7 +723,7 @@ class Schema:
     def stack(self, k: int, values: list) -> np.ndarray:
         """Rows for column ``k`` from the ``col_values[k]`` of several samples."""
         leaf = self.columns[k]
-        if leaf.kind in ("tensor", "ndarray", "npscalar"):
+        if leaf.kind in ("tensor", "ndarray", "npscalar", "pil"):
             return np.stack(values)
         return np.array(values, dtype=self.column_dtype(leaf))
 
@@ -509,6 +760,8 @@ class Schema:
                 out.append(bytes(data).decode("utf-8", "surrogatepass"))
             elif leaf.kind == "bytes":
                 out.append(bytes(data))
+            elif leaf.kind == "pil":
+                out.append(pil_from_bytes(data, where))
             elif leaf.kind == "pickle":
                 if not allow_pickle:
                     raise pickle_refused(where)
@@ -541,6 +794,16 @@ def infer_schema(samples: list, *, allow_pickle: bool) -> Schema:
             out.append(Leaf(kind, "const"))
         elif kind in ("str", "bytes", "pickle"):
             out.append(Leaf(kind, "var"))
+        elif kind == "pil":
+            # One mode and size: a column of pixels; the mode lives in the schema. Palettes (P, PA)
+            # differ per image, so those images, like mixed sizes or modes, go in the var blob.
+            descs = {(f[1][j].mode, *leaf_dtype_shape(kind, f[1][j])) for f in flats}
+            mode, dtype_name, shape = next(iter(descs))
+            if len(descs) == 1 and mode not in PALETTE_MODES:
+                out.append(Leaf(kind, "col", dtype_name, shape, n_cols, mode))
+                n_cols += 1
+            else:
+                out.append(Leaf(kind, "var"))
         else:
             descs = {leaf_dtype_shape(kind, f[1][j]) for f in flats}
             dtypes = {d for d, _ in descs}
@@ -565,6 +828,18 @@ def _compile_structure(structure):
             return True
         return leaf
     tag = structure[0]
+    if tag == "N":
+        path, subs = structure[1], [_compile_structure(c) for c in structure[2]]
+        n = len(subs)
+
+        def named(s, out):
+            if not is_namedtuple(s) or len(s) != n:
+                return False
+            cls = sample_type(s)
+            if f"{cls.__module__}:{cls.__qualname__}" != path:
+                return False
+            return all(sub(x, out) for sub, x in zip(subs, s))
+        return named
     if tag in ("T", "L"):
         typ = tuple if tag == "T" else list
         children = structure[1]
@@ -599,9 +874,9 @@ def _leaf_handler(leaf: Leaf):
         return None
     kind = leaf.kind
     if kind == "tensor":
-        tdtype = _TORCH_DTYPES[leaf.dtype]
+        tdtype = torch_dtype(leaf.dtype)
         shape = torch.Size(leaf.shape)
-        plain = tdtype != torch.bfloat16
+        plain = _numpy_twin(tdtype) is not None
 
         def tensor(v):
             if not isinstance(v, torch.Tensor) or v.dtype != tdtype or v.shape != shape:
@@ -619,6 +894,16 @@ def _leaf_handler(leaf: Leaf):
                 return None
             return v
         return ndarray
+    if kind == "pil":
+        mode, dtype, shape = leaf.mode, np.dtype(leaf.dtype), leaf.shape
+        size = (shape[1], shape[0])
+
+        def pil(v):
+            if not is_pil_image(v) or v.mode != mode or v.size != size:
+                return None
+            arr = pil_pixels(v)
+            return arr if arr.dtype == dtype and arr.shape == shape else None
+        return pil
     if kind == "npscalar":
         dtype = np.dtype(leaf.dtype)
 

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from collections.abc import Sequence
 
@@ -27,7 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from .codec import array_to_leaf, batch_leaf_values, unflatten_columns
+from .codec import (array_to_leaf, batch_leaf_values, channels_first, is_namedtuple, named_type, native, stack_pil,
+                    unflatten_columns)
 
 __all__ = ["SampleBatch", "DeferredBatch", "BatchHandle", "collate", "collate_columns", "map_tensors", "iter_tensors"]
 
@@ -58,7 +60,7 @@ class SampleBatch(Sequence):
         out, var_iter = [], iter(self._var_values or ())
         for leaf in self._schema.leaves:
             if leaf.store == "col":
-                out.append(batch_leaf_values(leaf.kind, leaf.dtype, self._columns[leaf.column]))
+                out.append(batch_leaf_values(leaf.kind, leaf.dtype, self._columns[leaf.column], leaf.mode))
             elif leaf.store == "var":
                 out.append(next(var_iter))
             else:
@@ -95,26 +97,34 @@ class SampleBatch(Sequence):
 
 
 def column_tensor(leaf, col):
-    """One gathered column as the tensor ``default_collate`` would stack for ``leaf``."""
-    return array_to_leaf("tensor", leaf.dtype, col) if leaf.kind == "tensor" else torch.from_numpy(col)
+    """One gathered column as the tensor ``default_collate`` would stack for ``leaf`` (a PIL leaf's
+    pixels as gathered, ``(n, H, W[, C])``)."""
+    return array_to_leaf("tensor", leaf.dtype, col) if leaf.kind == "tensor" else torch.from_numpy(native(col))
 
 
 def collate_columns(schema, columns: list, var_values: list | None, n: int):
     """The collated batch of ``n`` samples from their gathered columns (numpy arrays, or tensors
-    already in place, e.g. pinned buffers) and var-leaf values, in ``default_collate``'s structure."""
+    already in place, e.g. pinned buffers) and var-leaf values, in ``default_collate``'s structure.
+
+    PIL images, which ``default_collate`` refuses, are stacked as ``PILToTensor`` would make them:
+    ``(n, C, H, W)`` (uint8 for 8-bit modes); images of different sizes raise ``TypeError``.
+    """
     leaf_batches, var_iter = [], iter(var_values or ())
     for leaf in schema.leaves:
         if leaf.store == "col":
             col = columns[leaf.column]
-            if isinstance(col, torch.Tensor):
-                leaf_batches.append(col)
-            elif col.dtype.kind in "SU":  # fixed-width numpy strings: default_collate decides
-                leaf_batches.append(default_collate(list(col)))
-            else:
-                leaf_batches.append(column_tensor(leaf, col))
+            if not isinstance(col, torch.Tensor):
+                if col.dtype.kind in "SU":  # fixed-width numpy strings: default_collate decides
+                    leaf_batches.append(default_collate(list(col)))
+                    continue
+                col = column_tensor(leaf, col)
+            leaf_batches.append(channels_first(col) if leaf.kind == "pil" else col)
         elif leaf.store == "var":
             values = next(var_iter)
-            leaf_batches.append(values if leaf.kind in ("str", "bytes") else default_collate(values))
+            if leaf.kind == "pil":
+                leaf_batches.append(stack_pil(values, "a batch"))
+            else:
+                leaf_batches.append(values if leaf.kind in ("str", "bytes") else default_collate(values))
         else:
             leaf_batches.append([None] * n)
     return _rebuild(schema.structure, iter(leaf_batches))
@@ -128,6 +138,8 @@ def _rebuild(structure, it, in_sequence: bool = False):
         return tuple(value) if in_sequence and type(value) is list else value
     if structure[0] == "D":
         return {k: _rebuild(s, it) for k, s in zip(structure[1], structure[2])}
+    if structure[0] == "N":  # default_collate keeps a namedtuple's type
+        return named_type(structure[1], len(structure[2]))(*(_rebuild(s, it, True) for s in structure[2]))
     return [_rebuild(s, it, True) for s in structure[1]]
 
 
@@ -230,27 +242,55 @@ class DictRow(dict):
     __slots__ = ()
 
 
+class NamedRow:
+    """Base of the row type of each namedtuple class (made by :func:`named_row`): a subclass of the
+    namedtuple (``row.x`` works) that names it in ``_nbkit_named`` and pickles as it."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return self._nbkit_named._make, (tuple(self),)
+
+
 _ROWS = {tuple: TupleRow, list: ListRow, dict: DictRow}
 
 
+def named_row(cls: type) -> type:
+    row = _ROWS.get(cls)
+    if row is None:
+        row = _ROWS[cls] = type(cls.__name__, (cls, NamedRow), {"__slots__": (), "_nbkit_named": cls})
+    return row
+
+
 def as_row(sample):
-    row = _ROWS.get(type(sample))
-    return sample if row is None else row(sample)
+    typ = type(sample)
+    row = _ROWS.get(typ)
+    if row is None:
+        if not is_namedtuple(sample) or isinstance(sample, NamedRow):
+            return sample
+        return named_row(typ)._make(sample)
+    return row._make(sample) if issubclass(row, NamedRow) else row(sample)
+
+
+def plain_sample(sample):
+    """A batch row as the plain tuple, list, dict or namedtuple it stands for."""
+    if isinstance(sample, NamedRow):
+        return sample._nbkit_named._make(sample)
+    return type(sample).__mro__[1](sample) if type(sample) in _ROW_TYPES else sample
 
 
 def _collate_rows(batch, *, collate_fn_map=None):
     if isinstance(batch, SampleBatch):
         return batch.collate()
-    plain = [type(s).__mro__[1](s) if type(s) in _ROW_TYPES else s for s in batch]
-    return _torch_collate(plain, collate_fn_map=collate_fn_map)
+    return _torch_collate([plain_sample(s) for s in batch], collate_fn_map=collate_fn_map)
 
 
-_ROW_TYPES = frozenset(_ROWS.values())
+_ROW_TYPES = frozenset(_ROWS.values()) | {NamedRow}
 try:
     from torch.utils.data._utils.collate import collate as _torch_collate
     from torch.utils.data._utils.collate import default_collate_fn_map
 except ImportError:  # torch < 1.13: default_collate then stacks sample by sample, still correct
-    pass
+    _torch_collate = default_collate_fn_map = None
 else:
     # torch documents extending default_collate this way (see torch.utils.data.default_collate).
     for _row in _ROW_TYPES:
@@ -270,7 +310,8 @@ def collate(batch):
     """A ``collate_fn`` for ``DataLoader`` over a ``CachedDataset``: zero per-sample work.
 
     Falls back to ``torch.utils.data.default_collate`` for anything else, so it is safe to use
-    everywhere.
+    everywhere; PIL images, which ``default_collate`` refuses, are stacked as ``PILToTensor``
+    would make them (``(N, C, H, W)``), or refused with a ``TypeError`` when their sizes differ.
     """
     if isinstance(batch, SampleBatch):
         return batch.collate()
@@ -278,7 +319,14 @@ def collate(batch):
         return batch
     if isinstance(batch, TensorBatch):
         return batch.stacked
+    image = sys.modules.get("PIL.Image")  # PIL images in a batch of samples read one by one
+    if image is not None and _torch_collate is not None:
+        return _torch_collate(batch, collate_fn_map={**default_collate_fn_map, image.Image: _collate_pil})
     return default_collate(batch)
+
+
+def _collate_pil(batch, *, collate_fn_map=None):
+    return stack_pil(list(batch), "a batch")
 
 
 def map_tensors(batch, fn):
@@ -293,7 +341,8 @@ def map_tensors(batch, fn):
     if isinstance(batch, dict):
         return {k: map_tensors(v, fn) for k, v in batch.items()}
     if isinstance(batch, tuple):
-        return tuple(map_tensors(v, fn) for v in batch)
+        values = [map_tensors(v, fn) for v in batch]
+        return type(batch)._make(values) if is_namedtuple(batch) else tuple(values)
     if isinstance(batch, list):
         return [map_tensors(v, fn) for v in batch]
     return batch

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, colla
 from .errors import CorruptCacheError, MissingSampleError
 from .fingerprint import fingerprint
 from .stats import SharedCounters, Stats
+from .transforms import apply_transform
 
 __all__ = ["CachedDataset"]
 
@@ -43,9 +45,11 @@ class CachedDataset(Dataset):
     Args:
         dataset: the source (any object with ``__len__`` and ``__getitem__``), or ``None`` to open an
             existing cache without it (same as :meth:`open`).
-        path: where the cache lives: a local directory or an fsspec URL (``gs://bucket/prefix`` …).
-        transform: applied to each sample *after* it is read from the cache, e.g. random augmentation on
-            top of cached deterministic preprocessing.
+        path: where the cache lives: a local directory or an fsspec URL (``gs://bucket/prefix`` …); a
+            remote cache is published there once complete, whether ``warmup()`` or training filled it.
+        transform: applied to each whole sample *after* it is read from the cache, e.g. random
+            augmentation on top of cached deterministic preprocessing; ``nbkit.fields(RandomCrop(24), None)``
+            runs one callable per field instead.
         overwrite: discard an existing cache at ``path`` built from a different source.
         allow_pickle: store leaves of types nbkit does not know by pickling them, and allow reading
             such leaves back. Off by default: a cache received from someone else must not run code.
@@ -57,6 +61,9 @@ class CachedDataset(Dataset):
         storage_options: passed to fsspec for remote URLs (e.g. ``{"token": ...}`` for gcsfs).
         local_max_bytes: for a remote cache (``gs://…``) larger than the local disk: read it through
             a local area of at most this many bytes, fetching pieces on demand, instead of pulling it whole.
+        max_files_per_folder, compress: torch_xla's ``CachedDataset`` options, accepted with a
+            ``FutureWarning`` and ignored (nbkit writes no per-sample files, and compresses copies
+            with ``nbkit.export_tar(..., compression="zst")``).
 
     Raises:
         StaleCacheError: the cache at ``path`` was built from a different source.
@@ -66,7 +73,9 @@ class CachedDataset(Dataset):
 
     def __init__(self, dataset, path, *, transform=None, overwrite: bool = False, allow_pickle: bool = False,
                  fingerprint_samples: int = 3, max_bytes: int | None = None, storage_options: dict | None = None,
-                 local_max_bytes: int | None = None):
+                 local_max_bytes: int | None = None, max_files_per_folder: int | None = None,
+                 compress: bool | None = None):
+        _warn_torch_xla_options(max_files_per_folder=max_files_per_folder, compress=compress)
         self._source = dataset
         self.transform = transform
         self.allow_pickle = allow_pickle
@@ -86,6 +95,9 @@ class CachedDataset(Dataset):
         self._files_pid = None
         self._counters = SharedCounters.create()
         self._verified = None
+        # A remote cache filled by reads is published once it is complete (see _publish_if_complete).
+        self._publish_pending = self._location.publishes and dataset is not None
+        self._unfilled_from = 0  # no index below this one is missing (a hint: it only grows)
         self._token = uuid.uuid4().hex  # names this dataset to batch handles sent by DataLoader workers
         register_gatherer(self._token, self._collate_stored)
 
@@ -299,6 +311,8 @@ class CachedDataset(Dataset):
         unkept = self._compute_and_store(todo[admitted]) if admitted.any() else {}
         unkept.update((int(i), None) for i in todo[~admitted])
         self._counters.add(hits=len(idx) - misses, misses=misses)
+        if self._publish_pending:
+            self._publish_if_complete()
         if unkept:
             return self._mixed(idx, unkept, single)
         return self._read_stored(idx, single)
@@ -383,7 +397,7 @@ class CachedDataset(Dataset):
 
     def _finish(self, samples: list, single: bool):
         if self.transform is not None:
-            samples = [self.transform(s) for s in samples]
+            samples = apply_transform(self.transform, samples, self.path)
         return samples[0] if single else samples
 
     def _read_one(self, i: int):
@@ -500,6 +514,31 @@ class CachedDataset(Dataset):
         self._counters.add(stored=int(kept.sum()), refused=n - int(kept.sum()))
         return kept
 
+    def _publish_if_complete(self) -> None:
+        """Publish a remote cache (``gs://…``) as soon as reads have stored its last sample, so that
+        ordinary training fills the bucket, without ``warmup()`` or ``sync()``.
+
+        Cheap enough to call after every read that stored something: it rescans the index only from
+        the lowest sample not known to be stored, and only once that one is. Every process (DataLoader
+        workers, TPU replicas) checks for itself, and more than one may find the cache complete; the
+        location's ``publish`` holds the working copy's lock, skips a remote that already holds this
+        cache and respects another host's lease, so the cache is pushed once.
+        """
+        f = self.store
+        while self._unfilled_from < self._length:
+            if f.missing(np.array([self._unfilled_from], dtype=np.int64)).size:
+                return  # the usual answer while the cache fills: one lookup
+            stop = min(self._length, self._unfilled_from + 65536)
+            gap = f.missing(np.arange(self._unfilled_from, stop, dtype=np.int64))
+            self._unfilled_from = int(gap[0]) if gap.size else stop
+        self._publish_pending = False
+        try:
+            self._location.publish()
+        except OSError as e:
+            # Training goes on from the working copy; only sharing it waits.
+            warnings.warn(f"nbkit: the cache at {self.path} is complete but could not be published; training goes on "
+                          f"from the local working copy. {e}", RuntimeWarning, stacklevel=2)
+
     # -- bulk operations -------------------------------------------------------------------------------
 
     def missing(self) -> np.ndarray:
@@ -605,6 +644,25 @@ class CachedDataset(Dataset):
     @property
     def is_complete(self) -> bool:
         return len(self.store.missing()) == 0
+
+
+# torch_xla's CachedDataset options and what nbkit does instead (each is accepted, ignored, and warned about).
+_TORCH_XLA_OPTIONS = {
+    "max_files_per_folder": "nbkit writes no file per sample, so there are no folders to split: a cache is a few "
+                            "column files, an index and a heap",
+    "compress": "nbkit stores samples uncompressed so they can be memory-mapped; to carry a smaller copy, "
+                "compress it with nbkit.export_tar(path, 'cache.tar.zst', compression='zst')",
+}
+
+
+def _warn_torch_xla_options(**options) -> None:
+    """One ``FutureWarning`` for each of torch_xla's ``CachedDataset`` options that was given (they are ignored)."""
+    for name, value in options.items():
+        if value is None:
+            continue
+        warnings.warn(f"CachedDataset({name}={value!r}) is an option of torch_xla's CachedDataset; nbkit ignores it: "
+                      f"{_TORCH_XLA_OPTIONS[name]}. Remove {name}= (it will raise TypeError in a future release).",
+                      FutureWarning, stacklevel=3)
 
 
 def _capacity(max_bytes: int, length: int, schema, probes: list, allow_pickle: bool) -> int:

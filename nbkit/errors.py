@@ -2,6 +2,10 @@
 
 Each is a small subclass of a built-in type, so callers who do not know nbkit can still catch
 ``ValueError`` or ``LookupError``. Messages name the thing, what was expected, and the fix.
+
+Example:
+    >>> issubclass(MissingSampleError, LookupError), issubclass(MissingSampleError, RuntimeError)
+    (True, True)
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ class CorruptCacheError(ValueError):
     """Stored bytes fail their checksum, or a cache file is damaged, and nothing can recompute them."""
 
 
-class MissingSampleError(LookupError):
-    """A cache opened without its source was asked for a sample it never stored."""
+class MissingSampleError(LookupError, RuntimeError):
+    """A cache opened without its source was asked for a sample it never stored.
+
+    A ``LookupError`` (nbkit's contract) and a ``RuntimeError`` (what torch_xla's ``CachedDataset``
+    raised there), so code ported with ``except RuntimeError:`` still catches it.
+    """
 
 
 class NondeterministicSourceError(ValueError):

@@ -56,7 +56,8 @@ def probe_indices(length: int, n_probes: int) -> list[int]:
 
 
 def sample_hash(sample, allow_pickle: bool, where: str) -> str:
-    return hashlib.sha256(encode_freeform(sample, allow_pickle=allow_pickle, where=where)).hexdigest()[:32]
+    # legacy: the bytes hashed before nbkit kept namedtuples and PIL images, so older caches still match
+    return hashlib.sha256(encode_freeform(sample, allow_pickle=allow_pickle, where=where, legacy=True)).hexdigest()[:32]
 
 
 def fingerprint(dataset, *, n_probes: int = 3, allow_pickle: bool = False):

@@ -2,11 +2,12 @@
 
 import os
 import time
+from collections import namedtuple
 
 import numpy as np
 import torch
 
-from nbkit.collate import DictRow, ListRow, TupleRow
+from nbkit.collate import plain_sample
 from torch.utils.data import Dataset
 
 
@@ -160,8 +161,13 @@ def computed_counts(log_dir):
 def assert_equal(a, b, where="sample"):
     """Deep equality for samples: same types, same values, same tensor dtypes."""
     # a batch's samples are tuple/list/dict subclasses that default_collate recognises (nbkit.collate.TupleRow …)
-    plain = type(a).__mro__[1] if type(a) in (TupleRow, ListRow, DictRow) else type(a)
+    plain = type(plain_sample(a))
+    if hasattr(type(b), "_fields"):  # a namedtuple comes back as itself
+        assert plain is type(b), f"{where}: {type(a)} != {type(b)}"
     assert plain is type(b) or (isinstance(a, tuple) and isinstance(b, tuple)), f"{where}: {type(a)} != {type(b)}"
+    if is_pil(a) or is_pil(b):
+        assert is_pil(a) and is_pil(b) and same_image(a, b), f"{where}: PIL images differ"
+        return
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
         assert torch.equal(a, b), f"{where}: tensor values differ"
@@ -177,3 +183,67 @@ def assert_equal(a, b, where="sample"):
             assert_equal(a[k], b[k], f"{where}[{k!r}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def is_pil(x):
+    return type(x).__module__.startswith("PIL.")
+
+
+def same_image(a, b):
+    """Equal PIL images: mode, size, pixels and palette (``info`` is not cached)."""
+    return (a.mode, a.size, a.tobytes(), a.getpalette()) == (b.mode, b.size, b.tobytes(), b.getpalette())
+
+
+Point = namedtuple("Point", "image label")
+Labeled = namedtuple("Labeled", ["image", "label", "name"])
+
+
+class NamedSource(Dataset):
+    """namedtuple samples; ``with_name`` adds a string field (a var leaf)."""
+
+    def __init__(self, n=24, with_name=False):
+        self.n, self.with_name = n, with_name
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.with_name:
+            return Labeled(image(i, (2, 3)), i % 10, f"n{i}")
+        return Point(image(i, (2, 3)), i % 10)
+
+
+class PilSource(Dataset):
+    """(PIL image, label), as torchvision datasets give without ToTensor; ``sizes`` cycles image sizes."""
+
+    def __init__(self, n=12, mode="RGB", sizes=((6, 5),)):
+        self.n, self.mode, self.sizes = n, mode, sizes
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        w, h = self.sizes[i % len(self.sizes)]
+        pixels = np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        return Image.fromarray(pixels, "RGB").convert(self.mode), i % 3
+
+
+class DtypeSource(Dataset):
+    """Tensors of one dtype with random bit patterns; ``vary`` changes the shape per index."""
+
+    def __init__(self, dtype, n=8, vary=False):
+        self.dtype, self.n, self.vary = dtype, n, vary
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        rows = 2 + (i % 3 if self.vary else 0)
+        g = torch.Generator().manual_seed(i)
+        nbytes = rows * 3 * self.dtype.itemsize
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        if self.dtype == torch.bool:
+            raw = raw % 2
+        return raw.view(self.dtype).reshape(rows, 3), i

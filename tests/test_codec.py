@@ -1,12 +1,18 @@
 """Sample ⇄ bytes: schemas, conforming and free-form samples, and what decoding refuses."""
 
+import hashlib
+import json
+import pickle
+import struct
+
 import numpy as np
 import pytest
 import torch
 
-from nbkit.codec import decode_freeform, encode_freeform, infer_schema
+from nbkit.codec import Schema, batch_leaf_values, decode_freeform, encode_freeform, infer_schema, stack_pil, storage_dtype
 from nbkit.errors import CorruptCacheError
-from sources import DictSource, IrregularSource, VarShapeSource, assert_equal
+from nbkit.fingerprint import sample_hash
+from sources import DictSource, IrregularSource, Point, VarShapeSource, assert_equal, same_image
 
 
 def test_schema_makes_columns_of_fixed_fields_and_var_of_the_rest():
@@ -70,3 +76,89 @@ def test_freeform_refuses_garbage_and_objects():
 def test_non_string_dict_keys_are_refused_with_a_fix():
     with pytest.raises(TypeError, match="string keys"):
         encode_freeform({1: torch.zeros(1)}, allow_pickle=False)
+
+
+PIL_MODES = ["1", "L", "P", "PA", "RGB", "RGBA", "CMYK", "YCbCr", "HSV", "LA", "RGBX", "I", "I;16", "I;16B", "F"]
+
+
+@pytest.mark.parametrize("mode", PIL_MODES)
+def test_pil_images_round_trip_without_pickle(mode):
+    Image = pytest.importorskip("PIL.Image")
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8), "RGB")
+    img = rgb.convert(mode)
+    back = decode_freeform(encode_freeform((img, 1), allow_pickle=False), allow_pickle=False)[0]
+    assert same_image(back, img) and back == img
+    schema = infer_schema([(img, 1), (img, 2)], allow_pickle=False)
+    leaf = schema.leaves[0]
+    if mode in ("P", "PA"):  # the palette is per image: var blob
+        assert leaf.store == "var"
+    else:
+        assert (leaf.kind, leaf.store, leaf.mode, leaf.shape) == ("pil", "col", mode, np.asarray(img).shape)
+    cols, blob = schema.split((img, 3), "s", False)
+    if leaf.store == "var":
+        assert same_image(schema.var_values(blob, "s", False)[0], img)
+    else:
+        assert blob == b"" and same_image(batch_leaf_values("pil", leaf.dtype, cols[0][None], mode)[0], img)
+
+
+def test_pil_images_of_other_modes_or_sizes_leave_the_column():
+    Image = pytest.importorskip("PIL.Image")
+    small, big = Image.new("RGB", (4, 3)), Image.new("RGB", (5, 3))
+    schema = infer_schema([(small, 0), (small, 1)], allow_pickle=False)
+    assert schema.split((big, 0), "s", False) is None and schema.split((small.convert("L"), 0), "s", False) is None
+    assert infer_schema([(small, 0), (big, 1)], allow_pickle=False).leaves[0].store == "var"
+    with pytest.raises(TypeError, match="differ in size.*PILToTensor"):
+        stack_pil([small, big])
+    assert stack_pil([small, small]).shape == (2, 3, 3, 4)
+
+
+def test_damaged_pil_blob_is_corrupt_not_a_crash():
+    Image = pytest.importorskip("PIL.Image")
+    blob = encode_freeform(Image.new("RGB", (4, 3)), allow_pickle=False)
+    with pytest.raises(CorruptCacheError):
+        decode_freeform(blob.replace(b'"m":"RGB"', b'"m":"XYZ"'), allow_pickle=False)
+    with pytest.raises(CorruptCacheError, match="truncated"):
+        decode_freeform(blob[:-5], allow_pickle=False)
+
+
+def test_namedtuples_round_trip_by_name():
+    sample = {"p": Point(torch.arange(2), 3), "t": (1, 2)}
+    back = decode_freeform(encode_freeform(sample, allow_pickle=False), allow_pickle=False)
+    assert type(back["p"]) is Point and type(back["t"]) is tuple
+    assert_equal(back, sample)
+    schema = infer_schema([Point(torch.zeros(2), 1)], allow_pickle=False)
+    assert schema.structure == ("N", "sources:Point", ("*", "*"))
+    assert Schema.from_json(schema.to_json()) == schema
+    assert schema.split((torch.zeros(2), 1), "s", False) is None  # a plain tuple does not fit
+
+
+def test_unknown_structure_says_it_may_come_from_a_newer_nbkit():
+    blob = encode_freeform((1, 2), allow_pickle=False).replace(b'["T"', b'["Q"')
+    with pytest.raises(CorruptCacheError, match="newer nbkit"):
+        decode_freeform(blob, allow_pickle=False)
+
+
+def test_fingerprints_hash_namedtuples_and_pil_as_before():
+    # Caches built before nbkit kept these types hashed them as a tuple and (where allowed) a pickle.
+    Image = pytest.importorskip("PIL.Image")
+    img = Image.new("L", (3, 2), 7)
+    assert sample_hash(Point(torch.ones(2), 1), False, "s") == sample_hash((torch.ones(2), 1), False, "s")
+    data = pickle.dumps(img, protocol=pickle.HIGHEST_PROTOCOL)
+    header = json.dumps({"s": ["T", ["*"]], "l": [{"k": "pickle", "n": len(data)}]}, separators=(",", ":")).encode()
+    before = b"NBKF" + struct.pack("<I", len(header)) + header + data  # what nbkit wrote before it knew PIL
+    assert sample_hash((img,), True, "s") == hashlib.sha256(before).hexdigest()[:32]
+    assert b"pickle" not in encode_freeform((img,), allow_pickle=True)  # stored natively all the same
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.bfloat16, torch.complex32],
+                         ids=str)
+def test_dtypes_numpy_lacks_travel_as_bits_and_come_back(dtype):
+    t = torch.randint(0, 256, (4 * dtype.itemsize,), dtype=torch.uint8).view(dtype)
+    back = decode_freeform(encode_freeform(t, allow_pickle=False), allow_pickle=False)
+    assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+    assert storage_dtype("tensor", str(dtype).removeprefix("torch.")).itemsize == dtype.itemsize
+
+
+def test_a_dtype_this_torch_lacks_is_named():
+    with pytest.raises(CorruptCacheError, match="float99.*torch"):
+        storage_dtype("tensor", "float99")

@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from sources import CollatableDictSource, TupleSource, assert_equal
+from sources import CollatableDictSource, NamedSource, PilSource, TupleSource, assert_equal
 from torch.utils.data import DataLoader, default_collate
 
 import nbkit
@@ -128,3 +128,21 @@ def test_deferred_batch_reads_only_when_asked(tmp_path):
     assert reads == [1]
     x, y = batch.collate()  # not in a worker: gathered here
     assert torch.equal(x, torch.stack([src[i][0] for i in range(10)]))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_namedtuple_and_pil_batches_cross_workers_as_handles(tmp_path, context):
+    pytest.importorskip("PIL.Image")
+    from torchvision.transforms import PILToTensor
+
+    for src in (NamedSource(32), PilSource(32, "RGB")):
+        ds = nbkit.CachedDataset(src, tmp_path / type(src).__name__)
+        ds.warmup()
+        got = list(DataLoader(ds, batch_size=8, num_workers=2, collate_fn=kind_and_batch, multiprocessing_context=context))
+        assert {kind for kind, _ in got} == {"BatchHandle"}
+        reference = [src[i] for i in range(8)]
+        if isinstance(src, PilSource):
+            reference = [(PILToTensor()(img), y) for img, y in reference]
+        assert_equal(got[0][1], default_collate(reference))
+        plain = next(iter(DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=context)))
+        assert_equal(plain, default_collate(reference))

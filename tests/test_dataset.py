@@ -3,13 +3,14 @@
 import os
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
 
 import nbkit
-from sources import (BareTensorSource, CollatableDictSource, DictSource, IrregularSource, PickleSource, RandomSource, TupleSource,
-                     VarShapeSource, assert_equal, Opaque)
+from sources import (BareTensorSource, CollatableDictSource, DictSource, DtypeSource, IrregularSource, NamedSource, PickleSource,
+                     PilSource, RandomSource, TupleSource, VarShapeSource, assert_equal, Opaque)
 
 SOURCES = [TupleSource, DictSource, VarShapeSource, IrregularSource, BareTensorSource]
 
@@ -95,6 +96,34 @@ def test_open_without_source(tmp_path):
         opened.__getitems__([0, 7])
     with pytest.raises(ValueError, match="without its source"):
         opened.warmup()
+
+
+def test_missing_sample_is_caught_by_torch_xla_style_except_runtime_error(tmp_path):
+    nbkit.CachedDataset(TupleSource(10), tmp_path)[0]
+    opened = nbkit.CachedDataset(None, tmp_path)
+    try:
+        opened[3]
+    except RuntimeError as e:  # what torch_xla's CachedDataset raised for a sample it never stored
+        assert isinstance(e, nbkit.MissingSampleError) and isinstance(e, LookupError)
+    else:
+        pytest.fail("a missing sample must raise")
+
+
+def test_torch_xla_options_are_accepted_with_a_future_warning(tmp_path):
+    with pytest.warns(FutureWarning) as record:
+        ds = nbkit.CachedDataset(TupleSource(10), tmp_path, max_files_per_folder=1000, compress=True)
+    folders, compress = (str(w.message) for w in record)
+    assert folders.startswith("CachedDataset(max_files_per_folder=1000) is an option of torch_xla's CachedDataset; "
+                              "nbkit ignores it: nbkit writes no file per sample")
+    assert folders.endswith("Remove max_files_per_folder= (it will raise TypeError in a future release).")
+    assert compress.startswith("CachedDataset(compress=True)")
+    assert "export_tar(path, 'cache.tar.zst', compression='zst')" in compress
+    assert all(w.filename == __file__ for w in record if w.category is FutureWarning)  # points at the caller's line
+    assert ds.warmup().computed == 10 and not any(p.is_dir() for p in tmp_path.iterdir())  # no folders
+    with pytest.warns(FutureWarning, match="compress=False"):
+        nbkit.CachedDataset(None, tmp_path, compress=False)
+    with pytest.raises(TypeError, match="max_files_per_folders"):
+        nbkit.CachedDataset(TupleSource(10), tmp_path, max_files_per_folders=10)
 
 
 def test_open_missing_cache_names_the_fix(tmp_path):
@@ -205,18 +234,233 @@ def test_pickle_refused_by_default_and_opt_in_both_sides(tmp_path):
     assert nbkit.CachedDataset.open(tmp_path / "b", allow_pickle=True)[3][1] == Opaque(3)
 
 
-def test_pil_images_get_a_hint(tmp_path):
-    PIL = pytest.importorskip("PIL.Image")
+def _pil_folder(root, sizes=((6, 5),), per_class=3):
+    """An ImageFolder tree of small PNGs written with PIL."""
+    from PIL import Image
 
-    class PilSource(torch.utils.data.Dataset):
+    for c, name in enumerate(["cat", "dog"]):
+        os.makedirs(root / name)
+        for k in range(per_class):
+            w, h = sizes[k % len(sizes)]
+            pixels = np.random.default_rng(10 * c + k).integers(0, 256, (h, w, 3), dtype=np.uint8)
+            Image.fromarray(pixels, "RGB").save(root / name / f"{k}.png")
+    return root
+
+
+def test_imagefolder_as_is_round_trips_pil_images_on_the_column_path(tmp_path):
+    from torchvision import datasets, transforms as T
+
+    src = datasets.ImageFolder(_pil_folder(tmp_path / "images"))
+    ds = nbkit.CachedDataset(src, tmp_path / "c")  # no ToTensor, no allow_pickle
+    ds.warmup()
+    assert sorted(os.listdir(tmp_path / "c")) == ["col-0.bin", "col-1.bin", "index.bin", "nbkit.json"]  # no heap
+    opened = nbkit.CachedDataset.open(tmp_path / "c")
+    for i in range(len(src)):
+        assert_equal(opened[i], src[i], f"sample {i}")
+    batch = opened.__getitems__([4, 0, 2])
+    assert_equal(list(batch), [src[4], src[0], src[2]])
+    reference = default_collate([(T.PILToTensor()(img), y) for img, y in (src[4], src[0], src[2])])
+    for collated in (nbkit.collate(batch), default_collate(batch)):
+        assert collated[0].dtype == torch.uint8 and collated[0].shape == (3, 3, 5, 6)
+        assert_equal(collated, reference)
+    x, y = next(iter(DataLoader(opened, batch_size=4)))
+    assert x.shape == (4, 3, 5, 6) and y.tolist() == [0, 0, 0, 1]
+    assert nbkit.CachedDataset(datasets.ImageFolder(tmp_path / "images"), tmp_path / "c").is_complete  # not stale
+
+
+@pytest.mark.parametrize("sizes", [((6, 5), (4, 7), (5, 5)), ((6, 5), (4, 7))], ids=["var", "free-form"])
+def test_pil_images_of_several_sizes_round_trip_and_refuse_to_stack(tmp_path, sizes):
+    from torchvision import datasets
+
+    # var: the probes (0, 3, 5) differ in size; free-form: they agree, and the other size does not fit
+    src = datasets.ImageFolder(_pil_folder(tmp_path / "images", sizes=sizes))
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    ds.warmup()
+    opened = nbkit.CachedDataset.open(tmp_path / "c")
+    for i in range(len(src)):
+        assert_equal(opened[i], src[i], f"sample {i}")
+    collates = [nbkit.collate] + ([default_collate] if len(sizes) == 3 else [])
+    for fn in collates:
+        with pytest.raises(TypeError, match=r"nbkit cannot stack the PIL images.*PILToTensor"):
+            fn(opened.__getitems__([0, 1]))
+        x, y = fn(opened.__getitems__([0, 3]))  # one size: stacked
+        assert x.shape == (2, 3, 5, 6) and x.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "RGBA", "1", "I;16", "F"])
+def test_pil_modes_round_trip_through_the_cache(tmp_path, mode):
+    src = PilSource(9, mode)
+    nbkit.CachedDataset(src, tmp_path).warmup()
+    opened = nbkit.CachedDataset.open(tmp_path)
+    for i in range(len(src)):
+        assert_equal(opened[i], src[i], f"sample {i}")
+    assert_equal(list(opened.__getitems__([3, 1])), [src[3], src[1]])
+
+
+def test_pil_and_namedtuple_sources_under_a_byte_budget_and_warmup_workers(tmp_path):
+    from torchvision.transforms import PILToTensor
+
+    for src in (PilSource(40, "RGB"), NamedSource(40)):
+        full = nbkit.CachedDataset(src, tmp_path / f"w-{type(src).__name__}")
+        assert full.warmup(num_workers=2).computed == 40
+        row = sum(full.schema.row_bytes(leaf) for leaf in full.schema.columns)
+        budget = nbkit.CachedDataset(src, tmp_path / f"b-{type(src).__name__}", max_bytes=40 * 24 + 20 * row)
+        budget.warmup()
+        assert 0 < budget.stats.cached < 40  # the rest are read from the source, laid into the same columns
+        for ds in (full, budget):
+            idx = list(range(0, 40, 3))
+            want = [src[i] for i in idx]
+            assert_equal(list(ds.__getitems__(idx)), want)
+            if isinstance(src, PilSource):
+                want = [(PILToTensor()(img), y) for img, y in want]
+            assert_equal(nbkit.collate(ds.__getitems__(idx)), default_collate(want))
+
+
+def test_mnist_without_totensor(tmp_path, mnist_root):
+    from torchvision import datasets, transforms as T
+
+    src = datasets.MNIST(mnist_root, download=False)
+    ds = nbkit.CachedDataset(src, tmp_path)
+    ds.warmup()
+    opened = nbkit.CachedDataset.open(tmp_path)
+    for i in (0, 777, 1999):
+        assert_equal(opened[i], src[i], f"sample {i}")
+    assert opened.schema.columns[0].mode == "L"
+    x, y = nbkit.collate(opened.__getitems__([0, 1, 2]))
+    assert torch.equal(x, torch.stack([T.PILToTensor()(src[i][0]) for i in range(3)]))
+    xs, _ = next(iter(opened.loader(16, shuffle=False)))
+    assert xs.dtype == torch.uint8 and xs.shape == (16, 1, 28, 28)
+    assert torch.equal(xs[:3], x)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _every_dtype():
+    found = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    return sorted((d for d in found if "qint" not in str(d) and "quint" not in str(d)), key=str)
+
+
+REQUIRED_DTYPES = [torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16,
+                   torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                   torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("vary", [False, True], ids=["column", "variable-shape"])
+@pytest.mark.parametrize("dtype", _every_dtype(), ids=str)
+def test_every_tensor_dtype_written_is_read_back(tmp_path, dtype, vary):
+    src = DtypeSource(dtype, vary=vary)
+    ds = nbkit.CachedDataset(src, tmp_path)
+    ds.warmup()
+    opened = nbkit.CachedDataset.open(tmp_path)
+    for i in range(len(src)):
+        for got in (opened[i][0], opened.__getitems__([i])[0][0]):
+            assert got.dtype == dtype and got.shape == src[i][0].shape
+            assert torch.equal(_bits(got), _bits(src[i][0])), f"sample {i}"
+    if not vary:
+        x, _ = nbkit.collate(opened.__getitems__([2, 0]))
+        assert x.dtype == dtype and torch.equal(_bits(x), _bits(torch.stack([src[2][0], src[0][0]])))
+
+
+def test_the_required_dtypes_are_all_covered():
+    assert set(REQUIRED_DTYPES) <= set(_every_dtype())
+
+
+def test_quantized_tensors_are_refused_at_construction(tmp_path):
+    class Quantized(torch.utils.data.Dataset):
         def __len__(self):
             return 3
 
         def __getitem__(self, i):
-            return PIL.new("L", (4, 4)), i
+            return torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8), i
 
-    with pytest.raises(TypeError, match="ToTensor"):
-        nbkit.CachedDataset(PilSource(), tmp_path)
+    with pytest.raises(TypeError, match=r"sample 0.*quantized tensor.*dequantize\(\)"):
+        nbkit.CachedDataset(Quantized(), tmp_path)
+    assert not os.path.exists(tmp_path / "nbkit.json")
+
+
+@pytest.mark.parametrize("with_name", [False, True])
+def test_namedtuples_keep_their_type(tmp_path, with_name):
+    src = NamedSource(with_name=with_name)
+    ds = nbkit.CachedDataset(src, tmp_path)
+    first = ds[3]
+    assert type(first) is type(src[3]) and torch.equal(first.image, src[3].image)
+    ds.warmup()
+    opened = nbkit.CachedDataset.open(tmp_path)
+    assert_equal(opened[5], src[5])
+    assert opened[5].label == 5
+    batch = opened.__getitems__([5, 1, 7])
+    assert_equal(list(batch), [src[5], src[1], src[7]])
+    assert batch[0].label == 5 and isinstance(batch[0], type(src[5]))
+    reference = default_collate([src[5], src[1], src[7]])
+    assert type(reference) is type(src[5])
+    assert_equal(nbkit.collate(batch), reference)
+    assert_equal(default_collate(batch), reference)
+    assert_equal(default_collate(list(batch)), reference)
+    back = pickle.loads(pickle.dumps(batch[0]))  # a row pickles as the namedtuple itself
+    assert type(back) is type(src[5])
+    assert_equal(back, src[5])
+    for kw in ({}, {"num_workers": 2}, {"collate_fn": nbkit.collate}):
+        got = list(DataLoader(opened, batch_size=6, **kw))
+        assert type(got[0]) is type(src[0]) and torch.equal(got[0].image, reference_images(src, range(6)))
+    if not with_name:
+        loaded = next(iter(opened.loader(6, shuffle=False)))
+        assert type(loaded) is type(src[0]) and torch.equal(loaded.image, reference_images(src, range(6)))
+
+
+def reference_images(src, idx):
+    return torch.stack([src[i].image for i in idx])
+
+
+def test_namedtuples_that_cannot_be_found_again_are_refused_at_construction(tmp_path):
+    from collections import namedtuple
+
+    Local = namedtuple("Local", "x y")
+
+    class LocalSource(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return Local(torch.zeros(2), i)
+
+    with pytest.raises(TypeError, match=r"sample.*namedtuple .*Local.*top level"):
+        nbkit.CachedDataset(LocalSource(), tmp_path)
+
+
+def test_namedtuple_whose_module_is_gone_names_it_on_read(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "gone_types.py").write_text("from collections import namedtuple\nPair = namedtuple('Pair', 'a b')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gone_types
+
+    class PairSource(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return gone_types.Pair(torch.full((2,), i), i)
+
+    nbkit.CachedDataset(PairSource(), tmp_path / "c").warmup()
+    monkeypatch.delitem(sys.modules, "gone_types")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    with pytest.raises(ImportError, match="gone_types.Pair"):
+        nbkit.CachedDataset.open(tmp_path / "c")[1]
+
+
+def test_a_cache_written_before_namedtuples_were_kept_still_opens(tmp_path):
+    import json
+
+    src = NamedSource()
+    nbkit.CachedDataset(src, tmp_path).warmup()
+    meta = json.loads((tmp_path / "nbkit.json").read_text())
+    meta["schema"]["structure"] = ["T", meta["schema"]["structure"][2]]  # what older nbkit wrote
+    (tmp_path / "nbkit.json").write_text(json.dumps(meta))
+    ds = nbkit.CachedDataset(src, tmp_path)  # same fingerprint: not stale
+    assert ds.is_complete and type(ds[2]) is tuple
+    assert_equal(ds[2], tuple(src[2]))
 
 
 def test_torchvision_mnist_round_trip(tmp_path, mnist_root):

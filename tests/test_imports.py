@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 # (zstandard is left out: fsspec itself imports it when installed.)
-OPTIONAL = ["ipywidgets", "matplotlib", "gcsfs", "torch_xla", "torchvision", "IPython"]
+OPTIONAL = ["ipywidgets", "matplotlib", "gcsfs", "torch_xla", "torchvision", "IPython", "PIL"]
 
 
 def test_import_nbkit_loads_no_optional_package():

@@ -17,13 +17,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nbkit"
 
 # The layers below the engine (nbkit.dataset): none of them may import it, directly or through others.
 BELOW_DATASET = ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.codec",
-                 "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.format", "nbkit.cachedir",
-                 "nbkit.manifest", "nbkit.transfer", "nbkit.archive", "nbkit.stores", "nbkit.warmup")
+                 "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms", "nbkit.format",
+                 "nbkit.cachedir", "nbkit.manifest", "nbkit.transfer", "nbkit.archive", "nbkit.stores", "nbkit.warmup")
 # The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
 # Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
 LAYERS = {
     0: ("nbkit.errors", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.gather"),
-    1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote"),
+    1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms"),
     2: ("nbkit.format",),
     3: ("nbkit.cachedir",),
     4: ("nbkit.manifest",),

@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from sources import BareTensorSource, CollatableDictSource, TupleSource, assert_equal
+from sources import BareTensorSource, CollatableDictSource, DtypeSource, NamedSource, PilSource, TupleSource, assert_equal
 from torch.utils.data import default_collate
 
 import nbkit
@@ -292,3 +292,26 @@ def test_read_through_cache(tmp_path, monkeypatch):
     remote = nbkit.CachedDataset.open(url, local_max_bytes=64 << 10)
     seen = _check_epoch(remote, src, remote.loader(32, seed=3))
     assert sorted(seen) == list(range(300))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_pil_images_float8_and_namedtuples_through_the_loader(tmp_path, device):
+    pytest.importorskip("PIL.Image")
+    from torchvision.transforms import PILToTensor
+
+    for src in (PilSource(40, "L"), PilSource(40, "RGB"), DtypeSource(torch.float8_e4m3fn, n=40), NamedSource(40)):
+        ds = nbkit.CachedDataset(src, tmp_path / f"{type(src).__name__}-{getattr(src, 'mode', '')}")
+        ds.warmup()
+        for batch in ds.loader(8, device=device, shuffle=False):
+            pass
+        loader = ds.loader(8, device=device, shuffle=False)
+        for k, batch in enumerate(loader):
+            want = [src[i] for i in range(8 * k, 8 * k + 8)]
+            if isinstance(src, PilSource):
+                want = [(PILToTensor()(img), y) for img, y in want]
+            want = default_collate(want)
+            assert type(batch) is type(want) and batch[0].device.type == device
+            got = batch[0].cpu()
+            assert got.dtype == want[0].dtype and got.shape == want[0].shape
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                               want[0].view(torch.uint8) if want[0].dtype == torch.float8_e4m3fn else want[0])

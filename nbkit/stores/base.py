@@ -41,6 +41,9 @@ class Location:
     is_remote: bool = False
     storage_options: dict = field(default_factory=dict)
 
+    #: Whether :meth:`publish` sends anything: the engine then calls it once the store becomes complete.
+    publishes = False
+
     def read_meta(self) -> dict | None:
         """The cache metadata, or ``None`` when no cache exists here yet."""
         if not os.path.exists(os.path.join(self.root, fmt.META)):

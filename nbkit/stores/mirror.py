@@ -3,8 +3,9 @@
 The engine memory-maps files, so the cache is read and written in a working copy under
 ``$NBKIT_CACHE_DIR/<name>-<hash of the URL>`` (default ``~/.cache/nbkit``): ``prepare()`` pulls
 the remote cache when it is complete and holds more samples than the copy; ``publish()`` (after
-``warmup()`` and on ``ds.sync()``) pushes the copy once every sample is stored, unless the remote
-already holds it or another host holds the publish lease. See ``docs/DESIGN.md`` ("Stores").
+``warmup()``, on ``ds.sync()``, and when training's reads store the last sample) pushes the copy
+once every sample is stored, unless the remote already holds it or another host holds the publish
+lease. See ``docs/DESIGN.md`` ("Stores").
 
 Example:
     >>> loc = resolve("memory://bucket/cache")
@@ -71,6 +72,17 @@ def resolve(url: str, storage_options: dict | None = None, **location_options) -
 @dataclass
 class MirrorLocation(Location):
     """A remote cache and its local working copy (``root``). Processes of one host share the copy under a file lock."""
+
+    publishes = True
+
+    def not_found(self) -> Exception:
+        """Opening a prefix that holds no published cache (and no working copy here): name the URL, not the copy."""
+        return FileNotFoundError(
+            f"no nbkit cache at {self.url}: nothing has been published there ({fmt.META} is missing; a cache is "
+            "published once every sample is stored), and this machine has no working copy of it. To build it there, "
+            f"open it with its source: nbkit.CachedDataset(source, {self.url!r}), then train or call warmup(). "
+            f"To send a cache you already have: nbkit.push(local_cache_dir, {self.url!r})."
+        )
 
     def prepare(self, callback=None) -> bool:
         """Pull the remote cache into the working copy if that is missing or older; return whether it pulled.

@@ -6,6 +6,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 import nbkit
 from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
@@ -135,8 +136,69 @@ def test_remote_without_cache_leaves_working_copy_alone(tmp_path, monkeypatch, r
     host(monkeypatch, tmp_path, "host-a")
     loc = resolve(url, so)
     assert loc.prepare() is False and not os.path.exists(loc.root)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as err:
         nbkit.CachedDataset.open(url, storage_options=so)
+    text = str(err.value)
+    assert text.startswith(f"no nbkit cache at {url}: nothing has been published there")
+    assert f"nbkit.CachedDataset(source, {url!r})" in text and f"nbkit.push(local_cache_dir, {url!r})" in text
+    assert loc.root not in text  # the hashed working copy is not where the user should look or build
+
+
+def test_cache_filled_by_training_is_published(tmp_path, monkeypatch, remote):
+    url, so = remote
+    host(monkeypatch, tmp_path, "host-a")
+    ds = nbkit.CachedDataset(TupleSource(n=64), url, storage_options=so)
+    fs, root = url_to_fs(url, so)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+    for i in order[:40]:  # part of an epoch, read the way training reads: no warmup(), no sync()
+        ds[i]
+    ds.__getitems__(order[40:63])
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/{fmt.META}")  # one sample missing: nothing published yet
+    ds[order[63]]  # the read that completes the cache publishes it
+    fs.invalidate_cache()
+    assert fs.exists(f"{root}/{fmt.META}") and not fs.exists(f"{root}/{mirror.LEASE}")
+
+    host(monkeypatch, tmp_path, "host-b")  # another machine, without the source
+    other = nbkit.CachedDataset.open(url, storage_options=so)
+    assert other.root.startswith(str(tmp_path / "host-b")) and len(other.missing()) == 0
+    src = TupleSource(n=64)
+    for i in range(64):
+        assert_equal(other[i], src[i], f"sample {i} on host B")
+
+
+def logging_push(pushes):
+    """``mirror.push`` that first appends the id of the process pushing to the file ``pushes``."""
+    real_push = mirror.push
+
+    def logged_push(*args, **kwargs):
+        with open(pushes, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_push(*args, **kwargs)
+
+    return logged_push
+
+
+def assert_published_once(pushes, url, so, n, monkeypatch, tmp_path):
+    """One push happened, and another machine opening ``url`` without the source finds all ``n`` samples."""
+    assert len(pushes.read_text().split()) == 1
+    host(monkeypatch, tmp_path, "host-b")
+    other = nbkit.CachedDataset.open(url, storage_options=so)
+    assert len(other.missing()) == 0
+    assert_equal(other[n - 1], TupleSource(n=n)[n - 1])
+
+
+def test_dataloader_workers_publish_a_completed_cache_once(tmp_path, monkeypatch, gcs):
+    url, so = f"{gcs.url}/trained", gcs.storage_options
+    host(monkeypatch, tmp_path, "host-a")
+    pushes = tmp_path / "pushes"
+    monkeypatch.setattr(mirror, "push", logging_push(pushes))  # forked workers keep the patch
+    ds = nbkit.CachedDataset(TupleSource(n=96), url, storage_options=so)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
+                                         multiprocessing_context="fork")
+    for epoch in range(2):  # both workers may see the cache complete; the second epoch only reads
+        assert sum(len(y) for _, y in loader) == 96
+    assert_published_once(pushes, url, so, 96, monkeypatch, tmp_path)
 
 
 def test_unreachable_bucket_fails_at_once_naming_the_endpoint(tmp_path, monkeypatch):
@@ -146,3 +208,45 @@ def test_unreachable_bucket_fails_at_once_naming_the_endpoint(tmp_path, monkeypa
                                       r"cache at gs://nbkit-nowhere/mnist .*open the cache again") as err:
         nbkit.CachedDataset(TupleSource(n=8), "gs://nbkit-nowhere/mnist", storage_options=nothing_listens)
     assert isinstance(err.value.__cause__, ConnectionRefusedError)
+
+
+def _read_half(url, so, half, pushes):
+    mirror.push = logging_push(pushes)  # in this child process only
+    ds = nbkit.CachedDataset(TupleSource(n=64), url, storage_options=so)
+    for start in range(half, 64, 16):  # the two processes interleave their reads
+        ds.__getitems__(list(range(start, start + 8)))
+
+
+def test_processes_filling_one_cache_by_reads_publish_it_once(tmp_path, monkeypatch, gcs):
+    import multiprocessing
+
+    url, so = f"{gcs.url}/two-processes", gcs.storage_options
+    host(monkeypatch, tmp_path, "host-a")
+    pushes = tmp_path / "pushes"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_read_half, args=(url, so, half, str(pushes))) for half in (0, 8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert_published_once(pushes, url, so, 64, monkeypatch, tmp_path)
+
+
+def test_failed_publish_after_training_warns_and_training_goes_on(tmp_path, monkeypatch):
+    host(monkeypatch, tmp_path, "host-a")
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/cache"
+    ds = nbkit.CachedDataset(TupleSource(n=8), url)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("the endpoint went away")
+
+    monkeypatch.setattr(mirror, "push", unreachable)
+    with pytest.warns(RuntimeWarning, match=rf"cache at {url} is complete but could not be published; training goes "
+                                            r"on .*the endpoint went away.*call sync\(\) on the dataset again"):
+        ds.__getitems__(list(range(8)))
+    assert_equal(ds[7], TupleSource(n=8)[7])  # the working copy serves reads; no second try per read
+    monkeypatch.undo()
+    ds.sync()
+    fs, root = url_to_fs(url, None)
+    assert fs.exists(f"{root}/{fmt.META}")
