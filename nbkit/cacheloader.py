@@ -25,6 +25,7 @@ from . import format as fmt
 from .codec import decode_freeform, encode_freeform
 from .errors import CorruptCacheError, MissingSampleError
 from .stores import keyed
+from .text import format_list
 
 __all__ = ["CacheLoader", "resolve"]
 
@@ -100,9 +101,8 @@ class CacheLoader:
         store = self.store
         found = store.get(kb)
         if found is not None:
-            crc, blob = found
-            if fmt.row_crc([], blob) == crc:
-                return decode_freeform(blob, allow_pickle=self.allow_pickle, where=self._where(kb))
+            if intact(found):
+                return decode_freeform(found[1], allow_pickle=self.allow_pickle, where=self._where(kb))
             if load_fn is None:
                 raise CorruptCacheError(
                     f"{self._where(kb)} fails its checksum: the stored bytes were damaged or modified. Call "
@@ -144,16 +144,11 @@ class CacheLoader:
         """
         store = self.store
         kbs = store.keys()
-        bad = []
-        for kb in kbs:
-            crc, blob = store.get(kb)
-            if fmt.row_crc([], blob) != crc:
-                bad.append(keyed.key_of(kb))
+        bad = [keyed.key_of(kb) for kb in kbs if not intact(store.get(kb))]
         if bad:
-            shown = ", ".join(map(repr, bad[:10])) + (" …" if len(bad) > 10 else "")
             raise CorruptCacheError(
-                f"{len(bad)} value(s) in the CacheLoader at {self.path} fail their checksum (keys {shown}). Call "
-                "get(key, load_fn) on them to compute and store them again."
+                f"{len(bad)} value(s) in the CacheLoader at {self.path} fail their checksum (keys "
+                f"{format_list(bad, show=repr)}). Call get(key, load_fn) on them to compute and store them again."
             )
         return len(kbs)
 
@@ -162,6 +157,12 @@ class CacheLoader:
         if self._store is not None and self._store_pid == os.getpid():
             self._store.close()
         self._store = None
+
+
+def intact(found) -> bool:
+    """Whether a stored ``(crc, value)`` matches its checksum."""
+    crc, blob = found
+    return fmt.row_crc([], blob) == crc
 
 
 def resolve(url: str, storage_options: dict | None = None):

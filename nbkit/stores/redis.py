@@ -28,6 +28,7 @@ import numpy as np
 from .. import format as fmt
 from ..errors import CorruptCacheError, MissingSampleError
 from ..extras import require
+from ..text import format_list
 from .base import Location
 
 __all__ = ["RedisLocation", "RedisStore", "is_oom", "RedisURL", "parse_url", "resolve", "resolve_redis", "FULL_RETRY_SECONDS", "PUT_BYTES"]
@@ -479,10 +480,9 @@ class RedisStore(fmt.Store):
             return
         gone = [int(i) for i, v in zip(sub, values) if v is None]
         if gone:
-            shown = ", ".join(map(str, gone[:10])) + (" …" if len(gone) > 10 else "")
             raise MissingSampleError(
                 f"the Redis server {self.location.addresses[k]} no longer holds the cache {self.location.root} (it restarted "
-                f"without persistence, was flushed, or the cache was removed): samples {shown} are gone. Open the cache "
+                f"without persistence, was flushed, or the cache was removed): samples {format_list(gone)} are gone. Open the cache "
                 "with its source (nbkit.CachedDataset(source, url)) to recompute them, or warm it up again."
             )
 
