@@ -100,6 +100,8 @@ class CacheLoader:
         kb = keyed.key_bytes(key)
         store = self.store
         found = store.get(kb)
+        if found is not None and not intact(found):
+            found = store.get(kb, fresh=True)  # another process may have stored it again since
         if found is not None:
             if intact(found):
                 return decode_freeform(found[1], allow_pickle=self.allow_pickle, where=self._where(kb))

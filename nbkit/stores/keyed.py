@@ -2,13 +2,14 @@
 
 A local keyed cache is a directory of three files: ``nbkit-keys.json`` (metadata, created once),
 ``values.bin`` (the encoded values, appended) and ``keys.bin`` (the index, appended: one record per
-value, ``magic, key length, offset, length, value CRC, record CRC`` then the key). A writer appends
+value, ``magic, key length, offset, length, value CRC, record CRC``, then the key). A writer appends
 the value first and its record second, both under ``files.file_lock(keys.lock)``, so a record only
-ever points at bytes already written, and a reader, which parses records until the first incomplete
-or failing one, never sees a value before it is whole. A writer killed mid-append leaves at most a
-torn record at the end of ``keys.bin`` (never read; the next writer cuts it off) and orphan bytes at
-the end of ``values.bin`` (never pointed at). A later record for the same key replaces the earlier
-one (a value rewritten after failing its checksum). ``redis://`` URLs go to
+ever points at bytes already written. Readers take no lock: they parse the records appended since
+they last looked, and stop at bytes that are no whole record (one being written) unless whole
+records follow them (bytes left by a killed writer, or damage: skipped). So a value is never seen
+before it is whole, and a writer killed mid-append leaves at most a torn record in ``keys.bin`` and
+orphan bytes in ``values.bin``, neither of them ever served. A later record for the same key
+replaces the earlier one (a value rewritten after failing its checksum). ``redis://`` URLs go to
 :mod:`nbkit.stores.keyed_redis`.
 
 Example:
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 
 import numpy as np
 
@@ -133,26 +135,51 @@ class LocalKeyed:
         self._lock = os.path.join(root, KEYS_LOCK)
         self._map: dict = {}  # key bytes -> (offset, length, crc)
         self._pos = 0  # end of the last whole record read from keys.bin
+        self._mutex = threading.Lock()  # threads of this process (a DataLoader's pin thread, a device loader) share _pos
 
     def refresh(self) -> int:
         """Read the records appended since the last call; return where the whole records end."""
-        size = os.fstat(self._keys).st_size
-        if size <= self._pos:
+        with self._mutex:
+            size = os.fstat(self._keys).st_size
+            if size > self._pos:
+                data = os.pread(self._keys, size - self._pos, self._pos)
+                self._pos += self._parse(data)
             return self._pos
-        data = os.pread(self._keys, size - self._pos, self._pos)
-        pos, n, head = 0, len(data), RECORD.size
-        while pos + head <= n:
-            magic, klen, off, length, crc, rcrc = RECORD.unpack_from(data, pos)
-            end = pos + head + klen
-            if magic != MAGIC or end > n:
-                break  # being written by another process, or torn by one that was killed
-            key = data[pos + head:end]
-            if fmt.row_crc([data[pos:pos + head - 4], key]) != rcrc:
-                break
-            self._map[key] = (off, length, crc)
+
+    def _parse(self, data: bytes) -> int:
+        """Add the whole records in ``data`` to the map; return how many bytes were read past."""
+        pos, n = 0, len(data)
+        while pos < n:
+            end = self._record(data, pos)
+            if end is None:
+                # Bytes that are no record: the tail of a record still being written (nothing whole
+                # follows: stop, and read it again next time), or bytes left by a writer that was
+                # killed, or damaged, with whole records after them: skip to the next one.
+                nxt = data.find(MAGIC, pos + 1)
+                while nxt >= 0 and self._record(data, nxt, add=False) is None:
+                    nxt = data.find(MAGIC, nxt + 1)
+                if nxt < 0:
+                    break
+                pos = nxt
+                continue
             pos = end
-        self._pos += pos
-        return self._pos
+        return pos
+
+    def _record(self, data: bytes, pos: int, add: bool = True):
+        """The end of the whole record at ``pos`` in ``data`` (added to the map), or ``None``."""
+        head = RECORD.size
+        if pos + head > len(data):
+            return None
+        magic, klen, off, length, crc, rcrc = RECORD.unpack_from(data, pos)
+        end = pos + head + klen
+        if magic != MAGIC or end > len(data):
+            return None
+        key = data[pos + head:end]
+        if fmt.row_crc([data[pos:pos + head - 4], key]) != rcrc:
+            return None
+        if add:
+            self._map[key] = (off, length, crc)
+        return end
 
     def lookup(self, kb: bytes):
         """``(offset, length, crc)`` of a stored key, or ``None``."""
@@ -165,33 +192,29 @@ class LocalKeyed:
     def contains(self, kb: bytes) -> bool:
         return self.lookup(kb) is not None
 
-    def get(self, kb: bytes):
-        """``(crc, value)`` of a stored key, or ``None``."""
+    def get(self, kb: bytes, *, fresh: bool = False):
+        """``(crc, value)`` of a stored key, or ``None``; ``fresh``: look for a newer record of it first
+        (another process may have replaced a damaged value)."""
+        if fresh:
+            self.refresh()
         found = self.lookup(kb)
         if found is None:
             return None
         off, length, crc = found
-        data = os.pread(self._values, length, off)
-        if len(data) != length:
-            raise CorruptCacheError(
-                f"the value of key {key_of(kb)!r} in the CacheLoader at {self.root} lies past the end of {VALUES}: the "
-                "file was truncated. Delete the directory to start over, or copy it again."
-            )
-        return crc, data
+        return crc, os.pread(self._values, length, off)  # short if values.bin was truncated: its checksum fails
 
     def put(self, kb: bytes, crc: int, value: bytes, *, replace: bool = False) -> bool:
         """Store ``value`` under ``kb`` unless another process stored the key first (or ``replace``);
         return whether this call stored it."""
         with file_lock(self._lock):
-            end = self.refresh()
+            self.refresh()
             if not replace and kb in self._map:
                 return False
-            if os.fstat(self._keys).st_size > end:
-                os.ftruncate(self._keys, end)  # a record torn by a writer that was killed: nobody writes it now
             off = os.fstat(self._values).st_size
             _pwrite_all(self._values, value, off)
             head = RECORD.pack(MAGIC, len(kb), off, len(value), crc, 0)[:-4]
-            _pwrite_all(self._keys, head + struct.pack("<I", fmt.row_crc([head, kb])) + kb, end)
+            # At the end of the file, after any bytes a killed writer left (readers skip them).
+            _pwrite_all(self._keys, head + struct.pack("<I", fmt.row_crc([head, kb])) + kb, os.fstat(self._keys).st_size)
         self.refresh()
         return True
 

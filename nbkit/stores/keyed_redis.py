@@ -79,8 +79,8 @@ class RedisKeyed:
                 )
             return None
 
-    def get(self, kb: bytes):
-        """``(crc, value)`` of a stored key, or ``None``."""
+    def get(self, kb: bytes, *, fresh: bool = False):
+        """``(crc, value)`` of a stored key, or ``None`` (always read from the server: ``fresh`` changes nothing)."""
         k = self._server(kb)
         raw = self.location.call(k, self._clients[k].hget, self._hash, kb)
         if raw is None:
