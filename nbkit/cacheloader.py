@@ -59,6 +59,7 @@ class CacheLoader:
     """
 
     def __init__(self, path_or_url, *, allow_pickle: bool = False, storage_options: dict | None = None):
+        #: the path or URL as given; ``root``: the local directory, or the normalized Redis URL
         self.path = os.fspath(path_or_url)
         self.allow_pickle = allow_pickle
         self.root, self._opener = resolve(self.path, storage_options)
@@ -185,7 +186,7 @@ def resolve(url: str, storage_options: dict | None = None):
         from .stores.registry import resolve as resolve_location
 
         location = resolve_location(url, storage_options)  # checks the redis package, parses the URL
-        return url, functools.partial(RedisKeyed, location)
+        return location.root, functools.partial(RedisKeyed, location)
     if protocol in (None, "file", "local"):
         root = os.path.abspath(os.path.expanduser(strip_protocol(url) if protocol else url))
         return root, functools.partial(keyed.LocalKeyed, root)
