@@ -10,6 +10,7 @@ Example:
     torch.Size([16, 4])
 """
 
+from .cacheloader import CacheLoader
 from .collate import collate
 from .dataset import CachedDataset
 from .loader import DeviceLoader
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CachedDataset",
+    "CacheLoader",
     "DeviceLoader",
     "collate",
     "fields",

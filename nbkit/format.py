@@ -25,6 +25,7 @@ from .gather import pool, spans
 from .errors import CorruptCacheError, StaleCacheError
 from .files import atomic_write
 from .progress import as_callback
+from .text import format_list
 
 __all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "Store", "list_cache_files", "read_meta",
            "parse_meta", "publish_meta", "row_crc", "batch_crc", "sample_crcs", "verify", "verify_store"]
@@ -288,9 +289,8 @@ def verify_store(store, *, where: str, callback=None, verified: np.ndarray | Non
         bad.extend(int(i) for i in part[~ok])
         cb.relative_update(len(part))
     if bad:
-        shown = ", ".join(map(str, bad[:10])) + (" …" if len(bad) > 10 else "")
         raise CorruptCacheError(
-            f"{len(bad)} sample(s) in the cache at {where} fail their checksum (indices {shown}). "
+            f"{len(bad)} sample(s) in the cache at {where} fail their checksum (indices {format_list(bad)}). "
             "Re-create them by opening the cache with its source, or pull / import the cache again."
         )
     return len(stored)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
-__all__ = ["format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent", "Table"]
+__all__ = ["format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent",
+           "format_list", "Table"]
 
 
 def format_bytes(n) -> str:
@@ -66,6 +67,17 @@ def format_seconds(seconds: float, *, digits: int = 1) -> str:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+def format_list(items, *, limit: int = 10, show=str) -> str:
+    """The first ``limit`` of ``items`` (each through ``show``), then ``…`` if there are more: for error messages.
+
+    Example:
+        >>> format_list(range(12)), format_list(["a"], show=repr)
+        ('0, 1, 2, 3, 4, 5, 6, 7, 8, 9 …', "'a'")
+    """
+    items = list(items)
+    return ", ".join(map(show, items[:limit])) + (" …" if len(items) > limit else "")
 
 
 def format_percent(fraction: float, *, digits: int = 1, missing: str = "–") -> str:

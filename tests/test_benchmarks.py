@@ -150,3 +150,16 @@ def test_bench_device_quick_runs_on_the_cpu(tmp_path):
     assert len(target_rows) >= 3 and all(("| PASS |" in ln) or ("| MISS |" in ln) for ln in target_rows)
     data = json.loads((results / f"{stem}.json").read_text())
     assert data["results"]["mnist"]["n"] == 2048
+
+
+@pytest.mark.slow
+def test_bench_cacheloader_quick_writes_a_table(tmp_path):
+    """benchmarks/bench_cacheloader.py --quick: CacheLoader.get against CachedDataset reads, right data everywhere."""
+    results, stdout = _quick("bench_cacheloader.py", tmp_path)
+    table = (results / "cacheloader.md").read_text()
+    assert table.strip() in stdout and "Quick mode" in table
+    for row in ("raw source `src[i]`", "`CachedDataset` `ds[i]`", "`CachedDataset` batch of 256",
+                "`CacheLoader.get(i)`, local", "`CacheLoader` in a Bagua-style dataset"):
+        assert row in table, row
+    assert "WRONG DATA" not in table
+    assert table.count("| ok |") == len([ln for ln in table.splitlines() if ln.startswith("| ") and "µs" not in ln])

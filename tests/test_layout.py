@@ -29,7 +29,7 @@ LAYERS = {
     4: ("nbkit.manifest",),
     5: ("nbkit.transfer", "nbkit.archive"),
     6: ("nbkit.stores",),
-    7: ("nbkit.warmup", "nbkit.dataset", "nbkit.samplers", "nbkit.loader"),
+    7: ("nbkit.warmup", "nbkit.dataset", "nbkit.samplers", "nbkit.loader", "nbkit.cacheloader"),
 }
 TOP = max(LAYERS) + 1
 

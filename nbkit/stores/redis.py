@@ -28,9 +28,10 @@ import numpy as np
 from .. import format as fmt
 from ..errors import CorruptCacheError, MissingSampleError
 from ..extras import require
+from ..text import format_list
 from .base import Location
 
-__all__ = ["RedisLocation", "RedisStore", "RedisURL", "parse_url", "resolve", "resolve_redis", "FULL_RETRY_SECONDS", "PUT_BYTES"]
+__all__ = ["RedisLocation", "RedisStore", "is_oom", "RedisURL", "parse_url", "resolve", "resolve_redis", "FULL_RETRY_SECONDS", "PUT_BYTES"]
 
 FULL_RETRY_SECONDS = 30.0  # after a write hit maxmemory, skip writes to that server this long
 _HEADER = struct.Struct("<BI")  # flags, crc: the record fields stored in front of each sample
@@ -298,7 +299,7 @@ class RedisLocation(Location):
         try:
             return self.call(k, fn, *args, **kwargs)
         except _redis().exceptions.ResponseError as e:
-            if not _is_oom(e):
+            if not is_oom(e):
                 raise
             raise OSError(
                 errno.ENOSPC,
@@ -380,7 +381,8 @@ def _connection(pool):
         return pool.get_connection("MGET")
 
 
-def _is_oom(e: Exception) -> bool:
+def is_oom(e: Exception) -> bool:
+    """Whether a Redis ``ResponseError`` says the server is at ``maxmemory``."""
     # redis-py >= 4.4 raises OutOfMemoryError (and strips the "OOM" prefix); older ones a plain ResponseError.
     oom = getattr(_redis().exceptions, "OutOfMemoryError", ())
     return isinstance(e, oom) or "OOM" in str(e) or "maxmemory" in str(e)
@@ -478,10 +480,9 @@ class RedisStore(fmt.Store):
             return
         gone = [int(i) for i, v in zip(sub, values) if v is None]
         if gone:
-            shown = ", ".join(map(str, gone[:10])) + (" …" if len(gone) > 10 else "")
             raise MissingSampleError(
                 f"the Redis server {self.location.addresses[k]} no longer holds the cache {self.location.root} (it restarted "
-                f"without persistence, was flushed, or the cache was removed): samples {shown} are gone. Open the cache "
+                f"without persistence, was flushed, or the cache was removed): samples {format_list(gone)} are gone. Open the cache "
                 "with its source (nbkit.CachedDataset(source, url)) to recompute them, or warm it up again."
             )
 
@@ -492,7 +493,7 @@ class RedisStore(fmt.Store):
             self.location.call(k, c.set, self.location.meta_key, self._meta_body, nx=True)
             self.location.call(k, c.set, self._live, b"1")
         except _redis().exceptions.ResponseError as e:
-            if not _is_oom(e):
+            if not is_oom(e):
                 raise
             self._full(k, 0)
 
@@ -610,7 +611,7 @@ class RedisStore(fmt.Store):
                         self._heal(k)  # the server lost this cache since we last looked: mark it again, then store
                         self.location.call(k, self._put[k], keys=keys, args=args)
                 except _redis().exceptions.ResponseError as e:
-                    if not _is_oom(e):
+                    if not is_oom(e):
                         raise
                     self._full(k, len(sub))
                     self._refused(k, sub, replaced)

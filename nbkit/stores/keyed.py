@@ -1,0 +1,241 @@
+"""Key-value stores for :class:`nbkit.CacheLoader`: values found by an arbitrary str/int key, not by index.
+
+A local keyed cache is a directory of three files: ``nbkit-keys.json`` (metadata, created once),
+``values.bin`` (the encoded values, appended) and ``keys.bin`` (the index, appended: one record per
+value, ``magic, key length, offset, length, value CRC, record CRC``, then the key). A writer appends
+the value first and its record second, both under ``files.file_lock(keys.lock)``, so a record only
+ever points at bytes already written. Readers take no lock: they parse the records appended since
+they last looked, and stop at bytes that are no whole record (one being written) unless whole
+records follow them (bytes left by a killed writer, or damage: skipped). So a value is never seen
+before it is whole, and a writer killed mid-append leaves at most a torn record in ``keys.bin`` and
+orphan bytes in ``values.bin``, neither of them ever served. A later record for the same key
+replaces the earlier one (a value rewritten after failing its checksum). ``redis://`` URLs go to
+:mod:`nbkit.stores.keyed_redis`.
+
+Example:
+    >>> import tempfile, zlib
+    >>> store = LocalKeyed(tempfile.mkdtemp())
+    >>> store.put(key_bytes("a"), zlib.crc32(b"one"), b"one"), store.put(key_bytes("a"), 0, b"two")
+    (True, False)
+    >>> store.get(key_bytes("a")) == (zlib.crc32(b"one"), b"one"), store.count()
+    (True, 1)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+
+import numpy as np
+
+from .. import format as fmt
+from ..errors import CorruptCacheError
+from ..files import atomic_write, file_lock
+
+__all__ = ["KEYS_META", "KEYS", "VALUES", "KEYS_LOCK", "FORMAT_NAME", "RECORD", "key_bytes", "key_of", "LocalKeyed"]
+
+FORMAT_NAME = "nbkit-keyed"
+VERSION = 1
+KEYS_META = "nbkit-keys.json"
+KEYS = "keys.bin"
+VALUES = "values.bin"
+KEYS_LOCK = "keys.lock"
+MAGIC = b"NBKV"
+#: One index record, followed by the key's bytes: magic, key length, value offset, value length,
+#: value CRC-32, and the CRC-32 of the record's first 28 bytes and the key.
+RECORD = struct.Struct("<4sIQQII")
+MAX_KEY = 1 << 16
+
+
+def key_bytes(key) -> bytes:
+    """The stored form of a key: ``i<decimal>`` for an integer, ``s<utf-8>`` for a string, ``b<bytes>``.
+
+    Integers and strings stay apart (``1`` and ``"1"`` are different keys), and numpy or 0-d tensor
+    integers equal Python ones.
+
+    Example:
+        >>> key_bytes(7), key_bytes("7"), key_bytes(__import__("numpy").int64(7))
+        (b'i7', b's7', b'i7')
+    """
+    if isinstance(key, str):
+        out = b"s" + key.encode("utf-8", "surrogatepass")
+    elif isinstance(key, (bytes, bytearray)):
+        out = b"b" + bytes(key)
+    elif isinstance(key, (int, np.integer)):
+        out = b"i%d" % int(key)
+    elif hasattr(key, "dtype") and getattr(key, "ndim", None) == 0 and not getattr(key, "is_floating_point", lambda: True)():
+        out = b"i%d" % int(key.item())  # a 0-d integer tensor (a DataLoader's index)
+    else:
+        raise TypeError(
+            f"a CacheLoader key must be a str, an int or bytes, got {type(key).__module__}.{type(key).__qualname__} "
+            f"{key!r}; convert it (e.g. str(key)) in your dataset."
+        )
+    if len(out) > MAX_KEY:
+        raise ValueError(f"a CacheLoader key is at most {MAX_KEY - 1} bytes long; got one of {len(out) - 1}")
+    return out
+
+
+def key_of(kb: bytes):
+    """The key a stored form stands for (inverse of :func:`key_bytes`).
+
+    Example:
+        >>> key_of(b"i7"), key_of(b"sseven"), key_of(b"b\\x00")
+        (7, 'seven', b'\\x00')
+    """
+    body = kb[1:]
+    if kb[:1] == b"i":
+        return int(body)
+    if kb[:1] == b"s":
+        return body.decode("utf-8", "surrogatepass")
+    return bytes(body)
+
+
+def keyed_meta() -> dict:
+    return {"format": FORMAT_NAME, "version": VERSION}
+
+
+def check_keyed_meta(raw: bytes, where: str) -> dict:
+    """Parse keyed-cache metadata read from ``where``; anything else raises :class:`CorruptCacheError`."""
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise CorruptCacheError(f"{where} is not valid JSON ({e}); the CacheLoader metadata is damaged.") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CorruptCacheError(f"{where} is not CacheLoader metadata (format {meta.get('format') if isinstance(meta, dict) else None!r}).")
+    if not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
+        raise CorruptCacheError(f"{where} has version {meta.get('version')!r}; this nbkit reads {VERSION}. Upgrade nbkit.")
+    return meta
+
+
+class LocalKeyed:
+    """The files of one local keyed cache, opened in one process (each DataLoader worker opens its own).
+
+    Methods take keys in their stored form (:func:`key_bytes`).
+    """
+
+    is_remote = False
+
+    def __init__(self, root: str):
+        self.root = root
+        if os.path.exists(os.path.join(root, fmt.META)):
+            raise ValueError(
+                f"{root} holds a CachedDataset cache (it has {fmt.META}); open it with nbkit.CachedDataset.open({root!r}), "
+                "and give the CacheLoader a directory of its own."
+            )
+        os.makedirs(root, exist_ok=True)
+        meta_path = os.path.join(root, KEYS_META)
+        if not os.path.exists(meta_path):
+            atomic_write(meta_path, json.dumps(keyed_meta(), sort_keys=True).encode(), exclusive=True, sync=True)
+        with open(meta_path, "rb") as f:
+            check_keyed_meta(f.read(), meta_path)
+        self._values = os.open(os.path.join(root, VALUES), os.O_RDWR | os.O_CREAT, 0o644)
+        self._keys = os.open(os.path.join(root, KEYS), os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock = os.path.join(root, KEYS_LOCK)
+        self._map: dict = {}  # key bytes -> (offset, length, crc)
+        self._pos = 0  # end of the last whole record read from keys.bin
+        self._mutex = threading.Lock()  # threads of this process (a DataLoader's pin thread, a device loader) share _pos
+
+    def refresh(self) -> int:
+        """Read the records appended since the last call; return where the whole records end."""
+        with self._mutex:
+            size = os.fstat(self._keys).st_size
+            if size > self._pos:
+                data = os.pread(self._keys, size - self._pos, self._pos)
+                self._pos += self._parse(data)
+            return self._pos
+
+    def _parse(self, data: bytes) -> int:
+        """Add the whole records in ``data`` to the map; return how many bytes were read past."""
+        pos, n = 0, len(data)
+        while pos < n:
+            end = self._record(data, pos)
+            if end is None:
+                # Bytes that are no record: the tail of a record still being written (nothing whole
+                # follows: stop, and read it again next time), or bytes left by a writer that was
+                # killed, or damaged, with whole records after them: skip to the next one.
+                nxt = data.find(MAGIC, pos + 1)
+                while nxt >= 0 and self._record(data, nxt, add=False) is None:
+                    nxt = data.find(MAGIC, nxt + 1)
+                if nxt < 0:
+                    break
+                pos = nxt
+                continue
+            pos = end
+        return pos
+
+    def _record(self, data: bytes, pos: int, add: bool = True):
+        """The end of the whole record at ``pos`` in ``data`` (added to the map), or ``None``."""
+        head = RECORD.size
+        if pos + head > len(data):
+            return None
+        magic, klen, off, length, crc, rcrc = RECORD.unpack_from(data, pos)
+        end = pos + head + klen
+        if magic != MAGIC or end > len(data):
+            return None
+        key = data[pos + head:end]
+        if fmt.row_crc([data[pos:pos + head - 4], key]) != rcrc:
+            return None
+        if add:
+            self._map[key] = (off, length, crc)
+        return end
+
+    def lookup(self, kb: bytes):
+        """``(offset, length, crc)`` of a stored key, or ``None``."""
+        found = self._map.get(kb)
+        if found is None:
+            self.refresh()  # another process may have stored it since
+            found = self._map.get(kb)
+        return found
+
+    def contains(self, kb: bytes) -> bool:
+        return self.lookup(kb) is not None
+
+    def get(self, kb: bytes, *, fresh: bool = False):
+        """``(crc, value)`` of a stored key, or ``None``; ``fresh``: look for a newer record of it first
+        (another process may have replaced a damaged value)."""
+        if fresh:
+            self.refresh()
+        found = self.lookup(kb)
+        if found is None:
+            return None
+        off, length, crc = found
+        return crc, os.pread(self._values, length, off)  # short if values.bin was truncated: its checksum fails
+
+    def put(self, kb: bytes, crc: int, value: bytes, *, replace: bool = False) -> bool:
+        """Store ``value`` under ``kb`` unless another process stored the key first (or ``replace``);
+        return whether this call stored it."""
+        with file_lock(self._lock):
+            self.refresh()
+            if not replace and kb in self._map:
+                return False
+            off = os.fstat(self._values).st_size
+            _pwrite_all(self._values, value, off)
+            head = RECORD.pack(MAGIC, len(kb), off, len(value), crc, 0)[:-4]
+            # At the end of the file, after any bytes a killed writer left (readers skip them).
+            _pwrite_all(self._keys, head + struct.pack("<I", fmt.row_crc([head, kb])) + kb, os.fstat(self._keys).st_size)
+        self.refresh()
+        return True
+
+    def count(self) -> int:
+        self.refresh()
+        return len(self._map)
+
+    def keys(self) -> list:
+        """Every stored key, in stored form."""
+        self.refresh()
+        return list(self._map)
+
+    def close(self) -> None:
+        for fd in (self._values, self._keys):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view, written = memoryview(data), 0
+    while written < len(view):
+        written += os.pwrite(fd, view[written:], offset + written)

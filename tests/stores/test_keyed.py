@@ -1,0 +1,44 @@
+"""The local keyed store (nbkit.stores.keyed) under nbkit.CacheLoader: append-only values and key index."""
+
+import os
+
+import nbkit
+from nbkit.stores import keyed
+
+
+def test_keys_keep_their_type():
+    for key in (0, -5, 2**70, "", "ünï", b"\x00raw"):
+        assert keyed.key_of(keyed.key_bytes(key)) == key
+    assert keyed.key_bytes(True) == keyed.key_bytes(1)  # as in a dict
+
+
+def test_a_torn_record_is_never_served_and_writing_goes_on_after_it(tmp_path):
+    path = tmp_path / "kv"
+    loader = nbkit.CacheLoader(path)
+    loader.get("whole", lambda k: "whole value")
+    size = os.path.getsize(path / keyed.KEYS)
+    # What a writer killed mid-append leaves: value bytes nobody points at, half of an index record.
+    with open(path / keyed.VALUES, "ab") as f:
+        f.write(b"NBKF half a value")
+    record = keyed.RECORD.pack(keyed.MAGIC, 5, 0, 100, 0, 0) + b"storn"
+    with open(path / keyed.KEYS, "ab") as f:
+        f.write(record[:20])
+    reader = nbkit.CacheLoader(path)
+    assert len(reader) == 1 and "torn" not in reader and reader.get("whole") == "whole value"
+    reader.get("next", lambda k: [1, 2])  # appended after the torn bytes, which readers skip
+    assert os.path.getsize(path / keyed.KEYS) == size + 20 + keyed.RECORD.size + len(b"snext")
+    fresh = nbkit.CacheLoader(path)
+    assert fresh.get("next") == [1, 2] and fresh.get("whole") == "whole value" and len(fresh) == 2
+
+
+def test_damage_in_the_index_costs_only_the_records_it_hits(tmp_path):
+    path = tmp_path / "kv"
+    loader = nbkit.CacheLoader(path)
+    for k in range(5):
+        loader.get(k, lambda k: k * 10)
+    with open(path / keyed.KEYS, "r+b") as f:  # one byte of the second record's key
+        f.seek(2 * keyed.RECORD.size + len(b"i0") + 1)
+        f.write(b"\xff")
+    reader = nbkit.CacheLoader(path)
+    assert sorted(reader.keys()) == [0, 2, 3, 4] and reader.verify() == 4
+    assert reader.get(1, lambda k: "again") == "again" and nbkit.CacheLoader(path).get(1) == "again"
