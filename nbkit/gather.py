@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-__all__ = ["take_rows", "spans", "auto_threads", "pool", "empty_rows"]
+__all__ = ["take_rows", "spans", "auto_threads", "pool", "empty_rows", "pinned_rows"]
 
 # Batches at least this large are gathered straight into pinned memory when this process uses CUDA.
 PIN_MIN_BYTES = 64 << 10
@@ -79,11 +79,15 @@ def empty_rows(n: int, columns: list) -> list:
     sizes = [n * int(np.prod(c.shape[1:], dtype=np.int64)) * c.itemsize for c in columns]
     if sum(sizes) < PIN_MIN_BYTES or not torch.cuda.is_initialized() or get_worker_info() is not None:
         return [np.empty((n, *c.shape[1:]), dtype=c.dtype) for c in columns]
-    out = []
-    for c, size in zip(columns, sizes):
-        buf = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
-        out.append(buf.numpy()[:size].view(c.dtype).reshape(n, *c.shape[1:]))  # keeps buf alive
-    return out
+    return [pinned_rows(n, c.shape[1:], c.dtype)[1] for c in columns]
+
+
+def pinned_rows(n: int, shape, dtype: np.dtype):
+    """``(buffer, array)``: ``n`` rows of ``shape`` and ``dtype`` in one page-locked uint8 tensor,
+    and the numpy view of it (which keeps the buffer alive)."""
+    size = n * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    buf = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)[:size]
+    return buf, buf.numpy().view(dtype).reshape(n, *shape)
 
 
 def take_rows(columns: list, rows: np.ndarray, out: list | None = None, threads: int | None = None) -> list:

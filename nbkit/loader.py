@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import default_collate
 
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
-from .gather import auto_threads
+from .gather import auto_threads, pinned_rows
 from .samplers import EpochSampler
 
 __all__ = ["DeviceLoader"]
@@ -250,11 +250,10 @@ class _Pipeline:
                 dtype = schema.column_dtype(leaf)
                 if dtype.kind in "SU":  # strings stay on the host: no pinned path for this dataset
                     return None
-                nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * dtype.itemsize * rows
-                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-                arrays.append(buf.numpy()[:nbytes].view(dtype).reshape(rows, *leaf.shape))
+                buf, array = pinned_rows(rows, leaf.shape, dtype)
+                arrays.append(array)
                 tdtype = column_tensor(leaf, np.empty((0, *leaf.shape), dtype)).dtype
-                tensors.append(buf[:nbytes].view(tdtype).view(rows, *leaf.shape))
+                tensors.append(buf.view(tdtype).view(rows, *leaf.shape))
             self.slots.append({"arrays": arrays, "tensors": tensors, "event": None})
         slot = self.slots[c % n_slots]
         if slot["event"] is not None:
