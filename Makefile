@@ -6,7 +6,10 @@ BIN    := $(VENV)/bin
 TORCH_STACK := torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0
 export PJRT_DEVICE ?= CPU
 
-.PHONY: setup test demo bench clean
+# A second interpreter the suite also runs under in CI (`make test-py313`); Colab runs 3.12.
+PY313 ?= $(shell for p in $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.13*/bin/python3.13 $$(command -v python3.13); do "$$p" -c "" 2>/dev/null && { echo "$$p"; break; }; done)
+
+.PHONY: setup test test-py313 demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +24,11 @@ $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh
 test: setup
 	$(BIN)/python -m pytest
 
+# The same suite in a second venv (.venv-3.13) built with Python 3.13.
+test-py313:
+	@test -n "$(PY313)" || { echo "test-py313: no python3.13 found (on PATH or under pyenv); install it, or run: make test-py313 PY313=/path/to/python3.13" >&2; exit 2; }
+	$(MAKE) test PYTHON=$(PY313) VENV=.venv-3.13
+
 demo: setup
 	$(BIN)/python -m nbkit.demo
 	$(BIN)/python scripts/run_notebooks.py
@@ -29,4 +37,4 @@ bench: setup
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf out test-artifacts .pytest_cache
+	rm -rf out test-artifacts .pytest_cache dist
