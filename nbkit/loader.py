@@ -12,6 +12,11 @@ Batches that cannot be gathered column-wise (samples not cached yet, free-form o
 fields, a ``transform=``, a dataset that is not a ``CachedDataset``) are read through the
 dataset's own batch path, so misses are computed and stored as with a ``DataLoader``.
 
+Each pass's iterator counts in ``consumed`` (a :class:`nbkit.stats.Consumed`) the batches it has
+handed out and their hits and misses, leaving out those the thread read ahead: a hit-rate meter
+tracking the loader counts what the training loop trained on. An error in the thread (a sample
+missing from a cache opened without its source, a failing source) is raised by the iteration.
+
 Example:
     >>> import torch, tempfile, nbkit
     >>> src = torch.utils.data.TensorDataset(torch.randn(10, 3), torch.arange(10))
