@@ -81,13 +81,15 @@ class HitRateMeter(View):
 
         self.headline = _w.HTML()
         # Narrow screens (a phone, Colab's side panel): the bar shrinks and wraps under the headline,
-        # the counts line wraps (an HTML, where a Label would clip it) and the table scrolls sideways.
+        # the counts line wraps (an HTML, where a Label would clip it), the table is narrow and its box
+        # scrolls sideways on a screen narrower still.
         self.rate_bar = _w.FloatProgress(value=0.0, min=0.0, max=1.0,
                                          layout=_w.Layout(width="300px", max_width="100%"))
         self.counts_label = _w.HTML()
-        self.table = _w.HTML(layout=_w.Layout(max_width="100%"))
+        self.table = _w.HTML()
+        scroller = _w.Box([self.table], layout=_w.Layout(overflow="auto", width="100%"))
         self.widget = _w.VBox([_w.HBox([self.headline, self.rate_bar], layout=_w.Layout(flex_flow="row wrap")),
-                               self.counts_label, self.table], layout=_w.Layout(max_width="100%"))
+                               self.counts_label, scroller], layout=_w.Layout(max_width="100%"))
         self._render(time.perf_counter())
 
     @property
@@ -178,30 +180,31 @@ class HitRateMeter(View):
             f"hits {format_count(tot.hits)} · misses {format_count(tot.misses)} · {format_count(cur.rate)} samples/s this epoch"
             + (f" · {budget}" if budget else "")
         )
-        table = self._table().html(
-            style="border-collapse:collapse;font-variant-numeric:tabular-nums",
-            cell_style="padding:1px 6px;white-space:nowrap", column_styles=("",) * 7 + (f"color:{GREY}",),
+        self.table.value = self._table().html(
+            style="border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:92%",
+            cell_style="padding:1px 4px;white-space:nowrap", column_styles=("",) * 6 + (f"color:{GREY}",),
+            note_style=f"margin:4px 0 0 0;padding-left:18px;color:{GREY};white-space:normal",
         )
-        # Wider than the output area (a phone, a side panel): scroll sideways rather than wrap.
-        self.table.value = f'<div style="overflow-x:auto;max-width:100%">{table}</div>'
 
         if self.terminal:
             self._print(now, final)
 
     def _table(self) -> Table:
-        rows = []
+        # Narrow on purpose (Colab's side panel, a phone: ~470 px of output): short cells that never
+        # wrap, and what needs a sentence (an epoch cut short) in notes under the table, which may.
+        rows, notes = [], []
         for e in self.epochs:
-            notes = ["filling the cache" if e.filling else "from the cache"] if e.reads else []
             if e is self.current and self.counter.running:
-                notes.append("running")
-            if e.cut_short:
-                notes.append(_cut(e))
-            if e.read_ahead:
-                notes.append(f"{format_count(e.read_ahead)} read ahead, unused")
+                kind = "running"
+            elif e.cut_short:
+                kind = "cut short"
+                notes.append(_cut_note(e))
+            else:
+                kind = ("filling the cache" if e.filling else "from the cache") if e.reads else ""
             rows.append((e.epoch, format_count(e.samples), format_count(e.hits), format_count(e.misses), _pct(e),
-                         format_seconds(e.seconds, digits=2), format_count(e.rate), " · ".join(notes)))
-        header = ("epoch", "samples", "hits", "misses", "hit rate", "time", "samples/s", "")
-        return Table(rows, header, align="rrrrrrrl")
+                         format_seconds(e.seconds, digits=2), kind))
+        header = ("epoch", "samples", "hits", "misses", "hit rate", "time", "")
+        return Table(rows, header, align="rrrrrrl", notes=notes[-3:])
 
     def _print(self, now: float, final: bool) -> None:
         # On a TTY one line is rewritten; in logs, print epoch summaries and a line every few seconds.
@@ -221,6 +224,15 @@ def _cut(e: EpochStats) -> str:
     if e.planned is None:
         return f"cut short after {format_count(e.batches)} batches"
     return f"cut short: {format_count(e.batches)} of {format_count(e.planned)} batches"
+
+
+def _cut_note(e: EpochStats) -> str:
+    note = f"epoch {e.epoch} {_cut(e)}"
+    if e.read_ahead and e.reads > e.samples:  # a DataLoader: the cache's reads include its workers' read-ahead
+        return note + f"; its hits and misses include {format_count(e.read_ahead)} samples read ahead, never used"
+    if e.read_ahead:
+        return note + f"; {format_count(e.read_ahead)} samples read ahead were not used"
+    return note
 
 
 class _Tracked:
