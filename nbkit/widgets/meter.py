@@ -185,7 +185,6 @@ class HitRateMeter(View):
             cell_style="padding:1px 4px;white-space:nowrap", column_styles=("",) * 6 + (f"color:{GREY}",),
             note_style=f"margin:4px 0 0 0;padding-left:18px;color:{GREY};white-space:normal",
         )
-
         if self.terminal:
             self._print(now, final)
 
