@@ -12,6 +12,11 @@ Batches that cannot be gathered column-wise (samples not cached yet, free-form o
 fields, a ``transform=``, a dataset that is not a ``CachedDataset``) are read through the
 dataset's own batch path, so misses are computed and stored as with a ``DataLoader``.
 
+Each pass's iterator counts in ``consumed`` (a :class:`nbkit.stats.Consumed`) the batches it has
+handed out and their hits and misses, leaving out those the thread read ahead: a hit-rate meter
+tracking the loader counts what the training loop trained on. An error in the thread (a sample
+missing from a cache opened without its source, a failing source) is raised by the iteration.
+
 Example:
     >>> import torch, tempfile, nbkit
     >>> src = torch.utils.data.TensorDataset(torch.randn(10, 3), torch.arange(10))
@@ -34,6 +39,7 @@ from torch.utils.data import default_collate
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads, pinned_rows
 from .samplers import EpochSampler
+from .stats import Consumed
 
 __all__ = ["DeviceLoader"]
 
@@ -283,16 +289,19 @@ class _Pipeline:
                 for part in group:
                     m = len(part)
                     batch = collate_columns(ds.schema, [t[start:start + m] for t in moved], None, m)
-                    yield batch if event is None else (batch, event)
+                    yield batch, event, (m, m, 0)  # read_columns served every sample from the cache
                     start += m
                 return
+        is_stored = getattr(getattr(ds, "store", None), "is_stored", None)
         for idx in group:
+            # What the batch will take from the cache, decided as the dataset's own read decides it.
+            misses = int(np.count_nonzero(~is_stored(idx))) if is_stored is not None else None
             if hasattr(ds, "__getitems__"):
                 batch = collate(ds.__getitems__(idx.tolist()))
             else:
                 batch = default_collate([ds[int(i)] for i in idx])
             moved, event = self._send(batch)
-            yield moved if event is None else (moved, event)
+            yield moved, event, (len(idx), None if misses is None else len(idx) - misses, misses)
 
     def _send(self, batch):
         """``(batch on the device, copy-done event or None)``."""
@@ -313,6 +322,7 @@ class _Pipeline:
     # -- consumer ------------------------------------------------------------------------------
 
     def get(self):
+        """The next ``(batch, (samples, hits, misses))``, or ``_DONE``; raises the producer's error."""
         item = self.queue.get()
         if item is _DONE:
             return _DONE
@@ -321,14 +331,13 @@ class _Pipeline:
             if hasattr(e, "add_note"):
                 e.add_note(f"(raised in nbkit's DeviceLoader thread while preparing batch {item.batch} of the epoch)")
             raise e
-        if self.kind == "cuda":
-            batch, event = item
+        batch, event, reads = item
+        if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
             for t in iter_tensors(batch):
                 t.record_stream(current)  # allocated on the side stream, used on the caller's
-            return batch
-        return item
+        return batch, reads
 
     def close(self) -> None:
         self.stop.set()
@@ -346,10 +355,12 @@ class _Pipeline:
 
 class _Epoch:
     """One pass over the loader: yields device batches; ``close()`` (or dropping it) stops the
-    background thread and frees its buffers."""
+    background thread and frees its buffers. ``consumed`` counts the batches handed out so far,
+    with their hits and misses, apart from those the thread has read ahead."""
 
     def __init__(self, loader: DeviceLoader, batches: list):
         self._loader = loader
+        self.consumed = Consumed()
         self._remaining = len(batches)
         self._pipeline = _Pipeline(loader, batches) if batches else None
         self._xla = loader.device is not None and loader.device.type == "xla"
@@ -370,14 +381,16 @@ class _Epoch:
             torch_xla.sync()  # cut the graph of the step that used the previous batch (as MpDeviceLoader)
         t0 = time.perf_counter()
         try:
-            batch = self._pipeline.get()
+            got = self._pipeline.get()
         except BaseException:
             self.close()
             raise
         self._loader.wait_seconds += time.perf_counter() - t0
-        if batch is _DONE:
+        if got is _DONE:
             self.close()
             raise StopIteration
+        batch, reads = got
+        self.consumed.add(*reads)
         self._remaining -= 1
         if self._loader.batch_transform is not None:
             batch = self._loader.batch_transform(batch)

@@ -23,9 +23,11 @@ import tempfile
 import time
 import uuid
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .text import format_bytes
 
@@ -34,7 +36,7 @@ try:
 except ImportError:  # Windows: no POSIX record locks; a thread lock and per-process rows still apply
     fcntl = None
 
-__all__ = ["Stats", "SharedCounters", "EpochStats", "EpochCounter", "HitRate"]
+__all__ = ["Stats", "SharedCounters", "EpochStats", "EpochCounter", "HitRate", "Consumed", "batch_size_of"]
 
 FIELDS = ("hits", "misses", "recomputed", "stored", "refused")
 _SLOTS = 256
@@ -110,7 +112,7 @@ class Stats(HitRate):
 
 @dataclass
 class EpochStats(HitRate):
-    """Reads in one epoch (or, with ``epoch=0``, over several), as counted by ``ds.stats``.
+    """One epoch of a training loop (or, with ``epoch=0``, several), as the hit-rate meter counts it.
 
     Its ``reads`` and ``hit_rate`` are those of :class:`Stats` (:class:`HitRate`: 0.0 before the first read).
 
@@ -119,11 +121,18 @@ class EpochStats(HitRate):
         hits: samples served from the cache.
         misses: samples computed from the source (and stored).
         seconds: wall time of the epoch so far.
+        consumed: samples the training loop received, for an epoch counted by
+            :meth:`EpochCounter.track`; ``None`` for an epoch counted from ``ds.stats`` alone.
+        batches: batches the training loop received (tracked epochs).
+        planned: batches in a full pass (``len(loader)``), when the loader knows it.
+        cut_short: the pass ended before its last batch (``break``, ``steps=``, an error).
+        read_ahead: samples the cache served in the pass that the loop never received (a loader's
+            read-ahead, left over when the pass was cut short).
 
     Example:
         >>> e = EpochStats(epoch=2, hits=90, misses=10, seconds=0.5)
-        >>> e.reads, e.hit_rate, e.rate, e.filling
-        (100, 0.9, 200.0, True)
+        >>> e.reads, e.hit_rate, e.rate, e.filling, e.samples
+        (100, 0.9, 200.0, True, 100)
         >>> EpochStats(epoch=1).hit_rate
         0.0
     """
@@ -132,11 +141,21 @@ class EpochStats(HitRate):
     hits: int = 0
     misses: int = 0
     seconds: float = 0.0
+    consumed: int | None = None
+    batches: int = 0
+    planned: int | None = None
+    cut_short: bool = False
+    read_ahead: int = 0
+
+    @property
+    def samples(self) -> int:
+        """Samples of the epoch: those the loop received when tracked, else the cache's reads."""
+        return self.reads if self.consumed is None else self.consumed
 
     @property
     def rate(self) -> float:
-        """Samples read per second."""
-        return self.reads / self.seconds if self.seconds > 0 else 0.0
+        """Samples per second."""
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def filling(self) -> bool:
@@ -144,12 +163,97 @@ class EpochStats(HitRate):
         return self.misses > 0
 
 
-class EpochCounter:
-    """Per-epoch hits and misses of one dataset, from successive ``ds.stats`` snapshots.
+@dataclass
+class Consumed:
+    """What a loader's iterator handed to its caller so far in one pass; ``hits`` and ``misses``
+    are those of these samples, ``None`` when the loader cannot tell.
 
-    Counting starts at construction. :meth:`count` brings the current epoch up to date;
-    :meth:`new_epoch` closes it and starts the next. A ``ds.reset_stats()`` in between is noticed
-    (the counters go down) and counting goes on from zero instead of showing negative reads.
+    An iterator with a ``consumed`` attribute (``iter(nbkit.DeviceLoader(...))``) lets
+    :meth:`EpochCounter.track` count what the training loop received rather than what the loader
+    read ahead.
+
+    Example:
+        >>> c = Consumed()
+        >>> c.add(4, hits=3, misses=1); c.add(4, hits=4, misses=0)
+        >>> c.batches, c.samples, c.hits, c.misses
+        (2, 8, 7, 1)
+    """
+
+    batches: int = 0
+    samples: int = 0
+    hits: int | None = 0
+    misses: int | None = 0
+
+    def add(self, samples: int, hits: int | None = None, misses: int | None = None) -> None:
+        """Count one batch of ``samples``, of which ``hits`` were served from the cache."""
+        self.batches += 1
+        self.samples += int(samples)
+        if hits is None or misses is None or self.hits is None or self.misses is None:
+            self.hits = self.misses = None
+        else:
+            self.hits += int(hits)
+            self.misses += int(misses)
+
+
+def batch_size_of(batch) -> int | None:
+    """Samples in a collated batch: the first dimension of its first tensor or array (``None`` if it has none).
+
+    Example:
+        >>> import torch
+        >>> batch_size_of((torch.zeros(5, 3), torch.arange(5))), batch_size_of({"x": [1, 2]})
+        (5, None)
+    """
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return int(batch.shape[0]) if batch.ndim else None
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for v in values:
+        n = batch_size_of(v)
+        if n is not None:
+            return n
+    return None
+
+
+def _len_or_none(obj) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:  # an iterable without a length (a generator, an IterableDataset's loader)
+        return None
+
+
+def _describe(loader) -> str:
+    """``loader``, its length, its dataset's length and batch size, as far as it has them."""
+    parts = [f"len(loader) = {_len_or_none(loader)}"]
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None:
+        parts.append(f"len(dataset) = {_len_or_none(dataset)}")
+    for name in ("batch_size", "drop_last"):
+        if hasattr(loader, name):
+            parts.append(f"{name} = {getattr(loader, name)!r}")
+    return f"{loader!r} ({', '.join(parts)})"
+
+
+class _Pass:
+    """One tracked pass: what the loop received so far."""
+
+    def __init__(self, planned: int | None):
+        self.planned = planned
+        self.consumed = Consumed()
+        self.known_sizes = True  # every batch's size was known (else the epoch counts reads)
+
+
+class EpochCounter:
+    """Per-epoch accounting of one dataset's reads while a training loop runs.
+
+    Two ways to count. :meth:`track` wraps a loader: each pass over it is one epoch, and the epoch
+    counts the samples the loop received (``consumed``, ``batches``), with their hits and misses
+    when the loader reports them per batch (:class:`nbkit.DeviceLoader`), so batches it read ahead
+    and the loop never used are left out (``read_ahead``). A ``DataLoader`` cannot say which batch
+    hit: its epoch takes its hits and misses from ``ds.stats`` over the pass, so on a pass cut
+    short they include the batches its workers had read ahead (``num_workers * prefetch_factor``
+    at most), shown as ``read_ahead``; ``samples`` is still what the loop received. Or count by
+    hand: :meth:`count` brings the current epoch up to date from ``ds.stats``, :meth:`new_epoch`
+    closes it. A ``ds.reset_stats()`` in between is noticed (the counters go down) and counting
+    goes on from zero instead of showing negative reads.
 
     Args:
         ds: anything with a ``stats`` attribute (an :class:`nbkit.CachedDataset`).
@@ -161,14 +265,12 @@ class EpochCounter:
 
     Example:
         >>> import torch, tempfile, nbkit
-        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.ones(4, 2)), tempfile.mkdtemp())
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.ones(12, 2)), tempfile.mkdtemp())
         >>> counter = EpochCounter(ds)
-        >>> for epoch in range(2):
-        ...     _ = counter.new_epoch()
-        ...     _ = [ds[i] for i in range(4)]
-        >>> _ = counter.count()
-        >>> [(e.epoch, e.hits, e.misses) for e in counter.epochs]
-        [(1, 0, 4), (2, 4, 0)]
+        >>> for batch in counter.track(ds.loader(4), steps=4):   # 3 batches a pass
+        ...     pass
+        >>> [(e.epoch, e.samples, e.hits, e.misses, e.batches, e.cut_short) for e in counter.epochs]
+        [(1, 12, 0, 12, 3, False), (2, 4, 4, 0, 1, True)]
     """
 
     def __init__(self, ds, *, clock=time.perf_counter):
@@ -176,15 +278,21 @@ class EpochCounter:
         self.clock = clock
         self.last = ds.stats
         self._counts = (int(self.last.hits), int(self.last.misses))
-        self._base = self._counts  # counters at construction: "overall" starts here
         self._epoch_base = self._counts
         self._start = self._epoch_start = self._time = clock()
+        self._pass = None  # the tracked pass counting the current epoch, while it runs
+        self._ended = False  # the current epoch was a tracked pass and is over: its counts are final
         self.epochs = [EpochStats(epoch=1)]
 
     @property
     def current(self) -> EpochStats:
-        """The epoch being counted now."""
+        """The epoch being counted now (or the last one, once a tracked pass ended)."""
         return self.epochs[-1]
+
+    @property
+    def running(self) -> bool:
+        """A tracked pass is under way."""
+        return self._pass is not None
 
     def count(self) -> EpochStats:
         """Read ``ds.stats`` and update the current epoch; returns it."""
@@ -192,14 +300,20 @@ class EpochCounter:
         stats = self.last = self.ds.stats
         counts = (int(stats.hits), int(stats.misses))
         if counts[0] < self._epoch_base[0] or counts[1] < self._epoch_base[1]:
-            # Someone called ds.reset_stats(): count on from zero.
-            done = self.epochs[:-1]
-            self._base = (-sum(e.hits for e in done), -sum(e.misses for e in done))
-            self._epoch_base = (0, 0)
+            self._epoch_base = (0, 0)  # someone called ds.reset_stats(): count on from zero
         self._counts = counts
         cur = self.current
-        cur.hits = counts[0] - self._epoch_base[0]
-        cur.misses = counts[1] - self._epoch_base[1]
+        if self._ended:
+            return cur
+        hits, misses = counts[0] - self._epoch_base[0], counts[1] - self._epoch_base[1]
+        p = self._pass
+        if p is not None:
+            c = p.consumed
+            cur.batches = c.batches
+            cur.consumed = c.samples if p.known_sizes else None
+            if c.hits is not None:
+                hits, misses = c.hits, c.misses
+        cur.hits, cur.misses = hits, misses
         cur.seconds = self._time - self._epoch_start
         return cur
 
@@ -211,17 +325,95 @@ class EpochCounter:
         """
         cur = self.count()
         self._epoch_start = self._time
-        if cur.reads == 0:
-            cur.seconds = 0.0
-            return None
         self._epoch_base = self._counts
+        if cur.reads == 0 and cur.batches == 0:
+            self.epochs[-1] = EpochStats(epoch=cur.epoch)
+            self._ended = False
+            return None
+        self._ended = False
         self.epochs.append(EpochStats(epoch=cur.epoch + 1))
         return cur
 
     def overall(self) -> EpochStats:
-        """All reads counted so far as one :class:`EpochStats` (``epoch=0``)."""
-        hits, misses = (c - b for c, b in zip(self._counts, self._base))
-        return EpochStats(epoch=0, hits=hits, misses=misses, seconds=self._time - self._start)
+        """Every epoch so far as one :class:`EpochStats` (``epoch=0``): their samples, hits and
+        misses added up, and the seconds since the counter was created."""
+        self.count()
+        eps = self.epochs
+        consumed = sum(e.samples for e in eps) if any(e.consumed is not None for e in eps) else None
+        return EpochStats(epoch=0, hits=sum(e.hits for e in eps), misses=sum(e.misses for e in eps),
+                          seconds=self._time - self._start, consumed=consumed,
+                          batches=sum(e.batches for e in eps), read_ahead=sum(e.read_ahead for e in eps))
+
+    # -- tracked passes ------------------------------------------------------------------------
+
+    def track(self, loader, *, steps: int | None = None, on_batch=None, on_pass_end=None):
+        """Yield the batches of ``loader``, one epoch per pass, counting what the loop receives.
+
+        Args:
+            loader: a ``DataLoader``, an :class:`nbkit.DeviceLoader`, or any re-iterable of batches.
+            steps: ``None``: one pass. ``N``: as many passes as it takes to yield ``N`` batches
+                (the last one cut short); a pass that yields nothing raises ``RuntimeError``.
+            on_batch: called after each batch is counted, before it is yielded.
+            on_pass_end: called when a pass has ended and its epoch is final.
+        """
+        if steps is not None and (not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 0):
+            raise ValueError(f"track(steps=...) takes None (one pass) or a number of batches >= 0, got {steps!r}")
+        done = 0
+        passes = 0
+        while steps is None or done < steps:
+            passes += 1
+            got, exhausted = 0, False
+            planned = _len_or_none(loader)
+            self.new_epoch()
+            p = self._pass = _Pass(planned)
+            self.current.planned = planned
+            it = iter(loader)
+            reported = getattr(it, "consumed", None)
+            # Items of a loader without batches (DataLoader(batch_size=None)) are single samples.
+            single = hasattr(loader, "batch_size") and loader.batch_size is None
+            try:
+                while steps is None or done < steps:
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    got += 1
+                    done += 1
+                    if isinstance(reported, Consumed):
+                        p.consumed = reported
+                    else:
+                        n = 1 if single else batch_size_of(batch)
+                        p.known_sizes = p.known_sizes and n is not None
+                        p.consumed.add(n or 0)
+                    if on_batch is not None:
+                        on_batch()
+                    yield batch
+            finally:
+                if it is not loader and hasattr(it, "close"):
+                    it.close()  # stop the loader's read-ahead now, before the pass is counted
+                del it
+                self._end_pass(cut_short=not exhausted and (planned is None or got < planned))
+                if on_pass_end is not None:
+                    on_pass_end()
+            if got == 0 and steps is not None:
+                raise RuntimeError(
+                    f"track(steps={steps}): pass {passes} over the loader yielded no batch after {done} of "
+                    f"{steps} steps, so the steps can never be reached. Loader: {_describe(loader)}. Likely "
+                    "causes: drop_last=True with a batch_size larger than the dataset (or than this rank's "
+                    "share of it); an empty dataset or cache; an iterator that is used up after one pass "
+                    "(pass the loader itself, not iter(loader) or a generator)."
+                )
+            if steps is None:
+                return
+
+    def _end_pass(self, cut_short: bool) -> None:
+        cur = self.count()
+        read = (self._counts[0] - self._epoch_base[0]) + (self._counts[1] - self._epoch_base[1])
+        cur.read_ahead = max(0, read - cur.samples)
+        cur.cut_short = cut_short
+        self._pass = None
+        self._ended = True
 
 
 def _shm_dir() -> str:

@@ -315,3 +315,35 @@ def test_pil_images_float8_and_namedtuples_through_the_loader(tmp_path, device):
             assert got.dtype == want[0].dtype and got.shape == want[0].shape
             assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
                                want[0].view(torch.uint8) if want[0].dtype == torch.float8_e4m3fn else want[0])
+
+
+def test_each_pass_counts_what_it_handed_out_apart_from_its_read_ahead(tmp_path):
+    src = TupleSource(60)
+    ds = nbkit.CachedDataset(src, tmp_path / "c")
+    stored = set(range(0, 60, 3))
+    ds.__getitems__(sorted(stored))  # a third stored: batches mix hits and misses
+    loader = ds.loader(7, seed=2, prefetch=4)
+    order = loader.batches(loader.epoch)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    deadline = time.monotonic() + 60
+    while ds.stats.reads <= 60 // 3 + 21:  # the thread has read batches ahead of the caller
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    got = np.concatenate(order[:3])
+    hits = sum(int(i) in stored for i in got)
+    c = it.consumed
+    assert (c.batches, c.samples, c.hits, c.misses) == (3, 21, hits, 21 - hits)
+    it.close()
+    whole = iter(loader)
+    for _ in whole:
+        pass
+    assert (whole.consumed.batches, whole.consumed.samples) == (9, 60)
+    assert whole.consumed.hits + whole.consumed.misses == 60
+
+
+def test_a_dataset_without_a_cache_reports_samples_but_no_hits(tmp_path):
+    it = iter(nbkit.DeviceLoader(TupleSource(10), 4))
+    assert sum(len(y) for _, y in it) == 10
+    assert (it.consumed.samples, it.consumed.hits, it.consumed.misses) == (10, None, None)

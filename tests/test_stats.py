@@ -75,3 +75,30 @@ def test_epoch_counter_counts_per_epoch_and_survives_a_reset():
     assert [(e.epoch, e.hits, e.misses) for e in counter.epochs] == [(1, 0, 10), (2, 4, 0)]
     overall = counter.overall()
     assert (overall.epoch, overall.hits, overall.misses, overall.hit_rate) == (0, 4, 10, 4 / 14)
+
+
+def test_tracked_passes_count_consumed_batches_and_the_reads_beyond_them():
+    import torch
+
+    ds = _FakeDataset()
+
+    class Loader:
+        """Two batches a pass; reading each one ahead of handing it out, as workers do."""
+
+        def __len__(self):
+            return 2
+
+        def __iter__(self):
+            for n in (3, 2):
+                ds.hits += n + 1  # the batch, and one sample read ahead
+                yield torch.zeros(n, 4), torch.arange(n)
+
+    counter = EpochCounter(ds)
+    got = [len(y) for _, y in counter.track(Loader(), steps=3)]
+    assert got == [3, 2, 3]
+    e1, e2 = counter.epochs
+    assert (e1.samples, e1.reads, e1.read_ahead, e1.batches, e1.planned, e1.cut_short) == (5, 7, 2, 2, 2, False)
+    assert (e2.samples, e2.reads, e2.read_ahead, e2.batches, e2.cut_short) == (3, 4, 1, 1, True)
+    assert counter.overall().samples == 8 and not counter.running
+    ds.hits += 100  # reads after a tracked pass ended belong to no epoch of it
+    assert counter.count().reads == 4

@@ -1,8 +1,9 @@
 """The hit-rate meter: the cache's hit rate this epoch and overall, live, while a training loop runs.
 
-A view: the per-epoch accounting is :class:`nbkit.stats.EpochCounter` over ``ds.stats`` (whose
-counters include reads in DataLoader worker processes); the meter only draws it, at most every
-``min_interval`` seconds, as a widget in a kernel or as text lines anywhere else.
+A view: the per-epoch accounting is :class:`nbkit.stats.EpochCounter` (the samples the training
+loop received, their hits and misses, from the loader or from ``ds.stats``, whose counters include
+reads in DataLoader worker processes); the meter only draws it, at most every ``min_interval``
+seconds, as a widget in a kernel or as text lines anywhere else.
 
 Example:
     >>> import tempfile, torch, nbkit
@@ -35,11 +36,13 @@ def _pct(e: EpochStats) -> str:
 class HitRateMeter(View):
     """Live cache hit rate, this epoch and overall, while a training loop runs.
 
-    It reads ``ds.stats`` (whose counters include reads done in DataLoader worker processes) at
-    most every ``min_interval`` seconds, so :meth:`update` is cheap enough to call per batch.
-    Wrap a loader with :meth:`track` to update per batch and mark each pass over it as an epoch,
-    or call :meth:`update` and :meth:`new_epoch` yourself. A table shows every epoch, with the
-    first (filling) epoch apart from the later ones served from the cache.
+    Wrap a loader with :meth:`track` to count each pass over it as an epoch of the samples the
+    loop received (a batch the loader read ahead but the loop never got is not counted), or call
+    :meth:`update` and :meth:`new_epoch` yourself to count every read of ``ds.stats`` (whose
+    counters include reads done in DataLoader worker processes). It redraws at most every
+    ``min_interval`` seconds, so :meth:`update` is cheap enough to call per batch. A table shows
+    every epoch, the first (filling) epoch apart from the later ones served from the cache, and
+    marks an epoch cut short (``break``, ``steps=``) with the batches it got.
 
     Args:
         ds: the :class:`nbkit.CachedDataset` to watch.
@@ -47,7 +50,8 @@ class HitRateMeter(View):
         file: where the terminal fallback writes (default ``sys.stderr``).
 
     Attributes:
-        epochs: one :class:`~nbkit.stats.EpochStats` per epoch; the last one is the current epoch.
+        epochs: one :class:`~nbkit.stats.EpochStats` per epoch (``samples``, ``hits``, ``misses``,
+            ``cut_short`` …); the last one is the current epoch.
         counter: the :class:`~nbkit.stats.EpochCounter` doing the accounting.
 
     Example:
@@ -72,15 +76,20 @@ class HitRateMeter(View):
         self._last_render = float("-inf")
         self._last_print = float("-inf")
         self._final_printed = 0
-        self._in_pass = False  # inside a track() pass: the current epoch is still running
         self.renders = 0  # how many times the view was redrawn (throttling is observable)
         self.counter = EpochCounter(ds)
 
         self.headline = _w.HTML()
-        self.rate_bar = _w.FloatProgress(value=0.0, min=0.0, max=1.0, layout=_w.Layout(width="300px"))
-        self.counts_label = _w.Label()
+        # Narrow screens (a phone, Colab's side panel): the bar shrinks and wraps under the headline,
+        # the counts line wraps (an HTML, where a Label would clip it), the table is narrow and its box
+        # scrolls sideways on a screen narrower still.
+        self.rate_bar = _w.FloatProgress(value=0.0, min=0.0, max=1.0,
+                                         layout=_w.Layout(width="300px", max_width="100%"))
+        self.counts_label = _w.HTML()
         self.table = _w.HTML()
-        self.widget = _w.VBox([_w.HBox([self.headline, self.rate_bar]), self.counts_label, self.table])
+        scroller = _w.Box([self.table], layout=_w.Layout(overflow="auto", width="100%"))
+        self.widget = _w.VBox([_w.HBox([self.headline, self.rate_bar], layout=_w.Layout(flex_flow="row wrap")),
+                               self.counts_label, scroller], layout=_w.Layout(max_width="100%"))
         self._render(time.perf_counter())
 
     @property
@@ -93,7 +102,8 @@ class HitRateMeter(View):
         return self.counter.current
 
     def overall(self) -> EpochStats:
-        """All reads since the meter was created, as one :class:`~nbkit.stats.EpochStats` (``epoch=0``)."""
+        """Every epoch so far as one :class:`~nbkit.stats.EpochStats` (``epoch=0``): the samples the
+        loop received, their hits and misses, and the seconds since the meter was created."""
         return self.counter.overall()
 
     def update(self, force: bool = False) -> None:
@@ -114,21 +124,35 @@ class HitRateMeter(View):
         self.counter.new_epoch()
         self._render(now)
 
-    def track(self, iterable):
-        """Wrap ``iterable`` (e.g. a DataLoader): yields its items, updating per item.
+    def track(self, loader, steps: int | None = None):
+        """Wrap ``loader`` (a DataLoader, an :class:`nbkit.DeviceLoader`): yields its batches,
+        updating the view per batch; each pass over the loader is one epoch.
 
-        Each pass over the returned object is one epoch: :meth:`new_epoch` runs when a pass
-        starts, and the view is redrawn when it ends.
+        Args:
+            loader: what the training loop iterates.
+            steps: ``None``: each iteration of the returned object is one pass. ``N``: one
+                iteration yields ``N`` batches over as many passes as that takes (a new epoch per
+                pass, the last one cut short); it raises ``RuntimeError`` if a pass yields no batch.
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.ones(10, 2)), tempfile.mkdtemp())
+            >>> meter = HitRateMeter(ds)
+            >>> for (x,) in meter.track(ds.loader(4, drop_last=True), steps=3):
+            ...     pass
+            >>> [(e.samples, e.cut_short) for e in meter.epochs]
+            [(8, False), (4, True)]
         """
-        return _Tracked(self, iterable)
+        return _Tracked(self, loader, steps)
 
     def text(self) -> str:
         """The meter as one line of text (what a terminal shows)."""
         cur, tot = self.current, self.overall()
         budget = self._budget()
+        cut = f", {_cut(cur)}" if cur.cut_short else ""
         return (
             f"nbkit hit rate: epoch {cur.epoch} {_pct(cur)} ({format_count(cur.hits)} hits, {format_count(cur.misses)} misses, "
-            f"{format_count(cur.rate)} samples/s)  overall {_pct(tot)} ({format_count(tot.hits)} hits, "
+            f"{format_count(cur.rate)} samples/s{cut})  overall {_pct(tot)} ({format_count(tot.hits)} hits, "
             f"{format_count(tot.misses)} misses)" + (f"  [{budget}]" if budget else "")
         )
 
@@ -157,22 +181,29 @@ class HitRateMeter(View):
             + (f" · {budget}" if budget else "")
         )
         self.table.value = self._table().html(
-            style="border-collapse:collapse;font-variant-numeric:tabular-nums", cell_style="padding:2px 10px",
-            column_styles=("",) * 7 + (f"color:{GREY}",),
+            style="border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:92%",
+            cell_style="padding:1px 4px;white-space:nowrap", column_styles=("",) * 6 + (f"color:{GREY}",),
+            note_style=f"margin:4px 0 0 0;padding-left:18px;color:{GREY};white-space:normal",
         )
         if self.terminal:
             self._print(now, final)
 
     def _table(self) -> Table:
-        rows = []
+        # Narrow on purpose (Colab's side panel, a phone: ~470 px of output): short cells that never
+        # wrap, and what needs a sentence (an epoch cut short) in notes under the table, which may.
+        rows, notes = [], []
         for e in self.epochs:
-            kind = "filling the cache" if e.filling else ("from the cache" if e.reads else "")
-            if e is self.current and self._in_pass:
-                kind = (kind + " (running)").strip()
-            rows.append((e.epoch, format_count(e.reads), format_count(e.hits), format_count(e.misses), _pct(e),
-                         format_seconds(e.seconds, digits=2), format_count(e.rate), kind))
-        header = ("epoch", "samples", "hits", "misses", "hit rate", "time", "samples/s", "")
-        return Table(rows, header, align="rrrrrrrl")
+            if e is self.current and self.counter.running:
+                kind = "running"
+            elif e.cut_short:
+                kind = "cut short"
+                notes.append(_cut_note(e))
+            else:
+                kind = ("filling the cache" if e.filling else "from the cache") if e.reads else ""
+            rows.append((e.epoch, format_count(e.samples), format_count(e.hits), format_count(e.misses), _pct(e),
+                         format_seconds(e.seconds, digits=2), kind))
+        header = ("epoch", "samples", "hits", "misses", "hit rate", "time", "")
+        return Table(rows, header, align="rrrrrrl", notes=notes[-3:])
 
     def _print(self, now: float, final: bool) -> None:
         # On a TTY one line is rewritten; in logs, print epoch summaries and a line every few seconds.
@@ -188,24 +219,36 @@ class HitRateMeter(View):
             print(self.text(), file=out, flush=True)
 
 
-class _Tracked:
-    """What :meth:`HitRateMeter.track` returns: an iterable whose every pass is one epoch."""
+def _cut(e: EpochStats) -> str:
+    if e.planned is None:
+        return f"cut short after {format_count(e.batches)} batches"
+    return f"cut short: {format_count(e.batches)} of {format_count(e.planned)} batches"
 
-    def __init__(self, meter: HitRateMeter, iterable):
+
+def _cut_note(e: EpochStats) -> str:
+    note = f"epoch {e.epoch} {_cut(e)}"
+    if e.read_ahead and e.reads > e.samples:  # a DataLoader: the cache's reads include its workers' read-ahead
+        return note + f"; its hits and misses include {format_count(e.read_ahead)} samples read ahead, never used"
+    if e.read_ahead:
+        return note + f"; {format_count(e.read_ahead)} samples read ahead were not used"
+    return note
+
+
+class _Tracked:
+    """What :meth:`HitRateMeter.track` returns: an iterable of ``steps`` batches, or of one pass."""
+
+    def __init__(self, meter: HitRateMeter, loader, steps: int | None):
         self.meter = meter
-        self.iterable = iterable
+        self.loader = loader
+        self.steps = steps
 
     def __len__(self):
-        return len(self.iterable)
+        return self.steps if self.steps is not None else len(self.loader)
 
     def __iter__(self):
         meter = self.meter
-        meter.new_epoch()
-        meter._in_pass = True
-        try:
-            for item in self.iterable:
-                meter.update()  # before the loop body runs: the view includes this batch's reads
-                yield item
-        finally:
-            meter._in_pass = False
-        meter._render(time.perf_counter(), final=True)
+        meter.new_epoch()  # closes (and prints) an epoch of reads made before tracking started
+        batches = meter.counter.track(self.loader, steps=self.steps, on_batch=meter.update,
+                                      on_pass_end=lambda: meter._render(time.perf_counter(), final=True))
+        meter._render(time.perf_counter())
+        return batches

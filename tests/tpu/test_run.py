@@ -5,6 +5,9 @@ so this pytest process never initialises it and spawn-based tests stay independe
 
 import json
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -152,3 +155,26 @@ def test_sampler_shards_and_reshuffles_each_epoch():
     assert all(len(s) == 26 for s in first)
     assert sorted(set(i for s in second for i in s)) == data
     assert first != second  # a new order every epoch
+
+
+# -- a partial cache in a training loop: the error reaches the loop, on every path ---------------------
+
+
+@pytest.mark.parametrize("path", ["xla", "tpu", "cpu", "host", "dataloader"])
+def test_a_partial_cache_stops_the_training_loop_with_its_error(path, tmp_path):
+    """Issue 13: Warm up -> Stop -> Export -> import -> open without the source, then notebook 02's
+    loop. On XLA the old device_loader printed the error from a background thread and yielded
+    nothing, and the loop spun forever; here the loop must get MissingSampleError, naming the
+    sample and the fix, with nothing written to stderr (the subprocess timeout fails a hang)."""
+    if path in ("xla", "tpu"):
+        pytest.importorskip("torch_xla")
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    done = subprocess.run([sys.executable, str(SCRIPTS / "partial_cache_loop.py"), str(tmp_path), path],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr == "", done.stderr[-3000:]  # no traceback printed by a loader thread
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["error"] == "MissingSampleError", out
+    assert re.search(r"sample \d+ is not in the cache at .*imported; the cache holds 128 of 600 samples", out["message"])
+    assert "nbkit.CachedDataset(source, path)" in out["message"]  # the fix
