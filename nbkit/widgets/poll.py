@@ -6,9 +6,10 @@ button would act only once there is nothing left to stop. :func:`wait_until` blo
 cell should, but between checks it reads the shell messages that arrived and handles the comm
 ones (widget clicks and value changes) at once; every other message (the next cells of a Run All,
 completions, ...) is handed back to the kernel, in order, to run after the cell as it would have.
-This is what the ``jupyter-ui-poll`` package does, for ipykernel 6 (Colab) and 7: the messages for
-the main shell come from ``kernel.shell_stream`` in ipykernel 6 and from the shell channel
-thread's pipe to the main thread in ipykernel 7. Outside a kernel (a script, a terminal) there is
+This is what the ``jupyter-ui-poll`` package does through ``kernel.do_one_iteration``, which
+ipykernel 7.4 no longer has; here it works on ipykernel 6 (Colab) and 7: the messages for the main
+shell come from ``kernel.shell_stream`` in ipykernel 6 and from the shell channel thread's pipe to
+the main thread in ipykernel 7. Outside a kernel (a script, a terminal) there is
 nothing to handle and :func:`wait_until` only waits.
 
 Example:
