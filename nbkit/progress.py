@@ -307,6 +307,9 @@ class Job:
         self.error = None
         self._thread = None
         self._ended = False
+        # Set once on_end has run. Waiting on it rather than joining the thread: a KeyboardInterrupt
+        # in Thread.join can leave the thread looking dead while it still runs (CPython 3.11).
+        self._finished = threading.Event()
         self._lock = threading.Lock()
 
     def start(self) -> "Job":
@@ -328,8 +331,11 @@ class Job:
             self.callback.close()
             with self._lock:
                 self._ended = True
-        if self.on_end is not None:
-            self.on_end(self)
+        try:
+            if self.on_end is not None:
+                self.on_end(self)
+        finally:
+            self._finished.set()
 
     def stop(self) -> bool:
         """Ask the operation to stop after its current unit of work; False if it is not running."""
@@ -365,5 +371,4 @@ class Job:
         """Block until the job has ended (and ``on_end`` ran); False on timeout."""
         if self._thread is None:
             return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._finished.wait(timeout)

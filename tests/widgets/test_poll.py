@@ -162,3 +162,28 @@ def test_stop_click_is_handled_while_a_cell_waits(tmp_path, pythonpath):
     versions = out.splitlines()[0].split()[1:]  # the kernel's ipykernel and ipywidgets
     assert versions[0].startswith("6.") if pythonpath else int(versions[0].split(".")[0]) >= 7, versions
     assert versions[1] == os.environ.get("NBKIT_EXPECT_IPYWIDGETS", versions[1]), versions
+
+
+@pytest.mark.slow
+def test_interrupting_the_kernel_during_wait_stops_the_warmup(tmp_path):
+    kernel = _Kernel([], tmp_path)
+    try:
+        setup = kernel.execute(SETUP.format(path=str(tmp_path / "c")))
+        kernel.until(lambda e: e[0] == setup and e[1] == "idle")
+        waiting = kernel.execute('panel.warmup_button.click(); print("waiting", flush=True); panel.wait()')
+        kernel.until(lambda e: e[0] == waiting and "waiting" in e[2])
+        kernel.km.interrupt_kernel()
+        seen = []
+        deadline = time.monotonic() + 120
+        while not any(e[0] == waiting and e[1] == "idle" for e in seen) and time.monotonic() < deadline:
+            try:
+                seen.append(kernel.events.get(timeout=1))
+            except queue.Empty:
+                pass
+        assert any(e[0] == waiting and e[1] == "error" and "KeyboardInterrupt" in e[2] for e in seen), seen
+        check = kernel.execute('print("after interrupt:", panel.wait(60), panel.state.value, ds.stats.cached)')
+        events = kernel.until(lambda e: e[0] == check and e[1] == "idle")
+    finally:
+        kernel.close()
+    waited, state, cached = _text(events, check).split("after interrupt:")[1].split()
+    assert (waited, state) == ("True", "stopped") and int(cached) < 20000  # it did not go on behind the interrupted cell
