@@ -170,8 +170,15 @@ def test_interrupting_the_kernel_during_wait_stops_the_warmup(tmp_path):
     try:
         setup = kernel.execute(SETUP.format(path=str(tmp_path / "c")))
         kernel.until(lambda e: e[0] == setup and e[1] == "idle")
-        waiting = kernel.execute('panel.warmup_button.click(); print("waiting", flush=True); panel.wait()')
-        kernel.until(lambda e: e[0] == waiting and "waiting" in e[2])
+        # Say "waiting" from a timer, a second after the cell entered panel.wait(): an interrupt
+        # sent on a print before the call could land before the wait began.
+        waiting = kernel.execute("""
+            import threading
+            panel.warmup_button.click()
+            threading.Timer(1.0, lambda: print("in wait", flush=True)).start()
+            panel.wait()
+        """)
+        kernel.until(lambda e: "in wait" in e[2])
         kernel.km.interrupt_kernel()
         seen = []
         deadline = time.monotonic() + 120
@@ -180,7 +187,8 @@ def test_interrupting_the_kernel_during_wait_stops_the_warmup(tmp_path):
                 seen.append(kernel.events.get(timeout=1))
             except queue.Empty:
                 pass
-        assert any(e[0] == waiting and e[1] == "error" and "KeyboardInterrupt" in e[2] for e in seen), seen
+        assert any(e[0] == waiting and e[1] == "error" and "KeyboardInterrupt" in e[2] and "WarmupPanel.wait" in e[2]
+                   for e in seen), seen
         check = kernel.execute('print("after interrupt:", panel.wait(60), panel.state.value, ds.stats.cached)')
         events = kernel.until(lambda e: e[0] == check and e[1] == "idle")
     finally:
