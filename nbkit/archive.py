@@ -32,14 +32,17 @@ from .cachedir import cache_root, check_replaceable, data_files, stored_count, s
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .extras import require
 from .files import CHUNK
-from .manifest import MANIFEST, check_entry, manifest_bytes, new_manifest, parse_manifest
+from .manifest import MANIFEST, check_entry, manifest_bytes, new_manifest, parse_manifest, sha256_file
 from .progress import as_callback
 from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
 from .transfer import Stopped, TransferReport, describe
 
-__all__ = ["export_tar", "import_tar", "open_decompressed"]
+__all__ = ["export_tar", "import_tar", "open_decompressed", "stale_tar_reason"]
 
 COMPRESSIONS = (None, "gz", "zst")
+#: Files up to this size are compared by sha256 in :func:`stale_tar_reason` (``index.bin`` holds every
+#: sample's CRC, so equal small files and equal sizes mean the same samples); larger ones by size.
+_HASHED_MAX = 4 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -286,3 +289,61 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
     describe(cb, "imported")
     files = tuple(n for n in names if n not in (MANIFEST, fmt.META)) + (fmt.META,)
     return TransferReport(files, (), sum(sizes.values()), time.perf_counter() - start)
+
+
+def _tar_manifest(tar_path, storage_options) -> dict | None:
+    """``manifest.json`` of the archive at ``tar_path``, or ``None`` when it holds none."""
+    import fsspec
+
+    with fsspec.open(os.fspath(tar_path), "rb", **(storage_options or {})) as raw:
+        try:
+            with tarfile.open(fileobj=open_decompressed(raw), mode="r|", bufsize=CHUNK) as tar:
+                for m in tar:
+                    if m.name == MANIFEST and m.isreg():
+                        return parse_manifest(tar.extractfile(m).read(), f"{tar_path}:{MANIFEST}")
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise CorruptCacheError(f"{tar_path} is not a readable tar archive ({e}); export the cache again.") from e
+    return None
+
+
+def stale_tar_reason(tar_path, cache_path, *, storage_options: dict | None = None) -> str | None:
+    """Why the archive at ``tar_path`` does not hold the cache at ``cache_path`` as it is now, or ``None`` if it does.
+
+    Compares the archive's manifest (written by :func:`export_tar`) with the cache's files: the
+    metadata, the stored sample count and the record index by sha256, the other files by size. So
+    it tells a tar exported before a warmup finished, or from another cache, from an up-to-date
+    one, whoever made it and whenever, without reading the samples.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+        >>> tar = tempfile.mkdtemp() + "/c.tar"; _ = nbkit.export_tar(ds.root, tar)
+        >>> stale_tar_reason(tar, ds.root)
+        >>> _ = ds.warmup(); stale_tar_reason(tar, ds.root)
+        '... holds 0 of 4 samples; the cache now holds 4: export it again.'
+    """
+    fs, path = url_to_fs(os.fspath(tar_path), storage_options)
+    if not fs.exists(path):
+        return f"{tar_path} does not exist yet."
+    manifest = _tar_manifest(tar_path, storage_options)
+    if manifest is None:
+        return f"{tar_path} holds no {MANIFEST} (it was not written by nbkit.export_tar, or was cut short): export the cache again."
+    root = cache_root(cache_path)
+    files = manifest["files"]
+    with open(os.path.join(root, fmt.META), "rb") as f:
+        meta_sha = hashlib.sha256(f.read()).hexdigest()
+    if files.get(fmt.META, {}).get("sha256") != meta_sha:
+        return f"{tar_path} was exported from another cache (its {fmt.META} differs from {root}'s): export this cache again."
+    stored, length = stored_count(root)
+    if (manifest.get("stored"), manifest.get("length")) != (stored, length):
+        return (f"{tar_path} holds {manifest.get('stored', 0):,} of {manifest.get('length', 0):,} samples; "
+                f"the cache now holds {stored:,}: export it again.")
+    names = data_files(root)
+    if set(files) != set(names) | {fmt.META}:
+        return f"{tar_path} lists other files than the cache at {root} holds now: export it again."
+    for name in names:
+        file = os.path.join(root, name)
+        size = os.path.getsize(file)
+        if size != files[name].get("size") or (size <= _HASHED_MAX and sha256_file(file) != files[name].get("sha256")):
+            return f"{tar_path} holds another version of {name} than the cache at {root} (the cache changed since): export it again."
+    return None

@@ -66,6 +66,7 @@ class Callback(_FsspecCallback):
 
     def _restart_clock(self) -> None:
         self.started = time.perf_counter()
+        self.ended = None  # set by close(): a finished operation's rate and time stay as they were
         self._base = self.value  # work done before this operation (e.g. samples already cached) is not speed
         self._based = False
 
@@ -80,8 +81,8 @@ class Callback(_FsspecCallback):
         return self.value - self._base
 
     def elapsed(self) -> float:
-        """Seconds since this phase started."""
-        return time.perf_counter() - self.started
+        """Seconds since this phase started (until :meth:`close`, once the operation has ended)."""
+        return (self.ended if self.ended is not None else time.perf_counter()) - self.started
 
     def rate(self) -> float:
         """Units per second in this phase (0.0 before anything moved)."""
@@ -89,9 +90,9 @@ class Callback(_FsspecCallback):
         return moved / max(self.elapsed(), 1e-9) if moved > 0 else 0.0
 
     def eta(self) -> float | None:
-        """Seconds left at the current rate, or ``None`` when unknown."""
+        """Seconds left at the current rate, or ``None`` when unknown (or once the operation has ended)."""
         rate = self.rate()
-        if not self.size or rate <= 0:
+        if not self.size or rate <= 0 or self.ended is not None:
             return None
         return max(self.size - self.value, 0) / rate
 
@@ -106,6 +107,11 @@ class Callback(_FsspecCallback):
         self.phase, self.unit, self.size, self.value = name, unit, size, 0
         self._restart_clock()
         self.call()
+
+    def close(self) -> None:
+        """The operation has ended: stop the clock (``elapsed``, ``rate`` and ``eta`` stop moving)."""
+        if self.ended is None:
+            self.ended = time.perf_counter()
 
     def request_stop(self) -> None:
         """Ask the running operation to stop after its current unit of work."""
@@ -167,6 +173,7 @@ class _FsspecAdapter(Callback):
         return None  # the inner callback renders on its own updates
 
     def close(self):
+        super().close()
         self.inner.close()
 
 
@@ -241,6 +248,7 @@ class TextProgress(Callback):
     def close(self):
         if not self._closed:
             self._closed = True
+            super().close()
             if self._tty or not self.finished:
                 print(self.line(), file=self.file, flush=True)
 
@@ -299,6 +307,9 @@ class Job:
         self.error = None
         self._thread = None
         self._ended = False
+        # Set once on_end has run. Waiting on it rather than joining the thread: a KeyboardInterrupt
+        # in Thread.join can leave the thread looking dead while it still runs (CPython 3.11).
+        self._finished = threading.Event()
         self._lock = threading.Lock()
 
     def start(self) -> "Job":
@@ -320,8 +331,11 @@ class Job:
             self.callback.close()
             with self._lock:
                 self._ended = True
-        if self.on_end is not None:
-            self.on_end(self)
+        try:
+            if self.on_end is not None:
+                self.on_end(self)
+        finally:
+            self._finished.set()
 
     def stop(self) -> bool:
         """Ask the operation to stop after its current unit of work; False if it is not running."""
@@ -357,5 +371,4 @@ class Job:
         """Block until the job has ended (and ``on_end`` ran); False on timeout."""
         if self._thread is None:
             return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._finished.wait(timeout)

@@ -201,3 +201,57 @@ def test_a_plain_fsspec_callback_works(tmp_path, cache, plain):
     nbkit.import_tar(tar, tmp_path / "copy", callback=cb)
     assert cb.value == cb.size
     assert_same_samples(tmp_path / "copy")
+
+
+# -- stale_tar_reason: is a tar the cache as it is now? ------------------------------------------------
+
+
+def test_stale_tar_reason_tells_partial_other_and_current_tars(tmp_path):
+    from nbkit.archive import stale_tar_reason
+
+    tar = tmp_path / "x.tar"
+    assert stale_tar_reason(tar, tmp_path) == f"{tar} does not exist yet."
+    ds = nbkit.CachedDataset(TupleSource(600), tmp_path / "c")
+    cb = Callback()
+    cb.relative_update = lambda inc=1: cb.request_stop()  # stop after the first chunk
+    ds.warmup(chunk_size=200, callback=cb)
+    nbkit.export_tar(ds.root, tar)  # exported while partial
+    assert stale_tar_reason(tar, ds.root) is None  # it is the cache as it is now
+    ds.warmup()
+    assert stale_tar_reason(tar, ds.root) == (
+        f"{tar} holds 200 of 600 samples; the cache now holds 600: export it again."
+    )
+    for compression, name in ((None, "x.tar"), ("gz", "x.tar.gz"), ("zst", "x.tar.zst")):
+        nbkit.export_tar(ds.root, tmp_path / name, compression=compression)
+        assert stale_tar_reason(tmp_path / name, ds.root) is None, compression
+
+    # Another cache's tar (another dataset, or a previous run of another notebook) at the same path.
+    other = nbkit.CachedDataset(TupleSource(600, shape=(1, 4, 4)), tmp_path / "other")
+    other.warmup()
+    nbkit.export_tar(other.root, tar)
+    assert "was exported from another cache" in stale_tar_reason(tar, ds.root)
+
+    # The same counts, another version of the samples: the index (every sample's CRC) differs.
+    nbkit.export_tar(ds.root, tar)
+    with open(os.path.join(ds.root, fmt.INDEX), "r+b") as f:
+        f.seek(os.path.getsize(os.path.join(ds.root, fmt.INDEX)) - 1)
+        last = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert f"holds another version of {fmt.INDEX}" in stale_tar_reason(tar, ds.root)
+
+
+def test_stale_tar_reason_of_a_plain_tar_and_of_a_damaged_one(tmp_path, cache):
+    from nbkit.archive import stale_tar_reason
+
+    plain = tmp_path / "plain.tar"
+    with tarfile.open(plain, "w") as t:
+        t.add(cache, arcname="cache")
+    assert "holds no manifest.json" in stale_tar_reason(plain, cache)
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(CorruptCacheError, match="not a readable tar archive"):
+        stale_tar_reason(junk, cache)
+    url = "memory://nbkit-tests/stale/c.tar.gz"  # any fsspec URL, as export_tar writes them
+    nbkit.export_tar(cache, url, compression="gz")
+    assert stale_tar_reason(url, cache) is None

@@ -162,3 +162,22 @@ def test_job_stop_and_error():
     failed = Job("fail", fail).start()
     assert failed.wait(timeout=10)
     assert failed.state is JobState.ERROR and isinstance(failed.error, OSError) and failed.report is None
+
+
+def test_close_stops_the_clock_so_a_finished_operation_has_no_eta():
+    from nbkit.progress import Callback
+
+    cb = Callback()
+    cb.set_size(100)
+    cb.absolute_update(0)
+    cb.relative_update(40)
+    assert cb.eta() is not None and cb.ended is None
+    cb.close()
+    elapsed, rate = cb.elapsed(), cb.rate()
+    assert cb.eta() is None and rate > 0
+    import time
+
+    time.sleep(0.01)
+    assert (cb.elapsed(), cb.rate()) == (elapsed, rate)  # frozen at close
+    cb.start_phase("publish", unit="bytes", size=10)  # a new phase runs a new clock
+    assert cb.ended is None

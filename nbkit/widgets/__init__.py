@@ -13,8 +13,8 @@ Example:
     >>> from nbkit.widgets import HitRateMeter, WarmupPanel
     >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8.0)), tempfile.mkdtemp())
     >>> panel = WarmupPanel(ds)
-    >>> panel.warmup_button.click(); panel.wait(timeout=60)
-    True
+    >>> panel.run("warmup").computed  # what a notebook cell calls: click if needed, wait, raise, report
+    8
     >>> meter = HitRateMeter(ds)
     >>> for _ in meter.track(torch.utils.data.DataLoader(ds, batch_size=4)): pass
     >>> meter.epochs[-1].hit_rate

@@ -11,8 +11,8 @@ Example:
     >>> from nbkit.widgets.panel import WarmupPanel
     >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8.0)), tempfile.mkdtemp())
     >>> panel = WarmupPanel(ds)
-    >>> panel.warmup_button.click(); panel.wait(timeout=60)
-    True
+    >>> panel.run("warmup").computed
+    8
     >>> panel.state.value
     'done'
 """
@@ -28,9 +28,13 @@ import time
 from nbkit.progress import Callback, Job, JobState, TextProgress
 from nbkit.text import format_amount, format_bytes, format_count, format_rate, format_seconds
 
-from .view import GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html
+from .poll import wait_until, why_not_live
+from .view import AMBER, GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html
 
-__all__ = ["WarmupPanel", "PanelState"]
+__all__ = ["WarmupPanel", "PanelState", "OPERATIONS"]
+
+#: What the panel's buttons run; :meth:`WarmupPanel.run` and :meth:`WarmupPanel.error` take one of these.
+OPERATIONS = ("warmup", "export", "upload")
 
 #: What a :class:`WarmupPanel` is doing: the state of its last job (``READY`` before the first one).
 PanelState = JobState
@@ -39,8 +43,8 @@ PanelState = JobState
 class _PanelProgress(Callback):
     """The callback a panel job hands to the engine; it only asks the panel to redraw (throttled)."""
 
-    def __init__(self, panel: "WarmupPanel", phase: str, unit: str):
-        super().__init__(phase=phase, unit=unit)
+    def __init__(self, panel: "WarmupPanel", phase: str, unit: str, value=0):
+        super().__init__(phase=phase, unit=unit, value=value)
         self.panel = panel
         self._last_render = 0.0
         self._text = None  # a TextProgress for this phase when there is no notebook front end
@@ -65,6 +69,7 @@ class _PanelProgress(Callback):
         self._text.call()
 
     def close(self):
+        super().close()
         if self._text is not None:
             self._text.close()
 
@@ -76,8 +81,10 @@ class WarmupPanel(View):
     usable; **Stop** asks it to end after the current chunk and a later **Warm up** resumes with
     the samples still missing. **Export tar** calls :func:`nbkit.export_tar` with the path in
     ``tar_field``; **Upload** calls :func:`nbkit.push` with the ``gs://…`` URL in ``url_field``.
-    Errors show in red in the status line and stay in :attr:`last_error`; nothing here writes to
-    the cache.
+    Each operation keeps its own outcome (:attr:`warmup_report`, :attr:`export_report`,
+    :attr:`upload_report`, :meth:`error`), so a cell that waits for one never sees another's.
+    A notebook cell calls :meth:`run` (click if needed, wait, raise, return the report); while it
+    waits, the panel's buttons still work (Stop included). Nothing here writes to the cache.
 
     Args:
         ds: the :class:`nbkit.CachedDataset` to show.
@@ -87,9 +94,7 @@ class WarmupPanel(View):
         storage_options: passed to :func:`nbkit.push` (e.g. ``{"token": "anon"}``).
 
     Attributes:
-        state: a :class:`PanelState`.
-        last_error: the exception that ended the last operation, or ``None``.
-        report: what the last operation returned (a ``WarmupReport`` for warmup).
+        state: a :class:`PanelState`: that of the operation last started or refused.
         job: the last :class:`~nbkit.progress.Job`, or ``None``.
 
     Example:
@@ -97,12 +102,11 @@ class WarmupPanel(View):
         >>> import nbkit
         >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.ones(6, 2)), tempfile.mkdtemp())
         >>> panel = WarmupPanel(ds, tar_path=tempfile.mkdtemp() + "/cache.tar")
-        >>> panel.warmup_button.click(); panel.wait(timeout=60)
-        True
-        >>> panel.export_button.click(); panel.wait(timeout=60)
-        True
-        >>> panel.last_error is None
-        True
+        >>> panel.run("warmup").computed, panel.run("export").stopped
+        (6, False)
+        >>> panel.upload("")  # refused: no URL; the error is the upload's, not the warmup's
+        >>> panel.error("upload").__class__.__name__, panel.error("warmup")
+        ('ValueError', None)
     """
 
     def __init__(self, ds, *, num_workers: int = 0, tar_path: str = "", upload_url: str = "", storage_options=None):
@@ -110,30 +114,37 @@ class WarmupPanel(View):
         self.num_workers = num_workers
         self.storage_options = dict(storage_options or {})
         self.job = None
-        self._rejected = None  # a click refused before any job started (e.g. an empty tar path)
+        self._jobs = {}  # operation -> its last Job
+        self._refused = {}  # operation -> the error of a click refused before any job started
+        self._last = None  # the operation last started or refused
+        self._stats_at_start = None  # the cache's stats when the running transfer started
         self.terminal = not in_kernel()
         # Serialises what the Stop button (kernel thread) and a job's end (its thread) draw.
         self._lock = threading.RLock()
 
-        button = _w.Layout(width="110px")
-        self.warmup_button = _w.Button(description="Warm up", button_style="primary", icon="play", layout=button)
-        self.stop_button = _w.Button(description="Stop", button_style="warning", icon="stop", layout=button, disabled=True)
-        self.export_button = _w.Button(description="Export tar", icon="archive", layout=button)
-        self.upload_button = _w.Button(description="Upload", icon="upload", layout=button)
-        field = _w.Layout(width="420px")
-        self.tar_field = _w.Text(value=tar_path, placeholder="/content/my-cache.tar", layout=field)
-        self.url_field = _w.Text(value=upload_url, placeholder="gs://my-bucket/my-cache", layout=field)
+        # Layouts flex rather than fixed widths, so the panel fits a phone or Colab's side panel
+        # (rows wrap) and no button label is ever cut. Only Layout attributes ipywidgets 7.7.1 has.
+        def button_layout(label_em):
+            return _w.Layout(width="auto", min_width=f"{label_em}em", flex="0 0 auto")
+
+        self.warmup_button = _w.Button(description="Warm up", button_style="primary", icon="play", layout=button_layout(8))
+        self.stop_button = _w.Button(description="Stop", button_style="warning", icon="stop", layout=button_layout(6))
+        self.stop_button.disabled = True
+        self.export_button = _w.Button(description="Export tar", icon="archive", layout=button_layout(8.5))
+        self.upload_button = _w.Button(description="Upload", icon="upload", layout=button_layout(8.5))
+        self.tar_field = _w.Text(value=tar_path, placeholder="/content/my-cache.tar", layout=self._field_layout())
+        self.url_field = _w.Text(value=upload_url, placeholder="gs://my-bucket/my-cache", layout=self._field_layout())
         self.progress = _w.FloatProgress(
-            value=0.0, min=0.0, max=1.0, description="Cache", style={"description_width": "56px"},
-            layout=_w.Layout(width="476px"),
+            value=0.0, min=0.0, max=1.0, description="Cache", style={"description_width": "4em"},
+            layout=_w.Layout(width="auto", flex="1 1 16em", min_width="10em"),
         )
-        self.percent_label = _w.Label(value="0%")
+        self.percent_label = _w.Label(value="0%", layout=_w.Layout(min_width="3.5em", flex="0 0 auto"))
         self.done_label = _w.Label()
         self.rate_label = _w.Label(value="– samples/s")
         self.eta_label = _w.Label(value="ETA –")
         self.bytes_label = _w.Label()
-        self.status = _w.HTML()
-        self.title = _w.HTML()
+        self.status = _w.HTML(layout=_w.Layout(width="auto"))
+        self.title = _w.HTML(layout=_w.Layout(width="auto"))
 
         self.warmup_button.on_click(lambda _: self.warmup())
         self.stop_button.on_click(lambda _: self.stop())
@@ -141,10 +152,10 @@ class WarmupPanel(View):
         self.upload_button.on_click(lambda _: self.upload())
 
         def row(*children):
-            return _w.HBox(list(children), layout=_w.Layout(align_items="center"))
+            return _w.HBox(list(children), layout=_w.Layout(flex_flow="row wrap", align_items="center", width="100%"))
 
         def caption(text):
-            return _w.Label(value=text, layout=_w.Layout(width="80px"))
+            return _w.Label(value=text, layout=_w.Layout(min_width="5.5em", flex="0 0 auto"))
 
         sep = lambda: _w.Label(value="·")  # noqa: E731 - a tiny separator factory
         self.widget = _w.VBox(
@@ -155,32 +166,67 @@ class WarmupPanel(View):
                 row(caption("Tar file"), self.tar_field, self.export_button),
                 row(caption("Upload to"), self.url_field, self.upload_button),
                 self.status,
-            ]
+            ],
+            layout=_w.Layout(width="100%", max_width="56em"),
         )
         self._show_cache_state()
 
-    # -- what the last job says -------------------------------------------------------------------
+    @staticmethod
+    def _field_layout():
+        return _w.Layout(width="auto", flex="1 1 14em", min_width="8em")
+
+    # -- what each operation says -----------------------------------------------------------------
 
     @property
     def state(self) -> PanelState:
-        if self._rejected is not None:
+        if self._last is None:
+            return PanelState.READY
+        if self._last in self._refused:
             return PanelState.ERROR
-        return self.job.state if self.job is not None else PanelState.READY
+        return self._jobs[self._last].state
+
+    def error(self, operation: str):
+        """The exception that ended ``operation``'s last run (``"warmup"``, ``"export"``, ``"upload"``),
+        or refused its last click (e.g. an empty Upload URL); ``None`` if it did not fail."""
+        _check_operation(operation)
+        if operation in self._refused:
+            return self._refused[operation]
+        job = self._jobs.get(operation)
+        return job.error if job is not None else None
+
+    @property
+    def warmup_report(self):
+        """The last warmup's :class:`~nbkit.warmup.WarmupReport`, or ``None`` before one ended."""
+        return self._report("warmup")
+
+    @property
+    def export_report(self):
+        """The last export's :class:`~nbkit.transfer.TransferReport`, or ``None``."""
+        return self._report("export")
+
+    @property
+    def upload_report(self):
+        """The last upload's :class:`~nbkit.transfer.TransferReport`, or ``None``."""
+        return self._report("upload")
 
     @property
     def last_error(self):
-        if self._rejected is not None:
-            return self._rejected
-        return self.job.error if self.job is not None else None
+        """The error of the operation last started or refused (prefer :meth:`error`, which names it)."""
+        return self.error(self._last) if self._last is not None else None
 
     @property
     def report(self):
+        """What the last job returned, whichever it was (prefer :attr:`warmup_report` and the others)."""
         return self.job.report if self.job is not None else None
 
     @property
     def running(self) -> bool:
         """True while a background operation runs."""
         return self.job is not None and self.job.running
+
+    def _report(self, operation):
+        job = self._jobs.get(operation)
+        return job.report if job is not None else None
 
     # -- what the buttons do ------------------------------------------------------------------
 
@@ -190,7 +236,9 @@ class WarmupPanel(View):
         if reason:
             self._set_status(reason, GREY)
             return
-        self._start("warmup", "samples", lambda cb: self.ds.warmup(num_workers=self.num_workers, callback=cb))
+        stats = self.ds.stats
+        self._start("warmup", "samples", lambda cb: self.ds.warmup(num_workers=self.num_workers, callback=cb),
+                    value=int(stats.cached))
 
     def stop(self) -> None:
         """Ask the running operation to stop after its current chunk; same as clicking **Stop**."""
@@ -206,7 +254,7 @@ class WarmupPanel(View):
             self.tar_field.value = path
         path = self.tar_field.value.strip()
         if not path:
-            self._reject(ValueError("Export needs a destination: type a tar path, e.g. /content/my-cache.tar"))
+            self._refuse("export", ValueError("Export needs a destination: type a tar path, e.g. /content/my-cache.tar"))
             return
 
         def run(cb):
@@ -214,7 +262,7 @@ class WarmupPanel(View):
 
             return export_tar(self.ds.root, path, callback=cb)
 
-        self._start("export", "bytes", run, done=lambda cb: f"Exported {format_bytes(cb.value)} to {path}")
+        self._start("export", "bytes", run, done=lambda cb: (f"Exported {format_bytes(cb.value)} to {path}", "export"))
 
     def upload(self, url: str | None = None) -> None:
         """Copy the cache to a URL (``url_field``, or ``url``), e.g. ``gs://bucket/prefix``; same as **Upload**."""
@@ -222,7 +270,7 @@ class WarmupPanel(View):
             self.url_field.value = url
         url = self.url_field.value.strip()
         if "://" not in url:
-            self._reject(ValueError(f"Upload needs a URL like gs://my-bucket/my-cache, got {url!r}"))
+            self._refuse("upload", ValueError(f"Upload needs a URL like gs://my-bucket/my-cache, got {url!r}"))
             return
 
         def run(cb):
@@ -230,11 +278,92 @@ class WarmupPanel(View):
 
             return push(self.ds.root, url, callback=cb, storage_options=self.storage_options)
 
-        self._start("upload", "bytes", run, done=lambda cb: f"Uploaded {format_bytes(cb.value)} to {url}")
+        self._start("upload", "bytes", run, done=lambda cb: (f"Uploaded {format_bytes(cb.value)} to {url}", "upload"))
+
+    def run(self, operation: str, timeout: float | None = None):
+        """Make sure ``operation`` has run, as a notebook cell wants: press its button unless that is
+        running or has nothing to do, wait for it (Stop still works meanwhile), raise its own error,
+        and return its report.
+
+        ``"warmup"`` does nothing when the cache is complete and resumes a stopped warmup;
+        ``"export"`` keeps a tar that already holds the cache as it is now (see
+        :func:`nbkit.archive.stale_tar_reason`) and writes it again otherwise (partial, or from an
+        earlier state of the cache, whichever session made it); ``"upload"`` pushes (only the
+        files the destination lacks).
+
+        Raises:
+            ValueError: the operation cannot start (no tar path, no URL, a cache without source to warm).
+            RuntimeError: it was stopped (Stop clicked, or the kernel interrupted) before it finished.
+            TimeoutError: it did not end within ``timeout`` seconds (it goes on in the background).
+            Exception: whatever the operation itself raised (e.g. ``OSError`` for an unwritable path).
+        """
+        _check_operation(operation)
+        if self.running and self.job.name != operation and not self.wait(timeout):
+            raise TimeoutError(f"the {self.job.name} still runs after {timeout} s; wait for it or click Stop, then run this again")
+        if not (self.running and self.job.name == operation):
+            if not self._press(operation):
+                return self._report(operation)
+        if not self.wait(timeout):
+            raise TimeoutError(f"the {operation} did not end within {timeout} s; it goes on in the background (click Stop to end it)")
+        error = self.error(operation)
+        if error is not None:
+            raise error
+        job = self._jobs[operation]
+        if job.state is JobState.STOPPED:
+            again = "to resume" if operation == "warmup" else "to start it again"
+            raise RuntimeError(f"The {operation} was stopped before it finished ({self.status_text()}). Run this cell again {again}.")
+        return job.report
+
+    def _press(self, operation: str) -> bool:
+        """Click ``operation``'s button for :meth:`run`; False when there is nothing to do."""
+        if operation == "warmup":
+            stats = self.ds.stats
+            if stats.complete:
+                return False
+            reason = self._warmup_unavailable(stats)
+            if reason:
+                self._refuse("warmup", ValueError(f"{reason} {format_count(stats.total - stats.cached)} samples are missing."))
+            else:
+                self.warmup()
+        elif operation == "export":
+            path = self.tar_field.value.strip()
+            if path:
+                from nbkit.archive import stale_tar_reason  # imported when first used
+
+                if stale_tar_reason(path, self.ds.root) is None:
+                    self._refused.pop("export", None)
+                    self._set_status(f"{path} already holds this cache as it is now; not exported again.", GREEN, bold=True)
+                    return False
+            self.export()
+        else:
+            self.upload()
+        return True
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the background operation ends (for headless runs). Returns False on timeout."""
-        return self.job is None or self.job.wait(timeout)
+        """Block until the background operation ends; False on timeout. In a notebook, the panel's
+        buttons keep working meanwhile (a Stop click is handled at once, even during Run All);
+        interrupting the kernel stops the operation too."""
+        job = self.job
+        if job is None or not job.running:
+            return job is None or job.wait(timeout)
+        cannot = why_not_live() if not self.terminal else ""
+        if cannot:
+            with self._lock:
+                if job.running:
+                    self.stop_button.disabled = True
+                    self.stop_button.tooltip = (f"Stop cannot act while a cell waits: {cannot}. "
+                                                "Interrupt the kernel (■) to stop.")
+        try:
+            return wait_until(lambda: job.wait(0), timeout, sleep=job.wait)
+        except KeyboardInterrupt:
+            self.stop()  # an interrupted cell should not leave the operation running behind it
+            raise
+        finally:
+            if cannot:
+                with self._lock:
+                    if job.state is JobState.RUNNING:
+                        self.stop_button.disabled = False
+                        self.stop_button.tooltip = ""
 
     def close(self) -> None:
         """Stop any running operation and close the widgets."""
@@ -275,19 +404,25 @@ class WarmupPanel(View):
         else:
             fill = f"{format_count(stats.cached)} cached"
         self.title.value = (
-            f"<b>nbkit cache</b> <code>{html.escape(str(getattr(self.ds, 'path', '')))}</code>"
+            f"<b>nbkit cache</b> <code style='word-break:break-all'>{html.escape(str(getattr(self.ds, 'path', '')))}</code>"
             f" <span style='color:{GREY}'>· {format_count(stats.total)} samples · {fill}</span>"
         )
+
+    def _show_fill(self, stats) -> None:
+        """The bar as the cache's fill (what it shows before and between operations)."""
+        total = int(stats.total)
+        self.progress.description = "Cache"
+        self.progress.value = (stats.cached / total) if total else 1.0
+        self.percent_label.value = f"{_floor_percent(stats.cached, total)}%"
+        self.done_label.value = f"{format_count(stats.cached)}/{format_count(total)} samples"
 
     def _show_cache_state(self) -> None:
         """The panel before its first operation: how full the cache is and what Warm up would do."""
         stats = self.ds.stats
         self._finish_buttons(stats)
-        total = int(stats.total)
-        self.progress.value = (stats.cached / total) if total else 1.0
+        self._show_fill(stats)
         self.progress.bar_style = "success" if stats.complete else ""
-        self.percent_label.value = f"{100.0 * self.progress.value:.0f}%"
-        self.done_label.value = f"{format_count(stats.cached)}/{format_count(total)} samples"
+        total = int(stats.total)
         missing = format_count(total - int(stats.cached))
         if stats.complete:
             self._set_status(f"Cache complete: {format_count(total)} samples, {format_bytes(stats.bytes)} stored.", GREEN, bold=True)
@@ -296,33 +431,48 @@ class WarmupPanel(View):
         else:
             self._set_status(f"Ready: {missing} of {format_count(total)} samples to compute. Click Warm up.")
 
-    def _start(self, name: str, unit: str, fn, *, done=None) -> None:
+    def _start(self, name: str, unit: str, fn, *, done=None, value=0) -> None:
         with self._lock:
             if self.running:
                 self._set_status(f"Busy: wait for the current {self.job.name} to finish, or click Stop.", GREY)
                 return
-            self._rejected = None
+            self._refused.pop(name, None)
+            self._last = name
+            stats = self.ds.stats
+            self._stats_at_start = stats
             for b in (self.warmup_button, self.export_button, self.upload_button):
                 b.disabled = True
             self.stop_button.disabled = False
-            self.progress.description = {"warmup": "Cache"}.get(name, name.capitalize())
+            self.stop_button.tooltip = ""
             self.progress.bar_style = "info"
-            if name != "warmup":  # the bar now measures this transfer, not how full the cache is
+            if name == "warmup":  # resume from the cached fraction, never from 0%
+                self._show_fill(stats)
+            else:  # the bar now measures this transfer, not how full the cache is
+                self.progress.description = name.capitalize()
                 self.progress.value = 0.0
                 self.percent_label.value = "0%"
+            self.rate_label.value, self.eta_label.value = f"– {unit}/s", "ETA –"
             self._set_status(f"{name.capitalize()}…", GREY)
-            self.job = Job(name, fn, callback=_PanelProgress(self, name, unit), on_end=lambda job: self._show_end(job, done))
+            self.job = Job(name, fn, callback=_PanelProgress(self, name, unit, value=value),
+                           on_end=lambda job: self._show_end(job, done))
+            self._jobs[name] = self.job
             self.job.start()
 
     def _show_end(self, job: Job, done) -> None:
         with self._lock:
+            cb, stats = job.callback, self.ds.stats
             if job.error is not None:
                 self._show_error(job.error)
+                self.rate_label.value = "–"
+                self.eta_label.value = f"failed after {format_seconds(cb.elapsed())}"
                 return
-            cb, stats = job.callback, self.ds.stats
             stopped = job.state is JobState.STOPPED
             self._render_progress(cb)
             self._finish_buttons(stats)
+            # A finished operation shows what it did, not a live rate or a time left.
+            rate = cb.rate()
+            self.rate_label.value = f"average {format_rate(rate, cb.unit)}" if rate else "–"
+            self.eta_label.value = f"{'stopped after' if stopped else 'took'} {format_seconds(cb.elapsed())}"
             if job.name == "warmup":
                 if stopped:
                     self.progress.bar_style = "warning"
@@ -339,19 +489,38 @@ class WarmupPanel(View):
                         f"({format_count(computed)} computed in {format_seconds(seconds)}).",
                         GREEN, bold=True,
                     )
+            elif stopped:
+                self.progress.bar_style = "warning"
+                where = self.tar_field.value.strip() if job.name == "export" else self.url_field.value.strip()
+                self._set_status(f"Stopped: the {job.name} was interrupted; {where} holds no complete copy.", GREY, bold=True)
             else:
-                self.progress.bar_style = "warning" if stopped else "success"
-                if stopped:
-                    self._set_status(f"Stopped: the {job.name} was interrupted.", GREY, bold=True)
+                text, verb = done(cb)
+                copied = self._stats_at_start or stats
+                if copied.complete:
+                    self.progress.bar_style = "success"
+                    self._set_status(text + ".", GREEN, bold=True)
                 else:
-                    self._set_status(done(cb) + ".", GREEN, bold=True)
+                    # The copy is only as full as the cache was: say so, in amber, never as a plain success.
+                    self.progress.bar_style = "warning"
+                    fix = ("Warm up, then " + verb + " again." if self.ds.source is not None
+                           else "This cache has no source to fill it.")
+                    self._set_status(
+                        f"{text} — partial: {_floor_percent(copied.cached, copied.total)}% of samples cached "
+                        f"({format_count(copied.cached)} of {format_count(copied.total)}). {fix}",
+                        AMBER, bold=True,
+                    )
         if self.terminal:
             print(self.text(), file=sys.stderr, flush=True)
 
-    def _reject(self, error: BaseException) -> None:
+    def _refuse(self, operation: str, error: BaseException) -> None:
+        """A click refused before any job started: its error is that operation's; the bar (which
+        shows another operation, or the cache) is left as it is, the status line says it."""
         with self._lock:
-            self._rejected = error
-            self._show_error(error)
+            self._refused[operation] = error
+            self._last = operation
+            self._set_status(f"Error: {type(error).__name__}: {error}", RED, bold=True)
+        if self.terminal:
+            print(self.text(), file=sys.stderr, flush=True)
 
     def _show_error(self, error: BaseException) -> None:
         with self._lock:
@@ -364,6 +533,7 @@ class WarmupPanel(View):
     def _finish_buttons(self, stats) -> None:
         """Buttons, stored bytes and title for a panel with nothing running."""
         self.stop_button.disabled = True
+        self.stop_button.tooltip = ""
         self.export_button.disabled = False
         self.upload_button.disabled = False
         unavailable = self._warmup_unavailable(stats)
@@ -377,19 +547,15 @@ class WarmupPanel(View):
         suffix = "" if unit == "bytes" else f" {unit}"
         if size:
             self.progress.value = min(value / size, 1.0)
-            self.percent_label.value = f"{100.0 * value / size:.0f}%"
+            self.percent_label.value = f"{_floor_percent(value, size)}%"
             self.done_label.value = f"{format_amount(value, unit)}/{format_amount(size, unit)}{suffix}"
         else:
             self.done_label.value = f"{format_amount(value, unit)}{suffix}"
-        rate = cb.rate()
-        self.rate_label.value = format_rate(rate, unit) if rate else f"0 {unit}/s"
-        eta = cb.eta()
-        if cb.finished:
-            self.eta_label.value = f"took {format_seconds(cb.elapsed())}"
-        elif eta is not None:
-            self.eta_label.value = f"ETA {format_seconds(eta)}"
-        else:
-            self.eta_label.value = "ETA –"
+        if cb.ended is None:  # live numbers only while it runs; _show_end writes the final ones
+            rate = cb.rate()
+            self.rate_label.value = format_rate(rate, unit) if rate else f"0 {unit}/s"
+            eta = cb.eta()
+            self.eta_label.value = f"ETA {format_seconds(eta)}" if eta is not None else "ETA –"
         if cb.phase == "warmup":
             stats = self.ds.stats
             self.bytes_label.value = f"{format_bytes(stats.bytes)} stored"
@@ -399,3 +565,13 @@ class WarmupPanel(View):
 
     def _set_status(self, text: str, color: str = GREY, *, bold: bool = False) -> None:
         self.status.value = status_html(text, color, bold=bold)
+
+
+def _floor_percent(done, total) -> int:
+    """Whole percent, rounded down: 99.6% of a cache is not "100%"."""
+    return int(100 * done // total) if total else 100
+
+
+def _check_operation(operation: str) -> None:
+    if operation not in OPERATIONS:
+        raise ValueError(f"unknown panel operation {operation!r}; use one of {', '.join(OPERATIONS)}")

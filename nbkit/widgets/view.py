@@ -20,11 +20,13 @@ from nbkit.extras import require
 
 ipywidgets = require("ipywidgets", extra="notebook", feature="nbkit.widgets")
 
-__all__ = ["View", "in_kernel", "status_html", "ipywidgets", "RENDER_INTERVAL", "RED", "GREEN", "GREY"]
+__all__ = ["View", "in_kernel", "status_html", "ipywidgets", "RENDER_INTERVAL", "RED", "GREEN", "GREY", "AMBER"]
 
 #: Front ends redraw a few times a second at most; more only costs kernel messages.
 RENDER_INTERVAL = 0.2
 RED, GREEN, GREY = "#c62828", "#2e7d32", "#555555"
+#: Done, but not what was wanted (e.g. a partial cache exported): dark enough to read on white.
+AMBER = "#a15c00"
 
 
 def in_kernel() -> bool:

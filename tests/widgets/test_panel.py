@@ -243,3 +243,202 @@ def test_a_second_phase_is_shown_in_its_own_unit(tmp_path):
     assert panel.done_label.value == "3.0 MB/3.0 MB"  # bytes, not 3,000,000 "samples"
     assert panel.rate_label.value.endswith("B/s")
     assert panel.status_text().startswith("Cache complete: 300 samples")
+
+
+# -- each operation keeps its own outcome (issue 13, points 3 and 4) ---------------------------------
+
+
+def _stopped_midway(tmp_path, n=3000, at=300, **panel_kw):
+    """A panel whose warmup was stopped by its Stop button after two chunks of 256."""
+    source = GatedSource(n)
+    ds = nbkit.CachedDataset(source, str(tmp_path / "c"))
+    panel = WarmupPanel(ds, **panel_kw)
+    source.at = at
+    panel.warmup_button.click()
+    assert source.reached.wait(timeout=60), "warmup never reached the gate"
+    panel.stop_button.click()
+    source.release.set()
+    assert panel.wait(timeout=60)
+    source.at = None
+    assert panel.state is PanelState.STOPPED and ds.stats.cached == 512
+    return ds, panel
+
+
+def test_export_after_stop_then_run_warmup_returns_the_warmup_report(tmp_path):
+    ds, panel = _stopped_midway(tmp_path, tar_path=str(tmp_path / "x.tar"))
+    panel.export_button.click()
+    assert panel.wait(timeout=60) and panel.state is PanelState.DONE
+    assert type(panel.report).__name__ == "TransferReport"  # the old `report`: whatever ran last
+
+    report = panel.run("warmup")  # what the notebook's wait-for-warmup cell calls
+    assert report is panel.warmup_report and (report.skipped, report.computed) == (512, 2488)
+    assert type(panel.export_report).__name__ == "TransferReport" and panel.export_report.bytes > 0
+    assert panel.upload_report is None and ds.stats.complete
+    # Nothing left to do: run() does not press Warm up again, and still returns the report.
+    assert panel.run("warmup") is report and panel.job.name == "warmup"
+
+
+def test_an_old_upload_error_does_not_come_back_in_the_warmup_cell(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(600), str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    panel.upload_button.click()  # empty URL: refused before any job starts
+    assert isinstance(panel.error("upload"), ValueError) and panel.last_error is panel.error("upload")
+    assert panel.error("warmup") is None and panel.error("export") is None
+
+    assert panel.run("warmup").computed == 600
+    assert panel.error("warmup") is None and panel.last_error is None and panel.state is PanelState.DONE
+    assert isinstance(panel.error("upload"), ValueError)  # still the upload's, until an upload runs
+    with pytest.raises(ValueError, match="Upload needs a URL"):
+        panel.run("upload")  # the cell that wants an upload does get the upload's error
+    assert panel.run("warmup").computed == 600  # and the warmup cell still does not
+    with pytest.raises(ValueError, match="unknown panel operation 'train'"):
+        panel.error("train")
+
+
+def test_run_raises_its_own_job_error(tmp_path):
+    source = FailingSource(1000, bad=700)
+    ds = nbkit.CachedDataset(source, str(tmp_path / "c"))
+    source.armed = True
+    panel = WarmupPanel(ds, tar_path=str(tmp_path / "partial.tar"))
+    with pytest.raises(OSError, match="source image 700 is unreadable"):
+        panel.run("warmup")
+    panel.run("export")  # the export succeeds; its cell does not see the warmup's error
+    assert panel.error("export") is None and isinstance(panel.error("warmup"), OSError)
+    panel.tar_field.value = "  "
+    with pytest.raises(ValueError, match="type a tar path"):
+        panel.run("export")
+    assert isinstance(panel.error("export"), ValueError)
+
+
+def test_run_raises_when_stop_is_clicked_while_it_waits(tmp_path):
+    import threading
+
+    source = GatedSource(3000)
+    ds = nbkit.CachedDataset(source, str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    source.at = 300
+    outcome = {}
+
+    def cell():
+        try:
+            outcome["report"] = panel.run("warmup")
+        except RuntimeError as e:
+            outcome["error"] = e
+
+    t = threading.Thread(target=cell)
+    t.start()
+    assert source.reached.wait(timeout=60)
+    panel.stop_button.click()
+    source.release.set()
+    t.join(timeout=60)
+    assert "report" not in outcome, outcome
+    assert "The warmup was stopped before it finished (Stopped at 512/3,000 samples" in str(outcome["error"])
+    assert "Run this cell again to resume" in str(outcome["error"])
+    source.at = None
+    assert panel.run("warmup").computed == 2488  # running the cell again resumes
+
+
+def test_run_warmup_of_a_cache_without_source_says_why(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(1000), str(tmp_path / "c"))
+    ds.warmup(chunk_size=100, callback=_StopAfter(3))
+    panel = WarmupPanel(nbkit.CachedDataset.open(str(tmp_path / "c")))
+    with pytest.raises(ValueError, match="opened without its source dataset.*700 samples are missing"):
+        panel.run("warmup")
+
+
+# -- a partial or stale export is never taken for a good one (point 2) ----------------------------------
+
+
+def test_partial_export_is_amber_with_the_cached_fraction(tmp_path):
+    tar = tmp_path / "x.tar"
+    ds, panel = _stopped_midway(tmp_path, tar_path=str(tar))
+    panel.export_button.click()
+    assert panel.wait(timeout=60) and panel.error("export") is None
+    size = panel.done_label.value.split("/")[0]
+    assert panel.status_text() == (
+        f"Exported {size} to {tar} — partial: 17% of samples cached (512 of 3,000). Warm up, then export again."
+    )
+    assert "#a15c00" in panel.status.value and "#2e7d32" not in panel.status.value  # amber, not green
+    assert panel.progress.bar_style == "warning"
+
+
+def test_run_export_rewrites_a_stale_tar_and_keeps_a_current_one(tmp_path):
+    from nbkit.archive import stale_tar_reason
+
+    tar = tmp_path / "x.tar"
+    ds, panel = _stopped_midway(tmp_path, tar_path=str(tar))
+    panel.export_button.click()  # a partial tar, as after Stop → Export tar
+    assert panel.wait(timeout=60)
+    panel.run("warmup")
+    assert "holds 512 of 3,000 samples; the cache now holds 3,000" in stale_tar_reason(tar, ds.root)
+
+    first = panel.run("export")  # stale: exported again
+    assert first.bytes > 0 and panel.export_report is first
+    assert stale_tar_reason(tar, ds.root) is None
+    assert panel.status_text().startswith("Exported ") and "partial" not in panel.status_text()
+
+    # A later session (a new panel, the same cache and tar): the tar is current, nothing to do.
+    again = WarmupPanel(nbkit.CachedDataset(GatedSource(3000), str(tmp_path / "c")), tar_path=str(tar))
+    assert again.run("export") is None and again.job is None
+    assert again.status_text() == f"{tar} already holds this cache as it is now; not exported again."
+
+    # A tar of another cache at that path (a previous run of another notebook) is replaced.
+    other = _filled(tmp_path, n=50, name="other")
+    nbkit.export_tar(other.root, tar)
+    assert "exported from another cache" in stale_tar_reason(tar, ds.root)
+    assert again.run("export").bytes > 0 and stale_tar_reason(tar, ds.root) is None
+
+
+# -- glitches (point 8) ------------------------------------------------------------------------------------
+
+
+def test_a_refused_upload_does_not_repaint_the_export_bar(tmp_path):
+    ds = _filled(tmp_path)
+    panel = WarmupPanel(ds, tar_path=str(tmp_path / "x.tar"))
+    panel.run("export")
+    bar = (panel.progress.description, panel.progress.bar_style, panel.progress.value, panel.percent_label.value)
+    assert bar == ("Export", "success", 1.0, "100%")
+    panel.upload_button.click()
+    assert (panel.progress.description, panel.progress.bar_style, panel.progress.value, panel.percent_label.value) == bar
+    assert panel.status_text().startswith("Error: ValueError: Upload needs a URL") and "#c62828" in panel.status.value
+    assert panel.state is PanelState.ERROR and panel.export_report is not None
+
+
+def test_a_stopped_panel_shows_no_eta_or_live_rate(tmp_path):
+    ds, panel = _stopped_midway(tmp_path)
+    assert panel.eta_label.value.startswith("stopped after ") and "ETA" not in panel.eta_label.value
+    assert panel.rate_label.value.startswith("average ")
+    rate, elapsed = panel.job.callback.rate(), panel.job.callback.elapsed()
+    panel._render_progress(panel.job.callback)  # a late redraw changes nothing: the clock stopped
+    assert panel.rate_label.value.startswith("average ") and panel.eta_label.value.startswith("stopped after ")
+    assert (panel.job.callback.rate(), panel.job.callback.elapsed()) == (rate, elapsed)
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60)
+    assert panel.eta_label.value.startswith("took ") and panel.rate_label.value.startswith("average ")
+
+
+def test_resume_starts_the_bar_from_the_cached_fraction(tmp_path):
+    ds, panel = _stopped_midway(tmp_path, tar_path=str(tmp_path / "x.tar"))
+    panel.run("export")  # the bar now shows the export (100%)
+    seen = []
+    panel.progress.observe(lambda change: seen.append(change["new"]), names="value")
+    panel.run("warmup")
+    assert seen and min(seen) >= 512 / 3000, seen[:5]  # never back to 0%
+    assert seen[0] == pytest.approx(512 / 3000) and panel.progress.value == 1.0
+    assert panel.progress.description == "Cache"
+
+
+def test_layout_has_no_fixed_widths(tmp_path):
+    panel = WarmupPanel(_filled(tmp_path))
+
+    def walk(w):
+        yield w
+        for child in getattr(w, "children", ()):
+            yield from walk(child)
+
+    widths = [(type(w).__name__, w.layout.width) for w in walk(panel.widget) if w.layout.width]
+    assert widths and not [w for w in widths if w[1].endswith("px")], widths
+    rows = [w for w in walk(panel.widget) if type(w).__name__ == "HBox"]
+    assert rows and all(r.layout.flex_flow == "row wrap" for r in rows)
+    for b in (panel.warmup_button, panel.stop_button, panel.export_button, panel.upload_button):
+        assert b.layout.width == "auto" and b.layout.min_width.endswith("em")

@@ -21,6 +21,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WIDGETS7_REQUIREMENTS = HERE.parent / "widgets7" / "requirements.txt"
+IPYKERNEL6_REQUIREMENTS = HERE.parent / "ipykernel6" / "requirements.txt"
 
 
 # -- optional import --------------------------------------------------------------------------------
@@ -136,11 +137,11 @@ def test_in_a_kernel_both_widgets_render_as_widgets(tmp_path, monkeypatch):
 # -- ipywidgets 7.7.1 (Colab's TPU runtime) --------------------------------------------------------------
 
 
-def _widgets7_dir(request) -> Path:
-    """ipywidgets 7.7.1 and its companions, pip-installed once into a cached directory."""
-    pins = WIDGETS7_REQUIREMENTS.read_text()
+def _widgets7_dir(request, requirements: Path = WIDGETS7_REQUIREMENTS, name: str = "ipywidgets7") -> Path:
+    """ipywidgets 7.7.1 and its companions (or another ``requirements`` file), pip-installed once into a cached directory."""
+    pins = requirements.read_text()
     key = hashlib.sha256(pins.encode()).hexdigest()[:12]
-    target = Path(request.config.cache.mkdir(f"ipywidgets7-{key}"))
+    target = Path(request.config.cache.mkdir(f"{name}-{key}"))
     marker = target / ".complete"
     if marker.exists():
         return target
@@ -148,7 +149,7 @@ def _widgets7_dir(request) -> Path:
     # the environment's own, as on Colab where ipywidgets 7 sits next to the runtime's kernel.
     r = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--disable-pip-version-check",
-         "--target", str(target), "-r", str(WIDGETS7_REQUIREMENTS)],
+         "--target", str(target), "-r", str(requirements)],
         capture_output=True, text=True, timeout=600,
     )
     if r.returncode != 0:
@@ -157,9 +158,9 @@ def _widgets7_dir(request) -> Path:
         if any(s in r.stdout + r.stderr for s in offline):
             pytest.skip(
                 "!!! ipywidgets 7.7.1 NOT TESTED: the package registry is unreachable, so pip could not install "
-                f"{WIDGETS7_REQUIREMENTS.name}. pip said: {(r.stderr or r.stdout).strip().splitlines()[-1]}"
+                f"{requirements}. pip said: {(r.stderr or r.stdout).strip().splitlines()[-1]}"
             )
-        raise RuntimeError(f"pip install of ipywidgets 7.7.1 failed:\n{r.stdout}\n{r.stderr}")
+        raise RuntimeError(f"pip install of {requirements} failed:\n{r.stdout}\n{r.stderr}")
     marker.write_text(json.dumps({"requirements": pins}))
     return target
 
@@ -172,6 +173,8 @@ def test_this_directory_passes_with_ipywidgets_7_7_1(request):
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(target), str(REPO), os.environ.get("PYTHONPATH", "")]),
         "NBKIT_EXPECT_IPYWIDGETS": "7.7.1",
+        # Colab pairs ipywidgets 7.7.1 with ipykernel 6: test_poll.py also starts a kernel with it.
+        "NBKIT_IPYKERNEL6_PATH": str(_widgets7_dir(request, IPYKERNEL6_REQUIREMENTS, "ipykernel6")),
     }
     r = subprocess.run(
         # Left out: tests that exercise no ipywidgets code (the import checks) or only wait (the
