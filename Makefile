@@ -1,12 +1,14 @@
-# nbkit — `make setup` once, then `make test`, `make demo`, `make bench`.
+# nbkit — `make setup` once, then `make test`, `make demo`, `make bench`; `make dist` builds the wheel.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# dist and notebooks need no venv: the venv's python if there is one, else $(PYTHON).
+PYTHON_RUN = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 # The Colab TPU runtime's stack; torch_xla runs on the CPU with PJRT_DEVICE=CPU.
 TORCH_STACK := torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0
 export PJRT_DEVICE ?= CPU
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench notebooks dist clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +29,18 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/run.py
+
+# Write pyproject.toml's [project.urls] Repository into every notebook's install cell and Colab
+# badge (and the README's badges), and check that no notebook carries outputs.
+notebooks:
+	$(PYTHON_RUN) scripts/stamp_notebooks.py
+	$(PYTHON_RUN) scripts/run_notebooks.py --check-stripped
+
+# dist/nbkit-<version>-py3-none-any.whl: upload it to a Colab runtime's /content and the notebooks'
+# install cell uses it (or attach it to a release and give its URL in the cell's nbkit_source field).
+dist:
+	$(PYTHON_RUN) -m pip wheel --no-deps -w dist .
+	@ls -1 dist/nbkit-*.whl
 
 clean:
 	rm -rf out test-artifacts .pytest_cache
