@@ -155,6 +155,7 @@ def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
     cached = number(r"cached epoch: ([\d.]+) s", out)
     assert cached < raw, out
     assert number(r"speedup: ([\d.]+)x", out) > 1
+    assert "nan" not in out.lower()
     assert "hit rate after filling: 100%" in out
     assert "cache complete: True" in out
     plot = tmp_path / "work" / "benchmark.png"
@@ -170,3 +171,11 @@ def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
     # An executed notebook has outputs; strip() makes it commit-ready again.
     assert run_notebooks.outputs_left(path)
     assert run_notebooks.strip(path) and run_notebooks.outputs_left(path) == []
+
+
+def test_03_benchmark_with_one_epoch_says_why_there_is_no_speedup(tmp_path):
+    # The form's slider starts at 2; papermill (or an edited cell) can still pass 1.
+    _, out = execute("03_benchmark", tmp_path, epochs=1, offline_samples=1200, train_epochs=1)
+    assert "no speedup to report: the only cached epoch filled the cache" in out
+    assert "run 2 or more epochs" in out
+    assert "nan" not in out.lower() and "speedup: " not in out.replace("no speedup to report: ", "")
