@@ -1,5 +1,5 @@
 """Run a cached dataset on every TPU process of a host: :func:`spawn` starts ``fn(index, *args)``
-once per device; inside it, :func:`warmup_shared` fills one shared cache (each process computing
+once per device (what each prints comes back as whole lines, prefixed with its index); inside it, :func:`warmup_shared` fills one shared cache (each process computing
 only its shard) and :func:`device_loader` feeds the process's device from its own sampler shard.
 torch_xla is imported when one of these is called, never before.
 
