@@ -1,7 +1,9 @@
-# nbkit — `make setup` once, then `make test`, `make demo`, `make bench`.
+# nbkit — `make setup` once, then `make test`, `make demo`, `make bench`; `make dist` builds the wheel.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# dist and notebooks need no venv: the venv's python if there is one, else $(PYTHON).
+PYTHON_RUN = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 # The Colab TPU runtime's stack; torch_xla runs on the CPU with PJRT_DEVICE=CPU.
 TORCH_STACK := torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0
 export PJRT_DEVICE ?= CPU
@@ -9,7 +11,7 @@ export PJRT_DEVICE ?= CPU
 # A second interpreter the suite also runs under in CI (`make test-py313`); Colab runs 3.12.
 PY313 ?= $(shell for p in $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.13*/bin/python3.13 $$(command -v python3.13); do "$$p" -c "" 2>/dev/null && { echo "$$p"; break; }; done)
 
-.PHONY: setup test test-py313 demo bench clean
+.PHONY: setup test test-py313 demo bench notebooks dist clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +37,18 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/run.py
+
+# Write pyproject.toml's [project.urls] Repository into every notebook's install cell and Colab
+# badge (and the README's badges), and check that no notebook carries outputs.
+notebooks:
+	$(PYTHON_RUN) scripts/stamp_notebooks.py
+	$(PYTHON_RUN) scripts/run_notebooks.py --check-stripped
+
+# dist/nbkit-<version>-py3-none-any.whl: upload it to a Colab runtime's /content and the notebooks'
+# install cell uses it (or attach it to a release and give its URL in the cell's nbkit_source field).
+dist:
+	$(PYTHON_RUN) -m pip wheel --no-deps -w dist .
+	@ls -1 dist/nbkit-*.whl
 
 clean:
 	rm -rf out test-artifacts .pytest_cache dist

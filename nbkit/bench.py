@@ -122,16 +122,43 @@ class EpochComparison:
 
     @property
     def speedup(self) -> float:
-        """Raw mean epoch time / steady-state cached mean epoch time (NaN without both)."""
-        return self.raw_seconds / self.cached_seconds if self.cached_seconds > 0 else math.nan
+        """Raw mean epoch time / steady-state cached mean epoch time; NaN without both, and
+        :attr:`no_speedup` says why."""
+        if self.no_speedup:
+            return math.nan
+        return self.raw_seconds / self.cached_seconds if self.cached_seconds > 0 else math.inf
+
+    @property
+    def no_speedup(self) -> str:
+        """Why there is no speedup to report (``""`` when there is one).
+
+        Example:
+            >>> one = EpochComparison([EpochRow("raw", 1, 2.0, 1000), EpochRow("cached", 1, 2.5, 1000, 0.0, True)])
+            >>> one.speedup
+            nan
+            >>> one.no_speedup
+            'the only cached epoch filled the cache (an epoch that fills the cache computes and stores every sample, so it shows no speedup); run 2 or more epochs, or warm the cache up first'
+        """
+        reason, detail, fix = self._no_speedup()
+        return f"{reason}{detail}; {fix}" if reason else ""
+
+    def _no_speedup(self) -> tuple:
+        """(why there is no speedup, an explanation, the fix), or three empty strings."""
+        if not self._seconds("raw"):
+            return "no raw epoch was timed", "", "include the raw dataset's epochs"
+        cached = self._seconds("cached")
+        if not cached:
+            return "no cached epoch was timed", "", "include the cached dataset's epochs"
+        if not self._seconds("cached", filling=False):
+            only = "the only cached epoch" if len(cached) == 1 else "every cached epoch"
+            return (f"{only} filled the cache", " (an epoch that fills the cache computes and stores every "
+                    "sample, so it shows no speedup)", "run 2 or more epochs, or warm the cache up first")
+        return "", "", ""
 
     def summary(self) -> str:
         """One sentence: how much faster the cached epochs were, and what filling cost."""
-        if math.isnan(self.speedup):
-            text = (
-                f"raw epochs took {self.raw_seconds:.3g} s; no steady-state cached epoch was run "
-                "(use epochs >= 2 to see one)"
-            )
+        if self.no_speedup:
+            text = f"raw epochs took {self.raw_seconds:.3g} s; no speedup measured: {self.no_speedup}"
         else:
             text = (
                 f"cached epochs are {self.speedup:.1f}x faster than raw: "
@@ -172,7 +199,11 @@ class EpochComparison:
 
     # --- plot --------------------------------------------------------------------------------
     def plot(self, path=None, *, title: str = ""):
-        """Bar charts of seconds and samples/s per epoch: raw, the filling epoch, cached epochs.
+        """A bar per epoch, seconds across: raw epochs, the epoch that filled the cache, cached epochs.
+
+        Each bar is labelled with its time, throughput and (cached epochs) hit rate; the headline
+        gives the steady-state speedup, or says why there is none. The figure is 6.4 inches wide
+        and grows in height with the epochs, so it stays legible in a narrow notebook column.
 
         Args:
             path: if given, the figure is also saved there (PNG, SVG, ... by extension).
@@ -192,68 +223,77 @@ class EpochComparison:
             _RAW_COLOUR if r.dataset == "raw" else _FILL_COLOUR if r.filling else _CACHED_COLOUR
             for r in self.rows
         ]
-        # Leave a gap between the raw group and the cached group so they read as two runs.
-        xs, x, previous = [], 0.0, None
+        # Top to bottom in run order, with a gap between the raw and the cached group.
+        ys, y, previous = [], 0.0, None
         for r in self.rows:
             if previous is not None and r.dataset != previous:
-                x += 0.6
-            xs.append(x)
-            x += 1.0
+                y += 0.5
+            ys.append(-y)
+            y += 1.0
             previous = r.dataset
-        ticks = []
+        names = [f"{r.dataset}, epoch {r.epoch}" for r in self.rows]
+        labels = []
         for r in self.rows:
-            tick = f"{r.dataset}\nepoch {r.epoch}"
+            label = f"{_seconds_label(r.seconds)} · {_rate_label(r.samples_per_s)}/s"
             if r.hit_rate is not None:
-                tick += f"\nhits {format_percent(r.hit_rate, digits=0)}"
-            ticks.append(tick)
+                label += f" · hits {format_percent(r.hit_rate, digits=0)}"
+            labels.append(label)
 
         # Made through pyplot so that IPython's inline backend is loaded and renders the returned
         # Figure as a picture; closed at once so the backend does not show it a second time.
-        fig = plt.figure(figsize=(12, 4.8), layout="constrained")
+        fig = plt.figure(figsize=(6.4, 2.4 + 0.36 * len(self.rows)), layout="constrained")
         plt.close(fig)
-        ax_time, ax_rate = fig.subplots(1, 2)
-        panels = (
-            (ax_time, [r.seconds for r in self.rows], "seconds per epoch (lower is better)", _seconds_label),
-            (ax_rate, [r.samples_per_s for r in self.rows], "samples / s (higher is better)", _rate_label),
-        )
-        for ax, values, heading, fmt in panels:
-            bars = ax.bar(xs, values, color=colours, width=0.8, edgecolor="black", linewidth=0.6)
-            for bar, r in zip(bars, self.rows):
-                if r.filling:
-                    bar.set_hatch("//")
-            ax.bar_label(bars, labels=[fmt(v) for v in values], padding=2, fontsize=9)
-            ax.set_title(heading, fontsize=11)
-            ax.set_xticks(xs, ticks, fontsize=8.5)
-            ax.margins(y=0.15)
-            ax.spines[["top", "right"]].set_visible(False)
-            ax.grid(axis="y", alpha=0.3)
-            ax.set_axisbelow(True)
-        ax_rate.yaxis.set_major_formatter(lambda v, _pos: _rate_label(v))
+        ax = fig.subplots()
+        bars = ax.barh(ys, [r.seconds for r in self.rows], height=0.75, color=colours, edgecolor="black",
+                       linewidth=0.6)
+        for bar, r in zip(bars, self.rows):
+            if r.filling:
+                bar.set_hatch("//")
+        _label_bars(ax, [r.seconds for r in self.rows], ys, labels, fontsize=10)
+        ax.set_yticks(ys, names, fontsize=10.5)
+        ax.tick_params(axis="x", labelsize=10)
+        ax.set_xlabel("seconds per epoch (shorter is better)", fontsize=10.5)
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
 
-        legend = [Patch(facecolor=_RAW_COLOUR, edgecolor="black", label="raw dataset (transform every time)")]
+        legend = [Patch(facecolor=_RAW_COLOUR, edgecolor="black", label="raw: transforms every epoch")]
         if any(r.filling for r in self.rows):
-            legend.append(
-                Patch(facecolor=_FILL_COLOUR, edgecolor="black", hatch="//", label="cached, first epoch (fills the cache)")
-            )
+            legend.append(Patch(facecolor=_FILL_COLOUR, edgecolor="black", hatch="//", label="cached, filling the cache"))
         if any(r.dataset == "cached" and not r.filling for r in self.rows):
-            legend.append(Patch(facecolor=_CACHED_COLOUR, edgecolor="black", label="cached, served from the cache"))
-        fig.legend(handles=legend, loc="outside lower center", ncols=len(legend), frameon=False, fontsize=9.5)
+            legend.append(Patch(facecolor=_CACHED_COLOUR, edgecolor="black", label="cached, read from the cache"))
+        fig.legend(handles=legend, loc="outside lower center", ncols=min(len(legend), 2), frameon=False, fontsize=10)
 
-        if math.isnan(self.speedup):
-            headline = "Raw vs cached epochs"
-        else:
-            headline = f"Cached epochs are {self.speedup:.1f}× faster than raw"
-        details = [title] if title else []
-        details.append(f"{self.rows[0].samples if self.rows else 0:,} samples an epoch")
+        headline = "No speedup measured" if self.no_speedup else f"Cached epochs are {self.speedup:.1f}× faster than raw"
+        details = [f"{self.rows[0].samples if self.rows else 0:,} samples an epoch"]
         if self.batch_size is not None:
             details.append(f"batch size {self.batch_size}")
         if self.num_workers is not None:
             details.append(f"num_workers={self.num_workers}")
-        fig.suptitle(f"{headline}\n", fontsize=13, fontweight="bold")
-        fig.text(0.5, 0.925, " · ".join(details), ha="center", va="top", fontsize=10, color="#444444")
+        fig.suptitle(headline, fontsize=13, fontweight="bold")
+        subtitle = (f"{title}\n" if title else "") + " · ".join(details)
+        if self.no_speedup:  # why, in a line that fits the figure
+            reason, _, fix = self._no_speedup()
+            subtitle += f"\n{reason}: {fix.split(',')[0]}"
+        ax.set_title(subtitle, fontsize=10, color="#444444")
         if path is not None:
-            fig.savefig(path, dpi=110)
+            fig.savefig(path, dpi=150)
         return fig
+
+
+def _label_bars(ax, ends, ys, labels, *, fontsize) -> None:
+    """Label each bar (ending at ``ends[i]``, centred on ``ys[i]``) inside its end when the bar is
+    long, else just after it: no label runs off a narrow figure, whatever the longest bar."""
+    longest = max(ends, default=0) or 1.0
+    ax.set_xlim(0, longest * 1.02)
+    for end, y, label in zip(ends, ys, labels):
+        if end > 0.55 * longest:  # on a light box, readable over any bar colour or hatch
+            ax.annotate(label, (end, y), xytext=(-5, 0), textcoords="offset points", ha="right", va="center",
+                        fontsize=fontsize, bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none",
+                                                     alpha=0.85))
+        else:
+            ax.annotate(label, (end, y), xytext=(4, 0), textcoords="offset points", ha="left", va="center",
+                        fontsize=fontsize)
 
 
 def _seconds_label(v: float) -> str:
@@ -261,7 +301,11 @@ def _seconds_label(v: float) -> str:
 
 
 def _rate_label(v: float) -> str:
-    return format_count(v, compact=True)
+    """Three significant digits: ``3612`` → ``'3.61k'``, so close rates never read the same."""
+    if not math.isfinite(v):
+        return "∞"
+    scale, suffix = next(((k, x) for k, x in ((1e9, "G"), (1e6, "M"), (1e3, "k")) if v >= k), (1, ""))
+    return f"{v / scale:#.3g}".rstrip(".") + suffix
 
 
 def _mean(values) -> float:
@@ -428,31 +472,35 @@ class TrainingComparison:
         """Stacked bars per loader: the time the device computes (the on-device limit) and the
         time it waits for data on top. Returns a matplotlib ``Figure``; saved to ``path`` if given."""
         plt = require("matplotlib.pyplot", extra="notebook", feature="nbkit.bench plots")
-        fig = plt.figure(figsize=(7.5, 1.3 + 0.6 * len(self.rows)), layout="constrained")
+        # 6.4 inches wide with 10-point text: legible when a notebook scales it to a 600-pixel column.
+        fig = plt.figure(figsize=(6.4, 2.2 + 0.5 * len(self.rows)), layout="constrained")
         plt.close(fig)
         ax = fig.subplots()
         limit = self.limit_seconds
         ys = list(range(len(self.rows)))[::-1]
         compute = [min(r.seconds, limit) for r in self.rows]
         wait = [max(0.0, r.seconds - limit) for r in self.rows]
-        ax.barh(ys, compute, color=_CACHED_COLOUR, edgecolor="black", linewidth=0.6, label="training (the on-device limit)")
-        bars = ax.barh(ys, wait, left=compute, color=_FILL_COLOUR, hatch="//", edgecolor="black", linewidth=0.6,
-                       label="waiting for data")
+        ax.barh(ys, compute, height=0.7, color=_CACHED_COLOUR, edgecolor="black", linewidth=0.6,
+                label="training (the on-device limit)")
+        bars = ax.barh(ys, wait, left=compute, height=0.7, color=_FILL_COLOUR, hatch="//", edgecolor="black",
+                       linewidth=0.6, label="waiting for data")
         labels = [f"{format_seconds(r.seconds, digits=2)}" + ("" if r.loader == self.LIMIT else
                   f" · waits {format_percent(self.wait_share(r), digits=0)}") for r in self.rows]
-        ax.bar_label(bars, labels=labels, padding=3, fontsize=9)
-        ax.set_yticks(ys, [r.loader for r in self.rows], fontsize=9)
-        ax.set_xlabel("seconds per training epoch (lower is better)", fontsize=9)
-        ax.margins(x=0.35)
+        _label_bars(ax, [r.seconds for r in self.rows], [b.get_y() + b.get_height() / 2 for b in bars], labels,
+                    fontsize=10)
+        ax.set_yticks(ys, [r.loader for r in self.rows], fontsize=10.5)
+        ax.tick_params(axis="x", labelsize=10)
+        ax.set_xlabel("seconds per training epoch (shorter is better)", fontsize=10.5)
         ax.spines[["top", "right"]].set_visible(False)
-        fig.legend(loc="outside lower center", ncols=2, fontsize=8.5, frameon=False)
-        details = [title] if title else []
-        details.append(f"{self.rows[0].samples:,} samples an epoch on {self.device}" if self.rows else self.device)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+        fig.legend(loc="outside lower center", ncols=2, fontsize=10, frameon=False)
+        details = [f"{self.rows[0].samples:,} samples an epoch on {self.device}" if self.rows else self.device]
         if self.batch_size:
             details.append(f"batch size {self.batch_size}")
-        ax.set_title(" · ".join(details), fontsize=9.5, wrap=True)
+        ax.set_title((f"{title}\n" if title else "") + " · ".join(details), fontsize=10, color="#444444")
         if path is not None:
-            fig.savefig(path, dpi=110)
+            fig.savefig(path, dpi=150)
         return fig
 
 

@@ -26,6 +26,9 @@ NOTEBOOKS = ["01_tpu_setup", "02_cache_mnist", "03_benchmark"]
 _spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "scripts" / "run_notebooks.py")
 run_notebooks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(run_notebooks)
+_spec = importlib.util.spec_from_file_location("stamp_notebooks", REPO / "scripts" / "stamp_notebooks.py")
+stamp_notebooks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stamp_notebooks)
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +60,9 @@ def test_committed_notebook_is_clean_and_colab_ready(name):
     nb = nbformat.read(str(path), as_version=4)
     nbformat.validate(nb)
     assert run_notebooks.outputs_left(path) == [], "strip outputs: python scripts/run_notebooks.py --strip"
-    badge = f"https://colab.research.google.com/github/nbkit/nbkit/blob/main/notebooks/{name}.ipynb"
+    # The badge links the repository named in pyproject.toml (tests/test_install_cell.py checks the
+    # install cell; python scripts/stamp_notebooks.py writes both).
+    badge = stamp_notebooks.colab_badge(stamp_notebooks.repository_url(), f"{name}.ipynb")
     assert nb.cells[0].cell_type == "markdown" and badge in nb.cells[0].source
     assert "colab-badge.svg" in nb.cells[0].source
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
@@ -87,14 +92,23 @@ def test_01_tpu_setup_on_a_cpu_runtime(tmp_path, monkeypatch):
     # A fresh runtime: setup() must choose and set PJRT_DEVICE itself.
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
-    _, out = execute("01_tpu_setup", tmp_path)
+    path, out = execute("01_tpu_setup", tmp_path)
     assert "This is a CPU runtime" in out
-    # PJRT_DEVICE was unset: setup() chose CPU and checked the device in a subprocess.
-    assert "ready: True; PJRT_DEVICE=CPU; device check: xla:0 (CPU)" in out
-    # spawn() started one process per CPU stand-in device, and each computed on its own device.
-    assert "process 0: replica 0 of 2 on xla:0 (CPU), computed 8" in out
-    assert "process 1: replica 1 of 2 on xla:1 (CPU), computed 16" in out
-    assert "spawn finished: every device answered" in out
+    # PJRT_DEVICE was unset: setup() chose CPU and checked the device in a subprocess; the table
+    # says so, and what the check computed.
+    nb = nbformat.read(str(path), as_version=4)
+    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "yes, on xla:0 (CPU)" in html and "PJRT_DEVICE=CPU" in html
+    assert "[[0,1,2],[3,4,5]] times its transpose, summed, gave 83 (right: the device computes)" in html
+    # spawn() started one replica per CPU stand-in device; each line arrives whole, prefixed with
+    # its process index, in this cell (not run together: "computed 8process 1 ...").
+    streams = [o for c in nb.cells if c.cell_type == "code" and "nbkit.tpu.spawn(hello" in c.source for o in c.outputs]
+    lines = "".join(o.get("text", "") for o in streams if o.get("output_type") == "stream").splitlines()
+    assert "[0] replica 0 of 2 on xla:0 (CPU): 8 × 1 = 8" in lines
+    assert "[1] replica 1 of 2 on xla:1 (CPU): 8 × 2 = 16" in lines
+    assert lines[-1] == "spawn finished: every device answered"
+    # What setup did is shown once, in its table (a second cell used to print it again).
+    assert not any("report.messages" in c.source for c in nb.cells)
 
 
 def _check_02(out, work):
@@ -141,6 +155,7 @@ def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
     cached = number(r"cached epoch: ([\d.]+) s", out)
     assert cached < raw, out
     assert number(r"speedup: ([\d.]+)x", out) > 1
+    assert "nan" not in out.lower()
     assert "hit rate after filling: 100%" in out
     assert "cache complete: True" in out
     plot = tmp_path / "work" / "benchmark.png"
@@ -156,3 +171,11 @@ def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
     # An executed notebook has outputs; strip() makes it commit-ready again.
     assert run_notebooks.outputs_left(path)
     assert run_notebooks.strip(path) and run_notebooks.outputs_left(path) == []
+
+
+def test_03_benchmark_with_one_epoch_says_why_there_is_no_speedup(tmp_path):
+    # The form's slider starts at 2; papermill (or an edited cell) can still pass 1.
+    _, out = execute("03_benchmark", tmp_path, epochs=1, offline_samples=1200, train_epochs=1)
+    assert "no speedup to report: the only cached epoch filled the cache" in out
+    assert "run 2 or more epochs" in out
+    assert "nan" not in out.lower() and "speedup: " not in out.replace("no speedup to report: ", "")

@@ -1,5 +1,5 @@
 """Run a cached dataset on every TPU process of a host: :func:`spawn` starts ``fn(index, *args)``
-once per device; inside it, :func:`warmup_shared` fills one shared cache (each process computing
+once per device (what each prints comes back as whole lines, prefixed with its index); inside it, :func:`warmup_shared` fills one shared cache (each process computing
 only its shard) and :func:`device_loader` feeds the process's device from its own sampler shard.
 torch_xla is imported when one of these is called, never before.
 
@@ -16,7 +16,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import shutil
 import sys
+import tempfile
+import threading
 import time
 from typing import Callable, Optional
 
@@ -44,13 +47,18 @@ def _default_start_method() -> str:
     return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def spawn(fn: Callable, args: tuple = (), *, nprocs: Optional[int] = None, start_method: Optional[str] = None) -> None:
+def spawn(fn: Callable, args: tuple = (), *, nprocs: Optional[int] = None, start_method: Optional[str] = None,
+          lines: bool = True) -> None:
     """Run ``fn(index, *args)`` once per TPU device of this host, each in its own replica.
 
     Wraps ``torch_xla.distributed.xla_multiprocessing.spawn``. The default start method is
     ``fork`` (where the platform has it), so a function defined in a notebook works; the XLA
     runtime must not be started in this process before (call :func:`setup`, which verifies in a
     subprocess, instead of touching the device here).
+
+    What the replicas print reaches this process's ``sys.stdout`` / ``sys.stderr`` (the notebook
+    cell) as whole lines, each prefixed with the replica's index: ``[1] loss 0.42``. Replicas run
+    at the same time, so without this their ``print`` calls interleave mid-line.
 
     On a TPU each chip gets its own process. With ``PJRT_DEVICE=CPU`` torch_xla runs the
     ``CPU_NUM_DEVICES`` replicas as threads of one process, and XLA:CPU has no collectives
@@ -62,6 +70,8 @@ def spawn(fn: Callable, args: tuple = (), *, nprocs: Optional[int] = None, start
         args: extra arguments, after the process index. They are pickled.
         nprocs: ``None`` for every device of the host, or ``1`` to run in this process.
         start_method: ``"fork"``, ``"spawn"`` or ``"forkserver"``; default as above.
+        lines: deliver the replicas' output as prefixed whole lines (``False``: leave their
+            ``sys.stdout`` and ``sys.stderr`` alone, e.g. for ``\\r`` progress bars).
 
     Example:
         >>> def train(index, ds):
@@ -102,7 +112,173 @@ def spawn(fn: Callable, args: tuple = (), *, nprocs: Optional[int] = None, start
         )
     if not os.environ.get("PJRT_DEVICE"):
         os.environ["PJRT_DEVICE"] = "TPU" if describe().is_tpu else "CPU"
-    return xmp.spawn(fn, args=args, nprocs=nprocs, start_method=method)
+    if not lines or not hasattr(os, "mkfifo"):
+        return xmp.spawn(fn, args=args, nprocs=nprocs, start_method=method)
+    relay = _LineRelay(sys.stdout, sys.stderr)
+    try:
+        return xmp.spawn(_Prefixed(fn, relay.path), args=args, nprocs=nprocs, start_method=method)
+    finally:
+        relay.close()
+
+
+# --- the replicas' output, as whole lines ---------------------------------------------------------
+# Replicas write records to a named pipe (a path pickles, so this works for every start method, and
+# the replicas of a CPU run, which are threads of one process, as well): one os.write per record,
+# each at most PIPE_BUF bytes, so records from different writers never mix. A thread of the calling
+# process reads them and writes each line, prefixed, to the stream the caller had.
+
+_RECORD_CHARS = 1000  # at most 4 UTF-8 bytes each: a record stays under PIPE_BUF (4096 on Linux)
+_END = b"0\x1f\n"  # the record that ends the relay
+
+
+class _LineRelay:
+    """Reads the replicas' records from a named pipe and prints them as ``[index] line``."""
+
+    def __init__(self, stdout, stderr):
+        self._dir = tempfile.mkdtemp(prefix="nbkit-spawn-")
+        self.path = os.path.join(self._dir, "lines")
+        os.mkfifo(self.path, 0o600)
+        # Read-write: opening never blocks, and the pipe never reports end-of-file between writers.
+        self._fd = os.open(self.path, os.O_RDWR)
+        self._streams = {b"1": stdout, b"2": stderr}
+        self._thread = threading.Thread(target=self._pump, name="nbkit-spawn-lines", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        pending = b""
+        while True:
+            chunk = os.read(self._fd, 65536)
+            pending += chunk
+            *records, pending = pending.split(b"\n")
+            for record in records:
+                if record + b"\n" == _END:
+                    return
+                self._print(record)
+
+    def _print(self, record: bytes) -> None:
+        head, _, text = record.partition(b"\x1f")
+        stream = self._streams.get(head[:1], self._streams[b"1"])
+        index = head[1:].decode()
+        line = (f"[{index}] " if index else "") + text.decode("utf-8", "replace") + "\n"
+        try:
+            stream.write(line)
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream must not stop the replicas' writes
+            pass
+
+    def close(self) -> None:
+        os.write(self._fd, _END)  # after every replica's records: they have all returned by now
+        self._thread.join(timeout=30)
+        os.close(self._fd)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _Prefixed:
+    """Calls ``fn(index, *args)`` in a replica with its output going to the relay at ``path``."""
+
+    def __init__(self, fn, path: str):
+        self.fn, self.path = fn, path
+
+    def __call__(self, index, *args, **kwargs):
+        _ReplicaOutput.enter(self.path, index)
+        try:
+            return self.fn(index, *args, **kwargs)
+        finally:
+            _ReplicaOutput.leave()
+
+
+class _ReplicaOutput:
+    """``sys.stdout`` / ``sys.stderr`` of a process running replicas: whole lines, as records.
+
+    Each thread's text is kept until its line is complete, then written as one record tagged with
+    the stream and the index of the replica the thread runs (threads a replica starts itself carry
+    no index unless the process runs one replica only)."""
+
+    _lock = threading.Lock()
+    _fd = None
+    _saved = None
+    _replicas: dict = {}  # thread id -> replica index
+    _pending: dict = {}  # (stream, thread id) -> text without its newline yet
+
+    def __init__(self, tag: bytes, original):
+        self._tag, self._original = tag, original
+
+    @classmethod
+    def enter(cls, path: str, index) -> None:
+        with cls._lock:
+            if cls._fd is None:
+                cls._fd = os.open(path, os.O_WRONLY)
+                cls._saved = (sys.stdout, sys.stderr)
+                sys.stdout, sys.stderr = cls(b"1", sys.stdout), cls(b"2", sys.stderr)
+            cls._replicas[threading.get_ident()] = index
+
+    @classmethod
+    def leave(cls) -> None:
+        me = threading.get_ident()
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, cls):
+                stream._flush_thread(me)
+        with cls._lock:
+            cls._replicas.pop(me, None)
+            if cls._replicas or cls._fd is None:
+                return
+            for stream in (sys.stdout, sys.stderr):  # threads the replicas left behind
+                if isinstance(stream, cls):
+                    for key in [k for k in cls._pending if k[0] == stream._tag]:
+                        stream._emit(cls._pending.pop(key), None)
+            sys.stdout, sys.stderr = cls._saved
+            os.close(cls._fd)
+            cls._fd = cls._saved = None
+
+    def _index(self, thread):
+        index = self._replicas.get(thread)
+        if index is None and len(set(self._replicas.values())) == 1:
+            index = next(iter(self._replicas.values()))
+        return index
+
+    def _emit(self, line: str, index) -> None:
+        head = self._tag + ("" if index is None else str(index)).encode() + b"\x1f"
+        for start in range(0, max(len(line), 1), _RECORD_CHARS):
+            record = head + line[start:start + _RECORD_CHARS].encode("utf-8", "replace") + b"\n"
+            fd = self._fd
+            if fd is not None:
+                os.write(fd, record)
+
+    def write(self, text: str) -> int:
+        me = threading.get_ident()
+        key = (self._tag, me)
+        with self._lock:
+            parts = (self._pending.pop(key, "") + text).split("\n")
+            if parts[-1]:
+                self._pending[key] = parts[-1]
+            index = self._index(me)
+        for line in parts[:-1]:
+            self._emit(line, index)
+        return len(text)
+
+    def _flush_thread(self, thread) -> None:
+        with self._lock:
+            rest = self._pending.pop((self._tag, thread), None)
+            index = self._index(thread)
+        if rest:
+            self._emit(rest, index)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        pass  # a line is written when it is complete; a partial one when its replica returns
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+    def __getattr__(self, name):  # fileno, errors, ...: those of the stream it replaced
+        return getattr(self._original, name)
 
 
 def _local_shard() -> tuple:

@@ -291,6 +291,7 @@ def _verify(report: SetupReport, env: Mapping[str, str], messages: list) -> None
     report.device, report.device_type = result["device"], result["device_type"]
     report.verified = abs(result["result"] - _VERIFY_EXPECTED) < 1e-3
     messages.append(
-        f"device check: {report.device} ({report.device_type}) computed {result['result']:g}"
-        + ("" if report.verified else f", expected {_VERIFY_EXPECTED:g}")
+        f"device check: on {report.device} ({report.device_type}), [[0,1,2],[3,4,5]] times its transpose, "
+        f"summed, gave {result['result']:g} "
+        + ("(right: the device computes)" if report.verified else f"instead of {_VERIFY_EXPECTED:g}: the device is not usable")
     )

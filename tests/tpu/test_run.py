@@ -42,6 +42,49 @@ def test_spawn_explains_notebook_mistakes():
 # -- the multi-replica path, for real -------------------------------------------------------------------
 
 
+def _spawn_lines(tmp_path, *args, devices=2):
+    full_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
+    done = subprocess.run([sys.executable, "-c", (SCRIPTS / "spawn_lines.py").read_text(), str(tmp_path), *args],
+                          cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines(), done.stderr.splitlines()
+
+
+@pytest.mark.slow
+def test_spawn_delivers_each_replicas_output_as_whole_prefixed_lines(tmp_path):
+    out, err = _spawn_lines(tmp_path)
+    assert out[0] == "parent before" and out[-1] == "parent after"
+    body = out[1:-1]
+    # Replica 0's line was written in two pieces with replica 1's lines printed in between: it still
+    # arrives whole, after them.
+    assert body.index("[1] replica 1 computed 16") < body.index("[1] replica 1 line two") \
+        < body.index("[0] replica 0 starts a line and ends it: computed 8")
+    for k in (0, 1):
+        # A line longer than one atomic pipe write comes in 1,000-character pieces, each prefixed.
+        pieces = [ln for ln in body if ln.startswith(f"[{k}] long {k} ") or ln.startswith(f"[{k}] xx")]
+        assert "".join(p[4:] for p in pieces) == f"long {k} " + "x" * 5000
+        assert f"[{k}] replica {k} unfinished" in body  # a last line without its newline is not lost
+        assert f"[{k}] replica {k} to stderr" in err
+    assert all(ln.startswith(("[0] ", "[1] ")) for ln in body)
+    assert len(body) == (2 + 6 + 1) + (1 + 6 + 1)  # nothing else, nothing twice
+
+
+@pytest.mark.slow
+def test_without_lines_the_replicas_output_runs_together(tmp_path):
+    """The same script with spawn(lines=False): the interleaving the relay exists for really happens."""
+    out, _ = _spawn_lines(tmp_path, "all", "raw")
+    assert "replica 0 starts a linereplica 1 computed 16" in out
+
+
+@pytest.mark.slow
+def test_spawn_lines_with_one_replica_in_this_process(tmp_path):
+    out, err = _spawn_lines(tmp_path, "1", devices=1)
+    assert out[:2] == ["parent before", "[0] replica 0 starts a line and ends it: computed 8"]
+    assert out[-2:] == ["[0] replica 0 unfinished", "parent after"]
+    assert "[0] replica 0 to stderr" in err  # and "parent after" unprefixed: the streams are restored
+
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 4])  # 1 device: test_setup_then_spawn_in_a_jupyter_kernel
 def test_spawn_shared_warmup_and_training(devices, mnist_root, tmp_path):

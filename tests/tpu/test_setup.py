@@ -89,6 +89,9 @@ def test_setup_verifies_the_device_in_a_subprocess():
     assert report.verified is True, report.messages
     assert (report.device, report.device_type) == ("xla:0", "CPU")
     assert report.ok
+    # The number is explained, not a bare "computed 83".
+    assert ("device check: on xla:0 (CPU), [[0,1,2],[3,4,5]] times its transpose, summed, gave 83 "
+            "(right: the device computes)") in report.messages
     # The check ran elsewhere: this process can still spawn.
     assert not runtime.runtime_initialized()
 
