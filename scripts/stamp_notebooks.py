@@ -33,7 +33,7 @@ PLACEHOLDER = "CHANGE-ME"  # the owner in pyproject.toml until the repository ha
 # The cell every notebook starts with. It runs on Colab only, and only when nbkit is not importable;
 # its logic is tested by tests/test_install_cell.py, which executes this very text.
 INSTALL_CELL = '''\
-#@title Install nbkit (on Colab only)
+#@title Install nbkit (on Colab only) { display-mode: "form" }
 # Colab starts every runtime from a clean machine, so nbkit is installed there; anywhere else (your
 # laptop, CI) the nbkit already installed is used and this cell does nothing. Where from, the first
 # that applies: the nbkit_source field (a pip spec, a wheel's path or URL); an nbkit-*.whl uploaded
