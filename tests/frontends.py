@@ -282,6 +282,10 @@ class Notebook:
         """Load the notebook and wait until its kernel is idle and widgets can render."""
         self.page.goto(self.server.notebook_url(self.path), timeout=timeout * 1000)
         self.page.wait_for_function(self.js["ready"], timeout=timeout * 1000, polling=200)
+        if self.server.kind == "lab":
+            # The file browser opens with JupyterLab and takes 450 px of a narrow screen; the notebook is
+            # what the tests look at (at 600 px the output area is then ~470 px: Lab's 1000 px with it open).
+            self.page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
         return self
 
     def cells(self) -> list[dict]:
@@ -417,6 +421,8 @@ class Notebook:
         output.scroll_into_view_if_needed()
         path.parent.mkdir(parents=True, exist_ok=True)
         output.screenshot(path=str(path))
+        if os.environ.get("NBKIT_FULL_SCREENSHOTS"):  # the whole page too, to see the layout around it
+            self.page.screenshot(path=str(path.with_name(path.stem + "-page.png")))
         return path
 
 
@@ -431,9 +437,11 @@ CLIPPED_JS = """root => {
         if (el.offsetParent === null || !el.innerText.trim()) continue;
         if (el.scrollWidth > el.clientWidth + 1) problems.push(`cut: ${describe(el)} (${el.scrollWidth} > ${el.clientWidth} px)`);
     }
+    const edge = root.getBoundingClientRect().right;
+    for (const el of root.querySelectorAll('button, .widget-label, .widget-readout, .widget-html-content, .widget-hprogress, input, table')) {
+        if (el.offsetParent !== null && el.getBoundingClientRect().right > edge + 1) problems.push(`past the right edge: ${describe(el)}`);
+    }
     for (const el of root.querySelectorAll('.widget-html table')) {
-        const box = el.closest('.widget-html-content') || el.parentElement;
-        if (el.getBoundingClientRect().right > box.getBoundingClientRect().right + 1) problems.push(`table wider than its box: ${describe(el)}`);
         for (const cell of el.querySelectorAll('td, th')) if (cell.innerText.trim() && lines(cell) > 1) problems.push(`wraps: ${describe(cell)}`);
     }
     return problems;
