@@ -111,8 +111,10 @@ class Server:
     log: Path
 
     def notebook_url(self, path: Path) -> str:
-        prefix = "lab/tree" if self.kind == "lab" else "notebooks"
-        return f"{self.url}{prefix}/{self.relative(path)}?token={self.token}"
+        if self.kind == "lab":
+            # A workspace of its own: the default one would reopen every notebook an earlier page opened.
+            return f"{self.url}lab/workspaces/{secrets.token_hex(4)}/tree/{self.relative(path)}?token={self.token}"
+        return f"{self.url}notebooks/{self.relative(path)}?token={self.token}"
 
     def relative(self, path: Path) -> str:
         return Path(path).resolve().relative_to(self.root.resolve()).as_posix()
@@ -240,7 +242,7 @@ _JS = {
             nb.activeCellIndex = start; nb.deselectAll(); nb.extendContiguousSelectionTo(stop - 1);
             void window.jupyterapp.commands.execute('notebook:run-cell');
         }""",
-        "cell": ".jp-Notebook .jp-Cell",
+        "cell": ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell",
         "output": ".jp-Cell-outputWrapper",
     },
     "classic": {
@@ -395,7 +397,10 @@ class Notebook:
             " return bar ? parseFloat(bar.style.width || '0') : null; }")
 
     def button(self, index: int, label: str):
-        return self.output(index).get_by_role("button", name=label, exact=True)
+        # The accessible name starts with the icon's glyph (Font Awesome's ::before content) where the
+        # icon font loads (the classic Notebook serves it): match the label after any such prefix.
+        name = re.compile(rf"^\W*{re.escape(label)}\s*$")
+        return self.output(index).get_by_role("button", name=name)
 
     def click(self, index: int, label: str, timeout: float = 30):
         """Click the widget button labelled ``label`` in cell ``index``'s output."""

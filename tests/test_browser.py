@@ -243,11 +243,16 @@ def test_02_click_through_warmup_stop_export_then_the_rest(open_02, tmp_path):
 
 
 def test_02_upload_with_an_empty_url_then_the_rest(open_02):
-    """An Upload refused for its empty URL shows in the panel, and does not fail the later cells."""
+    """Warm up, then an Upload refused for its empty URL: the panel shows it, the later cells pass."""
     nb = open_02(upload_url="")
     panel, _ = _landmarks(nb)
     nb.run(0, panel + 1)
     nb.wait(panel, timeout=120)
+    # With the cache complete, the later cells click nothing: only the Upload error could stop them.
+    before = nb.widget_text(panel)
+    nb.click(panel, "Warm up")
+    _wait_for_job_end(nb, panel, before)
+    assert _cache(nb).stats.complete, nb.widget_text(panel)
 
     before = nb.widget_text(panel)
     nb.click(panel, "Upload")
