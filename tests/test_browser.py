@@ -281,7 +281,8 @@ def test_02_stop_while_a_cell_waits_for_the_panel(open_02):
     took = time.monotonic() - clicked
     assert STOPPED.search(text), (
         f"Stop, clicked while cell {waits} blocked in panel.wait(), had not stopped the warmup after "
-        f"{took:.1f}s (the click waits behind the running cell); the panel shows:\n{text}")
+        f"{took:.1f}s (the click waits behind the running cell); the panel shows:\n{text}\n"
+        f"cell {waits} printed:\n{nb.text(waits)[-3000:]}")
     assert (nb.progress(panel) or 0) < 100, f"the warmup ran to the end before it stopped:\n{text}"
 
 
