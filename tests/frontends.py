@@ -264,6 +264,17 @@ _JS = {
 }
 
 
+# Marks (before the page's own scripts run) when the classic widget manager falls back to listing the
+# kernel's comms, the step after which its restore of the kernel's widgets ends.
+_CLASSIC_WIDGETS_RESTORED = """(() => {
+    const warn = console.warn.bind(console);
+    console.warn = (...args) => {
+        if (String(args[0]).includes('jupyter.widget.control')) window.__nbkitWidgetsFallback = true;
+        warn(...args);
+    };
+})();"""
+
+
 class CellError(AssertionError):
     """A cell ended with an error, was not run, or did not finish in time; the message says which."""
 
@@ -282,8 +293,19 @@ class Notebook:
 
     def open(self, timeout: float = 120) -> "Notebook":
         """Load the notebook and wait until its kernel is idle and widgets can render."""
+        if self.server.kind == "classic":
+            self.page.add_init_script(_CLASSIC_WIDGETS_RESTORED)
         self.page.goto(self.server.notebook_url(self.path), timeout=timeout * 1000)
         self.page.wait_for_function(self.js["ready"], timeout=timeout * 1000, polling=200)
+        if self.server.kind == "classic":
+            # The widget manager restores the kernel's widgets after the kernel is ready, then renders
+            # again every output holding a widget: a cell run before that ends loses its widget views
+            # (the outputs go blank). Wait for the restore: with ipywidgets 7.7.1 it asks the
+            # "jupyter.widget.control" comm (the kernel has none, so it says so in the console), then
+            # lists the open comms (a reply the kernel's message callbacks wait for).
+            self.page.wait_for_function(
+                "() => window.__nbkitWidgetsFallback && Object.keys(Jupyter.notebook.kernel._msg_callbacks).length === 0",
+                timeout=15_000, polling=100)
         if self.server.kind == "lab":
             # The file browser opens with JupyterLab and takes 450 px of a narrow screen; the notebook is
             # what the tests look at (at 600 px the output area is then ~470 px: Lab's 1000 px with it open).

@@ -292,6 +292,9 @@ def ran_02(request, chromium):  # noqa: F811
     server = request.getfixturevalue(f"{request.param}_server")
     context = chromium.new_context(viewport={"width": 1400, "height": 900}, device_scale_factor=2)
     page = context.new_page()  # noqa: F811
+    console = []
+    page.on("console", lambda msg: console.append(f"{msg.type}: {msg.text}"))
+    page.console_log = console
     path = server.root / "run-all" / NB02.name
     path.parent.mkdir(exist_ok=True)
     shutil.copyfile(NB02, path)
@@ -306,6 +309,7 @@ def ran_02(request, chromium):  # noqa: F811
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / f"run-all-{server.kind}-failure.png"), full_page=True)
     yield nb, error
+    (ARTIFACTS / f"run-all-{server.kind}-console.txt").write_text("\n".join(console))
     server.shut_down_kernel(path)
     context.close()
 
@@ -315,10 +319,16 @@ def test_02_run_all(ran_02):
     if error is not None:
         pytest.fail(str(error))
     panel, _ = _landmarks(nb)
-    assert nb.progress(panel) == 100
-    assert _cache(nb).stats.complete
-    meter = nb.index("HitRateMeter(")
-    assert "hit rate" in nb.widget_text(meter).lower()
+    try:
+        assert nb.progress(panel) == 100, nb.widget_text(panel)
+        assert _cache(nb).stats.complete
+        meter = nb.index("HitRateMeter(")
+        assert "hit rate" in nb.widget_text(meter).lower()
+    except AssertionError:
+        ARTIFACTS.mkdir(exist_ok=True)
+        nb.page.screenshot(path=str(ARTIFACTS / f"run-all-{nb.server.kind}-failure.png"), full_page=True)
+        (ARTIFACTS / f"run-all-{nb.server.kind}-console.txt").write_text("\n".join(nb.page.console_log))
+        raise
 
 
 def test_02_screenshots_and_nothing_cut_at_600px(ran_02):
