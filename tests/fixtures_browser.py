@@ -1,4 +1,5 @@
-"""Browser fixtures: a Voila server on 127.0.0.1 and a headless Debian Chromium driven by playwright.
+"""Browser fixtures: Voila, JupyterLab 4 and the classic Notebook 6 on 127.0.0.1, and a headless Debian
+Chromium driven by playwright (the front ends and their driver are in ``tests/frontends.py``).
 
 Chromium is the system one (``/usr/bin/chromium``, installed by ``scripts/install-system-deps.sh``);
 ``playwright install`` is never run (it downloads browsers). Tests that use these fixtures are
@@ -8,6 +9,7 @@ skipped, with the reason, only when chromium is missing.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import frontends
 import pytest
 from servers import free_port
 
@@ -116,3 +119,39 @@ def page(chromium, request):
         page.screenshot(path=str(ARTIFACTS / f"{request.node.name}-failure.png"), full_page=True)
         (ARTIFACTS / f"{request.node.name}-console.txt").write_text("\n".join(console))
     context.close()
+
+
+@pytest.fixture(scope="session")
+def lab_server(tmp_path_factory):
+    """JupyterLab 4 (ipywidgets 8) serving a temporary directory; tests put notebook copies in it."""
+    pytest.importorskip("jupyterlab", reason="JupyterLab is not installed: pip install -e '.[dev]' (make setup)")
+    root = tmp_path_factory.mktemp("lab-root")
+    with frontends.serve("lab", root, ARTIFACTS / "lab-server") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def classic_server(tmp_path_factory, request):
+    """The classic Notebook 6 with ipywidgets 7.7.1 in server and kernel (see frontends.classic_env)."""
+    try:
+        python = frontends.classic_env(Path(request.config.cache.mkdir("nbkit-frontends")))
+    except frontends.FrontEndUnavailable as e:
+        pytest.skip(f"!!! the classic Notebook with ipywidgets 7.7.1 NOT TESTED: its environment could not be built: {e}")
+    root = tmp_path_factory.mktemp("classic-root")
+    with frontends.serve("classic", root, ARTIFACTS / "classic-server", python=str(python)) as server:
+        yield server
+
+
+@pytest.fixture(params=["lab", "classic"])
+def frontend(request, chromium):
+    """Each test that takes this runs in JupyterLab 4 and in the classic Notebook 6."""
+    return request.getfixturevalue(f"{request.param}_server")
+
+
+@pytest.fixture
+def notebook_dir(frontend, request):
+    """A fresh directory inside the served root for this test's notebook copies."""
+    path = frontend.root / re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    return path

@@ -1,24 +1,55 @@
-"""The WarmupPanel in a real browser: Voila serves a notebook, headless Chromium clicks the buttons.
+"""The widgets and notebook 02 in real front ends, in headless Chromium.
 
-Run alone: ``PJRT_DEVICE=CPU .venv/bin/python -m pytest tests/test_browser.py``. The finished
-panel's screenshot is saved as ``test-artifacts/warmup_panel.png`` (``docs/warmup_panel.png`` is
-a copy of a good one).
+* Voila serves small notebooks (``tests/notebooks/``): the WarmupPanel's buttons, the hit-rate meter.
+* ``notebooks/02_cache_mnist.ipynb`` itself, with small offline parameters, in **JupyterLab 4 with
+  ipywidgets 8** and the **classic Notebook 6 with ipywidgets 7.7.1** (Colab's widget version):
+  Run All; the click-through Warm up → Stop → Export tar → the remaining cells; Upload with an
+  empty URL → the remaining cells; Stop while a cell blocks in ``panel.wait()``; screenshots of the
+  panel and the meter at 600, 1000 and 1400 px, and nothing cut at 600 px.
+
+The front ends and the driver are in ``tests/frontends.py``. Run alone:
+``PJRT_DEVICE=CPU .venv/bin/python -m pytest tests/test_browser.py`` (the first run also builds the
+classic Notebook's environment, about 40 s). Screenshots land in ``test-artifacts/screenshots/``;
+``python tests/frontends.py update-docs`` copies them into ``docs/screenshots/``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import shutil
+import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
-from fixtures_browser import ARTIFACTS, chromium, page, voila  # noqa: F401 - fixtures
+from fixtures_browser import (  # noqa: F401 - fixtures
+    ARTIFACTS, chromium, classic_server, frontend, lab_server, notebook_dir, page, voila,
+)
+from frontends import SCREENSHOTS, CellError, Notebook, clipped, set_parameters
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
+REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = Path(__file__).parent / "notebooks" / "warmup_panel.ipynb"
 N_TRAIN = 10_000
 
+_spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "scripts" / "run_notebooks.py")
+run_notebooks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_notebooks)
+
+NB02 = REPO / "notebooks" / "02_cache_mnist.ipynb"
+# CI's small offline parameters, on the CPU device (no XLA compilation to wait for).
+SMALL_02 = {**run_notebooks.SMALL["02_cache_mnist"], "device": "cpu"}
+# Enough samples that a warmup takes seconds (about 4,500 samples/s here), so Stop lands mid-way.
+STOPPABLE_SAMPLES = 12_000
+# While a cell blocks in panel.wait(), a Stop click must act within this many seconds; the warmup
+# of LONG_SAMPLES takes many times longer, so a click queued behind the cell cannot pass.
+STOP_WITHIN_S = 8
+LONG_SAMPLES = 60_000
+WIDTHS = (600, 1000, 1400)
+STOPPED = re.compile(r"(?i)\bstopped\b")
 
 
 def test_warmup_then_export_in_chromium(page, tmp_path):  # noqa: F811 - page is a fixture
@@ -97,3 +128,218 @@ def test_hit_rate_meter_in_chromium(page, tmp_path):  # noqa: F811 - page is a f
         assert "epoch 3: 100.0%" in headline and "overall 66.7%" in headline
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator(".widget-vbox").first.screenshot(path=str(ARTIFACTS / "hit_rate_meter.png"))
+
+
+# -- JupyterLab 4 (ipywidgets 8) and the classic Notebook 6 (ipywidgets 7.7.1) ----------------------------
+
+
+def _notebook(path: Path, cells: list[str]) -> Path:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_front_end_runs_its_ipywidgets_and_the_driver_works(page, frontend, notebook_dir):  # noqa: F811
+    """The harness itself: the kernel's ipywidgets version, Run All, a click, widget text, an error."""
+    path = _notebook(notebook_dir / "driver.ipynb", [
+        "import ipywidgets, nbkit.widgets\nprint(ipywidgets.__version__)",
+        "label = ipywidgets.Label('not clicked')\nbutton = ipywidgets.Button(description='Press me')\n"
+        "button.on_click(lambda _: setattr(label, 'value', 'clicked once'))\nipywidgets.VBox([button, label])",
+        "raise ValueError('a cell that fails')",
+        "print('never runs')",
+    ])
+    nb = Notebook(page, frontend, path).open()
+    nb.run_all()
+    with pytest.raises(CellError, match=r"(?s)cell 2 failed.*ValueError: a cell that fails"):
+        nb.wait(3, timeout=60)
+    assert nb.error(2) == "ValueError: a cell that fails"
+    version = nb.text(0).strip()
+    # The classic set-up is Colab's: ipywidgets 7.7.1 in the kernel, not this environment's 8.
+    assert version == "7.7.1" if frontend.kind == "classic" else version.startswith("8."), version
+    assert "not clicked" in nb.widget_text(1)
+    nb.click(1, "Press me")
+    nb.wait_for_text(1, "clicked once", timeout=30)
+    frontend.shut_down_kernel(path)
+
+
+@pytest.fixture
+def open_02(page, frontend, notebook_dir):  # noqa: F811
+    """Open a copy of notebooks/02_cache_mnist.ipynb with small offline parameters (overridable)."""
+    opened = []
+
+    def open_(**parameters) -> Notebook:
+        path = notebook_dir / NB02.name
+        shutil.copyfile(NB02, path)
+        set_parameters(path, **{**SMALL_02, **parameters})
+        nb = Notebook(page, frontend, path).open()
+        opened.append(path)
+        return nb
+
+    yield open_
+    for path in opened:  # stop what the test left running (a warmup, a training loop)
+        try:
+            frontend.shut_down_kernel(path)
+        except OSError:
+            pass
+
+
+def _landmarks(nb: Notebook) -> tuple[int, int]:
+    """The cells of notebook 02 the tests act on: the panel's, and the first one that waits for it."""
+    panel = nb.index("WarmupPanel(")
+    waits = next(i for i, c in enumerate(nb.cells()) if i > panel and c["type"] == "code" and "panel.wait(" in c["source"])
+    return panel, waits
+
+
+def _until(predicate, timeout: float, what: str, show):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout:.0f}s; the panel shows:\n{show()}")
+        time.sleep(0.05)
+    return value
+
+
+def _wait_for_job_end(nb: Notebook, panel: int, before: str, timeout: float = 60):
+    """After a click: wait until the panel's text changed and Stop is off again (no job runs)."""
+    _until(lambda: nb.widget_text(panel) != before and nb.button(panel, "Stop").is_disabled(),
+           timeout, "the operation's end", lambda: nb.widget_text(panel))
+
+
+def _cache(nb: Notebook):
+    import nbkit
+
+    return nbkit.CachedDataset.open(str(nb.path.parent / "cache" / "mnist"))
+
+
+def test_02_click_through_warmup_stop_export_then_the_rest(open_02, tmp_path):
+    """Warm up, Stop mid-way, Export tar, then the remaining cells: they finish and the tar is whole."""
+    import nbkit
+
+    nb = open_02(offline_samples=STOPPABLE_SAMPLES)
+    panel, _ = _landmarks(nb)
+    nb.run(0, panel + 1)
+    nb.wait(panel, timeout=120)
+
+    nb.click(panel, "Warm up")
+    _until(lambda: 0 < (nb.progress(panel) or 0) < 100, 60, "warmup progress", lambda: nb.widget_text(panel))
+    nb.click(panel, "Stop")
+    _until(lambda: STOPPED.search(nb.widget_text(panel)), 30, "a stopped status", lambda: nb.widget_text(panel))
+    stats = _cache(nb).stats
+    assert 0 < stats.cached < stats.total, f"harness: Stop did not land mid-way ({stats}); raise STOPPABLE_SAMPLES"
+
+    before = nb.widget_text(panel)
+    nb.click(panel, "Export tar")
+    _wait_for_job_end(nb, panel, before)
+
+    nb.run(panel + 1)
+    nb.wait_all(timeout=300)  # every cell ran without an error, training included (bounded: no hang)
+
+    restored = tmp_path / "restored"
+    nbkit.import_tar(str(nb.path.parent / "export" / "mnist-cache.tar"), str(restored))
+    again = nbkit.CachedDataset.open(str(restored))
+    assert len(again) == STOPPABLE_SAMPLES
+    assert again.stats.complete, f"the notebook kept a tar of a partial cache: {again.stats}"
+
+
+def test_02_upload_with_an_empty_url_then_the_rest(open_02):
+    """Warm up, then an Upload refused for its empty URL: the panel shows it, the later cells pass."""
+    nb = open_02(upload_url="")
+    panel, _ = _landmarks(nb)
+    nb.run(0, panel + 1)
+    nb.wait(panel, timeout=120)
+    # With the cache complete, the later cells click nothing: only the Upload error could stop them.
+    before = nb.widget_text(panel)
+    nb.click(panel, "Warm up")
+    _wait_for_job_end(nb, panel, before)
+    assert _cache(nb).stats.complete, nb.widget_text(panel)
+
+    before = nb.widget_text(panel)
+    nb.click(panel, "Upload")
+    text = _until(lambda: (t := nb.widget_text(panel)) != before and re.search(r"(?i)\b(error|url)\b", t) and t,
+                  30, "the Upload error in the panel", lambda: nb.widget_text(panel))
+    assert re.search(r"(?i)url", text), text
+
+    nb.run(panel + 1)
+    nb.wait_all(timeout=300)  # no cell re-raises the Upload error
+
+
+def test_02_stop_while_a_cell_waits_for_the_panel(open_02):
+    """Run All blocks in panel.wait(); a Stop click must stop the warmup there and then."""
+    nb = open_02(offline_samples=LONG_SAMPLES)
+    panel, waits = _landmarks(nb)
+    nb.run_all()
+    nb.wait_started(waits, timeout=120)
+    _until(lambda: 0 < (nb.progress(panel) or 0) < 50, 120, "warmup progress", lambda: nb.widget_text(panel))
+    assert nb.cells()[waits]["running"], "harness: the panel.wait() cell is not running any more"
+
+    clicked = time.monotonic()
+    nb.click(panel, "Stop", timeout=5)
+    deadline = clicked + STOP_WITHIN_S
+    while not STOPPED.search(text := nb.widget_text(panel)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    took = time.monotonic() - clicked
+    assert STOPPED.search(text), (
+        f"Stop, clicked while cell {waits} blocked in panel.wait(), had not stopped the warmup after "
+        f"{took:.1f}s (the click waits behind the running cell); the panel shows:\n{text}\n"
+        f"cell {waits} printed:\n{nb.text(waits)[-3000:]}")
+    assert (nb.progress(panel) or 0) < 100, f"the warmup ran to the end before it stopped:\n{text}"
+
+
+@pytest.fixture(scope="module", params=["lab", "classic"])
+def ran_02(request, chromium):  # noqa: F811
+    """Notebook 02 after Run All in one front end: ``(notebook, error or None)``; shared by two tests."""
+    server = request.getfixturevalue(f"{request.param}_server")
+    context = chromium.new_context(viewport={"width": 1400, "height": 900}, device_scale_factor=2)
+    page = context.new_page()  # noqa: F811
+    console = []
+    page.on("console", lambda msg: console.append(f"{msg.type}: {msg.text}"))
+    page.console_log = console
+    path = server.root / "run-all" / NB02.name
+    path.parent.mkdir(exist_ok=True)
+    shutil.copyfile(NB02, path)
+    set_parameters(path, **SMALL_02)
+    nb = Notebook(page, server, path).open()
+    nb.run_all()
+    try:
+        nb.wait_all(timeout=300)
+        error = None
+    except CellError as e:
+        error = e
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"run-all-{server.kind}-failure.png"), full_page=True)
+    yield nb, error
+    (ARTIFACTS / f"run-all-{server.kind}-console.txt").write_text("\n".join(console))
+    server.shut_down_kernel(path)
+    context.close()
+
+
+def test_02_run_all(ran_02):
+    nb, error = ran_02
+    if error is not None:
+        pytest.fail(str(error))
+    panel, _ = _landmarks(nb)
+    try:
+        assert nb.progress(panel) == 100, nb.widget_text(panel)
+        assert _cache(nb).stats.complete
+        meter = nb.index("HitRateMeter(")
+        assert "hit rate" in nb.widget_text(meter).lower()
+    except AssertionError:
+        ARTIFACTS.mkdir(exist_ok=True)
+        nb.page.screenshot(path=str(ARTIFACTS / f"run-all-{nb.server.kind}-failure.png"), full_page=True)
+        (ARTIFACTS / f"run-all-{nb.server.kind}-console.txt").write_text("\n".join(nb.page.console_log))
+        raise
+
+
+def test_02_screenshots_and_nothing_cut_at_600px(ran_02):
+    """Screenshots of the panel and the meter at each width; at 600 px no label is cut or wrapped."""
+    nb, error = ran_02
+    panel, meter = nb.index("WarmupPanel("), nb.index("HitRateMeter(")
+    problems = {}
+    for width in WIDTHS:
+        for name, index in (("warmup-panel", panel), ("hit-rate-meter", meter)):
+            nb.screenshot(index, SCREENSHOTS / f"{nb.server.kind}-{name}-{width}.png", width)
+            if width == 600:
+                problems[name] = clipped(nb.output(index))
+    assert error is None, f"the screenshots show a failed run: {error}"
+    assert not any(problems.values()), f"cut at 600 px in {nb.server.kind}: {problems}"
