@@ -187,7 +187,8 @@ def open_02(page, frontend, notebook_dir):  # noqa: F811
 def _landmarks(nb: Notebook) -> tuple[int, int]:
     """The cells of notebook 02 the tests act on: the panel's, and the first one that waits for it."""
     panel = nb.index("WarmupPanel(")
-    waits = next(i for i, c in enumerate(nb.cells()) if i > panel and c["type"] == "code" and "panel.wait(" in c["source"])
+    waits = next(i for i, c in enumerate(nb.cells()) if i > panel and c["type"] == "code"
+                 and re.search(r"panel\.(wait|run)\(", c["source"]))
     return panel, waits
 
 
