@@ -368,7 +368,9 @@ class EpochCounter:
             p = self._pass = _Pass(planned)
             self.current.planned = planned
             it = iter(loader)
-            reported = getattr(it, "consumed", None)
+            counted = isinstance(getattr(it, "consumed", None), Consumed)
+            if counted:
+                p.consumed = it.consumed  # the loader counts what it hands out; read-ahead left out
             # Items of a loader without batches (DataLoader(batch_size=None)) are single samples.
             single = hasattr(loader, "batch_size") and loader.batch_size is None
             try:
@@ -380,9 +382,7 @@ class EpochCounter:
                         break
                     got += 1
                     done += 1
-                    if isinstance(reported, Consumed):
-                        p.consumed = reported
-                    else:
+                    if not counted:
                         n = 1 if single else batch_size_of(batch)
                         p.known_sizes = p.known_sizes and n is not None
                         p.consumed.add(n or 0)
