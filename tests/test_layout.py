@@ -22,7 +22,7 @@ BELOW_DATASET = ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats"
 # The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
 # Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
 LAYERS = {
-    0: ("nbkit.errors", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.gather"),
+    0: ("nbkit.errors", "nbkit.trust", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.gather"),
     1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms"),
     2: ("nbkit.format",),
     3: ("nbkit.cachedir",),

@@ -1,0 +1,335 @@
+"""The trust boundary: what comes from outside the process is checked here, once, before it is used.
+
+Everything nbkit reads from a cache directory, a tar or a bucket (``nbkit.json``, ``manifest.json``,
+member and object names, sizes) and every argument a user passes is turned into a trusted value by
+a function of this module, or refused with an error that names the thing, what it got, what was
+expected and the fix. The rest of nbkit never re-checks. ``docs/SECURITY.md`` says what is trusted.
+
+* **Arguments**: :func:`check_int`, :func:`check_size`, :func:`check_bool`, :func:`check_path`,
+  :func:`check_url` raise ``TypeError`` (wrong kind) or ``ValueError`` (wrong value) naming the
+  argument.
+* **File names** come from one fixed pattern (:data:`CACHE_FILE`), never from data:
+  :func:`is_cache_file`, :func:`cache_file_path` (which also refuses a link out of the directory).
+* **JSON** (metadata, manifests) is checked against a declarative spec (:class:`Int`, :class:`Str`,
+  :class:`List`, :class:`Obj` …) by :func:`check_json`, which raises :class:`CorruptCacheError`
+  naming the file and the field. (A spec language of our own rather than pydantic or msgspec:
+  ``import nbkit`` needs torch and numpy only, and the checks that matter — names from a pattern,
+  sizes against real files — are ours either way.)
+
+Example:
+    >>> check_int(2, "num_workers", min=0)
+    2
+    >>> check_int(1.5, "num_workers", min=0)
+    Traceback (most recent call last):
+    ...
+    TypeError: num_workers must be an int >= 0, got 1.5 (float)
+    >>> is_cache_file("col-3.bin"), is_cache_file("../evil.py")
+    (True, False)
+    >>> check_json({"n": 3}, Obj({"n": Int(min=0)}), "nbkit.json", "Re-create it.")
+    {'n': 3}
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+
+import numpy as np
+
+from .errors import CorruptCacheError, UnsafeArchiveError
+
+__all__ = ["check_int", "check_size", "check_bool", "check_path", "check_url", "CACHE_FILE", "is_cache_file",
+           "check_cache_file", "cache_file_path", "check_json", "Int", "Str", "Bool", "Float", "List", "Obj", "Map",
+           "Optional", "AnyJSON", "MAX_COLUMNS", "MAX_JSON_BYTES"]
+
+#: The largest metadata or manifest file nbkit parses (a real one is a few KiB).
+MAX_JSON_BYTES = 16 << 20
+#: At most this many column files (``col-0.bin`` … ``col-4095.bin``).
+MAX_COLUMNS = 4096
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+
+
+def _got(value) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def check_int(value, name: str, *, min: int | None = None, max: int | None = None) -> int:
+    """``value`` as an ``int`` (Python or numpy integers; not ``bool``, floats or strings), within bounds."""
+    bounds = " >= %d" % min if min is not None and max is None else (
+        f" in [{min}, {max}]" if min is not None else (f" <= {max}" if max is not None else ""))
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int{bounds}, got {_got(value)}")
+    value = int(value)
+    if (min is not None and value < min) or (max is not None and value > max):
+        raise ValueError(f"{name} must be an int{bounds}, got {value}")
+    return value
+
+
+def check_size(value, name: str, *, min: int = 0) -> int:
+    """A number of bytes: an ``int`` (or a whole, finite float such as ``2e9``) ``>= min``.
+
+    Example:
+        >>> check_size(2e9, "max_bytes")
+        2000000000
+    """
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a number of bytes (an int >= {min}, e.g. 2 * 2**30 for 2 GiB), got {_got(value)}")
+    if value < min:
+        raise ValueError(f"{name} must be a number of bytes >= {min}, got {int(value)}")
+    return int(value)
+
+
+def check_bool(value, name: str) -> bool:
+    """``value`` if it is a ``bool`` (numpy bools too)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {_got(value)}")
+    return bool(value)
+
+
+def check_path(value, name: str) -> str:
+    """A path argument as ``str``: a ``str`` or an ``os.PathLike`` giving one (``bytes`` paths are refused)."""
+    if isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"{name} must be a str path or URL, got bytes {_got(value)}; decode it first (os.fsdecode(path))")
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path or URL (str or pathlib.Path), got {_got(value)}")
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise TypeError(f"{name} must be a str path or URL, got a path-like giving {_got(path)}")
+    if not path:
+        raise ValueError(f"{name} is empty; give a directory path or a URL such as gs://bucket/prefix")
+    if "\x00" in path:
+        raise ValueError(f"{name} contains a NUL character: {path!r}")
+    return path
+
+
+# "gs:/bucket", "gcs:/x", "s3:bucket/x": a scheme followed by something other than "//". One letter
+# before the colon is a Windows drive ("C:\\data"), not a scheme.
+_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):(?!//)/*(.*)$", re.S)
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def check_url(value, name: str, known_schemes=None) -> str:
+    """A path or URL argument as ``str``, refusing URL typos that would silently become a local path.
+
+    ``known_schemes``: the schemes a URL may have (``None``: fsspec's known protocols).
+
+    Example:
+        >>> check_url("gs:/bucket/cache", "path")
+        Traceback (most recent call last):
+        ...
+        ValueError: path 'gs:/bucket/cache' looks like a URL with one slash; write 'gs://bucket/cache' (or './gs:/bucket/cache' for a local directory of that name)
+    """
+    url = check_path(value, name)
+    typo = _ONE_SLASH.match(url)
+    if typo:
+        scheme, rest = typo.groups()
+        raise ValueError(
+            f"{name} {url!r} looks like a URL with one slash; write '{scheme}://{rest}' (or './{url}' for a local "
+            "directory of that name)"
+        )
+    m = _SCHEME.match(url)
+    if m:
+        scheme = m.group(1).lower()
+        if known_schemes is None:
+            from fsspec.registry import known_implementations, registry
+
+            known_schemes = set(known_implementations) | set(registry)
+        if scheme not in known_schemes:
+            raise ValueError(
+                f"{name} {url!r} has the unknown scheme '{scheme}://'. Use a local path, or a URL fsspec knows "
+                "(gs://, s3://, memory://, file://, redis:// …); a misspelt scheme such as 'gcs:/' or 'gs:' needs "
+                "the form gs://bucket/prefix."
+            )
+    return url
+
+
+# ---------------------------------------------------------------------------------------------
+# file names
+
+#: Every file name a cache directory, its tar or its bucket prefix may hold. ``col-<k>.bin`` takes a
+#: decimal ``k`` without leading zeros, below :data:`MAX_COLUMNS`.
+CACHE_FILE = re.compile(r"(?:nbkit\.json|index\.bin|heap\.bin|manifest\.json|col-(?:0|[1-9][0-9]{0,3})\.bin)\Z")
+
+
+def is_cache_file(name) -> bool:
+    """Whether ``name`` is one of the names a cache's files may have (:data:`CACHE_FILE`)."""
+    if not isinstance(name, str) or not CACHE_FILE.match(name):
+        return False
+    return not name.startswith("col-") or int(name[4:-4]) < MAX_COLUMNS
+
+
+def check_cache_file(name, where: str, *, error=CorruptCacheError) -> str:
+    """``name`` if it is a cache file name; else ``error`` naming it and ``where`` it came from."""
+    if not is_cache_file(name):
+        raise error(
+            f"{where} names the file {name!r}, which is not one of an nbkit cache's files (nbkit.json, index.bin, "
+            "heap.bin, manifest.json, col-<k>.bin). Refusing it: nbkit never opens, writes or copies a file by a name "
+            "that data carries. Get the cache again from its owner, or re-create it."
+        )
+    return name
+
+
+def cache_file_path(root: str, name, where: str, *, error=CorruptCacheError) -> str:
+    """``root/name`` for a cache file ``name``, refusing a name outside the pattern or a path that
+    leads out of ``root`` (a symbolic link)."""
+    check_cache_file(name, where, error=error)
+    path = os.path.join(root, name)
+    if os.path.islink(path):
+        raise UnsafeArchiveError(
+            f"{path} is a symbolic link; an nbkit cache holds regular files only. Refusing to follow it out of the "
+            "cache directory: replace it with the file, or re-create the cache."
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON against a declarative spec
+
+
+class _Spec:
+    what = "a value"
+
+    def check(self, value, path: str, fail):
+        return value
+
+
+class AnyJSON(_Spec):
+    """Any JSON value (nested no deeper than JSON allows)."""
+
+
+class Int(_Spec):
+    def __init__(self, min: int | None = None, max: int | None = None):
+        self.min, self.max = min, max
+        lo = "" if min is None else f" >= {min}"
+        hi = "" if max is None else f" <= {max}"
+        self.what = f"an integer{lo}{' and' if lo and hi else ''}{hi}"
+
+    def check(self, value, path, fail):
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(path, self.what, value)
+        if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
+            fail(path, self.what, value)
+        return value
+
+
+class Float(_Spec):
+    what = "a finite number"
+
+    def check(self, value, path, fail):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            fail(path, self.what, value)
+        return value
+
+
+class Bool(_Spec):
+    what = "true or false"
+
+    def check(self, value, path, fail):
+        if not isinstance(value, bool):
+            fail(path, self.what, value)
+        return value
+
+
+class Str(_Spec):
+    def __init__(self, pattern: str | None = None, max_len: int = 4096, choices=None):
+        self.pattern = None if pattern is None else re.compile(pattern + r"\Z")
+        self.max_len, self.choices = max_len, choices
+        self.what = (f"one of {sorted(choices)}" if choices else
+                     "a string" + (f" matching {pattern!r}" if pattern else ""))
+
+    def check(self, value, path, fail):
+        if not isinstance(value, str) or len(value) > self.max_len:
+            fail(path, self.what, value)
+        if self.pattern is not None and not self.pattern.match(value):
+            fail(path, self.what, value)
+        if self.choices is not None and value not in self.choices:
+            fail(path, self.what, value)
+        return value
+
+
+class Optional(_Spec):
+    def __init__(self, inner: _Spec):
+        self.inner = inner
+        self.what = f"null or {inner.what}"
+
+    def check(self, value, path, fail):
+        return None if value is None else self.inner.check(value, path, fail)
+
+
+class List(_Spec):
+    def __init__(self, item: _Spec, max_len: int = 1 << 20):
+        self.item, self.max_len = item, max_len
+        self.what = f"a list (of at most {max_len} items)"
+
+    def check(self, value, path, fail):
+        if not isinstance(value, list) or len(value) > self.max_len:
+            fail(path, self.what, value)
+        return [self.item.check(v, f"{path}[{i}]", fail) for i, v in enumerate(value)]
+
+
+class Map(_Spec):
+    """An object with arbitrary keys (checked by ``key``) and values of one spec."""
+
+    def __init__(self, value: _Spec, key: _Spec | None = None, max_len: int = 1 << 16):
+        self.value, self.key, self.max_len = value, key or Str(), max_len
+        self.what = "an object"
+
+    def check(self, value, path, fail):
+        if not isinstance(value, dict) or len(value) > self.max_len:
+            fail(path, self.what, value)
+        return {self.key.check(k, f"{path} key", fail): self.value.check(v, f"{path}[{k!r}]", fail)
+                for k, v in value.items()}
+
+
+class Obj(_Spec):
+    """An object with named fields; ``required`` names those that must be present (default: all).
+    Fields not in the spec are kept as they are (a newer nbkit may add some)."""
+
+    def __init__(self, fields: dict, required=None):
+        self.fields = fields
+        self.required = set(fields) if required is None else set(required)
+        self.what = "an object"
+
+    def check(self, value, path, fail):
+        if not isinstance(value, dict):
+            fail(path, self.what, value)
+        out = dict(value)
+        for key, spec in self.fields.items():
+            sub = f"{path}.{key}" if path else key
+            if key not in value:
+                if key in self.required:
+                    fail(sub, f"present ({spec.what})", _MISSING)
+                continue
+            out[key] = spec.check(value[key], sub, fail)
+        return out
+
+
+class _Missing:
+    def __repr__(self):
+        return "nothing (the field is missing)"
+
+
+_MISSING = _Missing()
+
+
+def check_json(value, spec: _Spec, where: str, fix: str):
+    """``value`` checked against ``spec``; the first mismatch raises :class:`CorruptCacheError`
+    naming ``where``, the field, what it holds, what was expected, and ``fix``."""
+
+    def fail(path, what, got):
+        shown = repr(got)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        field = f"the field {path!r}" if path else "its content"
+        raise CorruptCacheError(f"{where} is damaged: {field} must be {what}, but holds {shown}. {fix}")
+
+    return spec.check(value, "", fail)
