@@ -10,6 +10,20 @@ collect_ignore = ["tpu_scripts", "notebooks", "widgets7"]
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
+# Property-based tests (the fuzzing of everything nbkit parses) run a fixed, deterministic budget in
+# CI; NBKIT_FUZZ=long runs many more examples with fresh randomness (see docs/SECURITY.md):
+#   NBKIT_FUZZ=long .venv/bin/python -m pytest -m fuzz
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", max_examples=60, derandomize=True, deadline=None, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    settings.register_profile("long", max_examples=5000, deadline=None, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    settings.load_profile("long" if os.environ.get("NBKIT_FUZZ") == "long" else "ci")
+except ImportError:  # hypothesis is in the dev extra; the fuzz tests import it themselves
+    pass
+
 
 @pytest.fixture(scope="session")
 def mnist_root(tmp_path_factory):
