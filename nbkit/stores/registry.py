@@ -21,8 +21,9 @@ import os
 from dataclasses import dataclass
 
 from ..extras import require
+from ..trust import check_url
 
-__all__ = ["Backend", "register", "backend_of", "resolve", "SCHEMES", "OPTIONS", "LOCAL", "REMOTE"]
+__all__ = ["Backend", "register", "backend_of", "resolve", "known_schemes", "check_cache_url", "SCHEMES", "OPTIONS", "LOCAL", "REMOTE"]
 
 
 @dataclass(frozen=True)
@@ -80,14 +81,29 @@ def backend_of(path, **location_options) -> str:
     return _pick(os.fspath(path), location_options)[1].target
 
 
+def known_schemes() -> set:
+    """The URL schemes a cache path may have: fsspec's protocols and the ones registered here."""
+    from fsspec.registry import known_implementations, registry
+
+    return set(known_implementations) | set(registry) | set(SCHEMES) | {"file", "local"}
+
+
+def check_cache_url(path, name: str = "path") -> str:
+    """``path`` as a ``str``, refusing a wrong type and URL typos (``gs:/bucket``, an unknown scheme)
+    that would otherwise silently become a local directory (see :func:`nbkit.trust.check_url`)."""
+    return check_url(path, name, known_schemes())
+
+
 def resolve(path, storage_options: dict | None = None, **location_options):
     """Turn a local path or URL into a :class:`~nbkit.stores.base.Location`; no network access.
 
     Raises:
         ImportError: the backend's package is missing (the message names the pip extra).
-        ValueError: an option that does not apply to this kind of location.
+        ValueError: an option that does not apply to this kind of location, or a URL with a typo
+            (``gs:/bucket``, an unknown scheme).
+        TypeError: ``path`` is not a str or path-like (``bytes`` included).
     """
-    url = os.fspath(path)
+    url = check_cache_url(path)
     protocol, backend = _pick(url, location_options)
     if backend.needs is not None:
         module, extra = backend.needs

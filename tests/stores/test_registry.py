@@ -1,5 +1,7 @@
 """The store registry (nbkit.stores.registry) and the deprecated aliases of the old module paths."""
 
+import os
+import re
 import subprocess
 import sys
 import warnings
@@ -10,6 +12,7 @@ import nbkit
 from nbkit.stores import registry
 from nbkit.stores.base import Location
 from nbkit.stores.mirror import MirrorLocation
+from nbkit.stores.registry import resolve
 
 
 def test_schemes_and_options_pick_the_backend(tmp_path):
@@ -59,3 +62,39 @@ def test_old_import_paths_still_work(old, name, new):
     assert getattr(nbkit, old.split(".")[1]).__name__ == old
     with pytest.raises(AttributeError):
         getattr(importlib.import_module(old), "no_such_name")
+
+
+@pytest.mark.parametrize("typo, fix", [
+    ("gs:/my-bucket/cache", "gs://my-bucket/cache"),
+    ("gcs:/my-bucket/cache", "gcs://my-bucket/cache"),
+    ("s3:/bucket/x", "s3://bucket/x"),
+    ("gs:my-bucket/cache", "gs://my-bucket/cache"),
+])
+def test_url_typos_are_refused_with_the_fix(tmp_path, monkeypatch, typo, fix):
+    """A typo in a URL never silently creates a local directory named after it (issue 17, point 7)."""
+    import torch
+    import nbkit
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), typo)
+    assert os.listdir(tmp_path) == []
+
+
+def test_unknown_scheme_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="unknown scheme 'gz://'"):
+        resolve("gz://bucket/cache")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("bad, kind", [(b"/tmp/cache", "bytes"), (3, "int"), (None, "NoneType")])
+def test_path_of_the_wrong_type_names_the_argument(bad, kind):
+    with pytest.raises(TypeError, match=rf"^path must be .*\({kind}\)"):
+        resolve(bad)
+
+
+def test_local_names_with_a_colon_still_work(tmp_path):
+    """A one-letter scheme is a Windows drive, and './x:/y' is how to name such a local directory."""
+    assert resolve(str(tmp_path / "a:b")).root == str(tmp_path / "a:b")
+    assert resolve("./gs:/x").root == os.path.abspath("gs:/x")
