@@ -126,14 +126,14 @@ def check_url(value, name: str, known_schemes=None) -> str:
         >>> check_url("gs:/bucket/cache", "path")
         Traceback (most recent call last):
         ...
-        ValueError: path 'gs:/bucket/cache' looks like a URL without its '//'; write 'gs://bucket/cache' (or './gs:/bucket/cache' for a local directory of that name)
+        ValueError: path 'gs:/bucket/cache' looks like a URL with one slash (or none) where '//' belongs; write 'gs://bucket/cache' (or './gs:/bucket/cache' for a local directory of that name)
     """
     url = check_path(value, name)
     typo = _ONE_SLASH.match(url)
     if typo:
         scheme, rest = typo.groups()
         raise ValueError(
-            f"{name} {url!r} looks like a URL without its '//'; write '{scheme}://{rest}' (or './{url}' for a local "
+            f"{name} {url!r} looks like a URL with one slash (or none) where '//' belongs; write '{scheme}://{rest}' (or './{url}' for a local "
             "directory of that name)"
         )
     m = _SCHEME.match(url)
