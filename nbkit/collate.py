@@ -139,7 +139,7 @@ def _rebuild(structure, it, in_sequence: bool = False):
     if structure[0] == "D":
         return {k: _rebuild(s, it) for k, s in zip(structure[1], structure[2])}
     if structure[0] == "N":  # default_collate keeps a namedtuple's type
-        return named_type(structure[1], len(structure[2]))(*(_rebuild(s, it, True) for s in structure[2]))
+        return named_type(structure[1], structure[3])(*(_rebuild(s, it, True) for s in structure[2]))
     return [_rebuild(s, it, True) for s in structure[1]]
 
 

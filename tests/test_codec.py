@@ -127,7 +127,7 @@ def test_namedtuples_round_trip_by_name():
     assert type(back["p"]) is Point and type(back["t"]) is tuple
     assert_equal(back, sample)
     schema = infer_schema([Point(torch.zeros(2), 1)], allow_pickle=False)
-    assert schema.structure == ("N", "sources:Point", ("*", "*"))
+    assert schema.structure == ("N", "sources:Point", ("*", "*"), ("image", "label"))
     assert Schema.from_json(schema.to_json()) == schema
     assert schema.split((torch.zeros(2), 1), "s", False) is None  # a plain tuple does not fit
 
