@@ -100,8 +100,9 @@ def test_string_and_int_keys_are_distinct(where):
     assert 2 not in loader and "2" not in loader
     with pytest.raises(nbkit.MissingSampleError, match="not in the CacheLoader"):
         loader.get(2)
-    with pytest.raises(TypeError, match="str, an int or bytes"):
-        loader.get(1.5, str)
+    for bad in (1.5, float("nan"), True, torch.tensor(1 + 2j), torch.tensor(0.5)):
+        with pytest.raises(TypeError, match=r"^key must be a str, an int .*or bytes, got"):
+            loader.get(bad, str)
 
 
 def test_values_persist_across_sessions(where):
