@@ -923,6 +923,12 @@ class Schema:
         def bad(field, what):
             raise CorruptCacheError(f"{where} is damaged: the field 'schema.{field}' {what}. {fix}")
 
+        def itemsize(field, leaf):
+            try:
+                return storage_dtype(leaf.kind, leaf.dtype).itemsize
+            except CorruptCacheError as e:
+                bad(f"{field}.dtype", f"names a dtype nbkit does not read ({e})")
+
         if len(leaves) != count_leaves(structure):
             bad("leaves", f"describes {len(leaves)} values, but the structure holds {count_leaves(structure)}")
         n_columns = 0
@@ -936,7 +942,7 @@ class Schema:
                 bad(field, f"stores a {leaf.kind!r} value as {leaf.store!r}, which nbkit never does")
             if leaf.store == "var":
                 if leaf.kind in ("tensor", "ndarray"):
-                    storage_dtype(leaf.kind, leaf.dtype)
+                    itemsize(field, leaf)
                 continue
             if leaf.column != n_columns:
                 bad(f"{field}.column", f"is {leaf.column}, but column leaves are numbered in order from 0 (expected {n_columns})")
@@ -947,7 +953,7 @@ class Schema:
                 bad(f"{field}.shape", f"is {list(leaf.shape)} for a numpy scalar (expected [])")
             if leaf.kind == "pil" and (leaf.mode not in PIL_MODES or len(leaf.shape) not in (2, 3)):
                 bad(field, f"is a PIL image of mode {leaf.mode!r} and shape {list(leaf.shape)} (a known mode and 2 or 3 dimensions expected)")
-            if nbytes(leaf.shape, storage_dtype(leaf.kind, leaf.dtype).itemsize) > MAX_ROW_BYTES:
+            if nbytes(leaf.shape, itemsize(field, leaf)) > MAX_ROW_BYTES:
                 bad(f"{field}.shape", f"makes rows of more than {MAX_ROW_BYTES} bytes")
         return cls(structure, leaves)
 
