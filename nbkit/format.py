@@ -46,7 +46,6 @@ FLAG_FREEFORM = 2  # whole sample is a free-form blob in the heap
 #: Never written: a store sets it in ``flags_of`` for a record it cannot trust (an unknown state),
 #: and :func:`verify` fails every record with it or any other unknown bit, like a bad checksum.
 FLAG_DAMAGED = 0x80
-FLAG_KNOWN = FLAG_VAR | FLAG_FREEFORM
 
 RECORD = np.dtype([("state", "u1"), ("flags", "u1"), ("pad", "<u2"), ("crc", "<u4"), ("off", "<u8"), ("len", "<u8")])
 
@@ -339,9 +338,18 @@ def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict |
     if unreadable:
         blobs = {m: (b"" if b is None else b) for m, b in blobs.items()}
     ok = sample_crcs(columns, flags, blobs, threads=threads) == store.crc_of(idx)
-    ok &= (flags & ~np.uint8(FLAG_KNOWN)) == 0
+    ok &= _consistent(flags, store.schema)
     ok[unreadable] = False
     return ok
+
+
+def _consistent(flags: np.ndarray, schema) -> np.ndarray:
+    """Which records' flags are what a writer of ``schema`` sets: free-form alone, or (for a sample
+    that fits the schema) ``FLAG_VAR`` exactly when the schema has variable-length fields; anything
+    else (unknown bits, ``FLAG_DAMAGED``) is a damaged record."""
+    if schema.structure is None:
+        return flags == FLAG_FREEFORM
+    return (flags == FLAG_FREEFORM) | (flags == (FLAG_VAR if schema.has_var else 0))
 
 
 def read_blob_or_none(store, i: int) -> bytes | None:
