@@ -246,6 +246,11 @@ def named_type(path: str, fields, where: str = "sample") -> type:
     return _equivalent(path, names or tuple(f"f{k}" for k in range(n)), cls, where)
 
 
+def named_class(node, where: str = "sample") -> type:
+    """The class of a structure's ``("N", path, children, field_names)`` node (see :func:`named_type`)."""
+    return named_type(node[1], len(node[2]) if node[3] is None else node[3], where)
+
+
 def _equivalent(path: str, names: tuple, found, where: str) -> type:
     cls = _FALLBACK.get((path, names))
     if cls is not None:
@@ -257,11 +262,11 @@ def _equivalent(path: str, names: tuple, found, where: str) -> type:
     cls.__reduce__ = lambda self: (_rebuild_equivalent, (path, names, tuple(self)))
     _FALLBACK[(path, names)] = cls
     shown, (module, _, qualname) = path.replace(":", "."), path.partition(":")
-    if found is None:
+    if module not in sys.modules:
         why = (f"its module {module!r} is not imported in this process (nbkit never imports a module that a cache "
                "names: a cache from elsewhere could run code that way)")
     else:
-        why = f"that name holds {found!r} here, not a namedtuple with the fields {names}"
+        why = f"that name holds {_short(found)} here, not a namedtuple with the fields {names}"
     warnings.warn(
         f"{where} is a namedtuple {shown}, but {why}. Its samples come back as an equivalent namedtuple with the "
         f"fields {names}. To get the class back, import it before reading (import {module}) or call "
@@ -270,6 +275,11 @@ def _equivalent(path: str, names: tuple, found, where: str) -> type:
         stacklevel=3,
     )
     return cls
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _rebuild_equivalent(path: str, names: tuple, values: tuple):
@@ -285,7 +295,7 @@ def unflatten(structure, leaves_iter, where: str = "sample"):
     if tag == "T":
         return tuple(unflatten(s, leaves_iter, where) for s in structure[1])
     if tag == "N":
-        cls = named_type(structure[1], structure[3], where)
+        cls = named_class(structure, where)
         return cls._make([unflatten(s, leaves_iter, where) for s in structure[2]])
     if tag == "L":
         return [unflatten(s, leaves_iter, where) for s in structure[1]]
@@ -301,7 +311,7 @@ def unflatten_columns(structure, columns_iter, n: int):
     tag = structure[0]
     children = [unflatten_columns(s, columns_iter, n) for s in structure[1 if tag in "TL" else 2]]
     if tag == "N":
-        make = named_type(structure[1], structure[3])._make
+        make = named_class(structure)._make
         return [make(t) for t in zip(*children)] if children else [make(()) for _ in range(n)]
     if not children:
         empty = {"T": tuple, "L": list, "D": dict}[tag]
