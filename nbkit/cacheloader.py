@@ -109,7 +109,12 @@ class CacheLoader:
         if damage is not None:
             value, damage = self._read(kb, fresh=True)  # another process may have stored it again since
         if value is not None:
-            return decode_freeform(value, allow_pickle=self.allow_pickle, where=self._where(kb))
+            try:
+                return decode_freeform(value, allow_pickle=self.allow_pickle, where=self._where(kb))
+            except CorruptCacheError:
+                if load_fn is None:
+                    raise
+                return self._load(kb, key, load_fn, replace=True)  # whole but malformed (forged): replaced
         if damage is not None:
             if load_fn is None:
                 raise CorruptCacheError(f"{damage} Call get(key, load_fn) to compute and store it again, or delete the cache.")
