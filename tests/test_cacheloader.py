@@ -361,8 +361,6 @@ def _same(a, b):
 
 def _read_all(path, repair: bool):
     """Every key through a fresh CacheLoader: the value, or an nbkit error naming the key and the cache."""
-    import shutil
-
     loader = nbkit.CacheLoader(str(path))
     for k, v in FUZZ_VALUES.items():
         try:
@@ -377,7 +375,6 @@ def _read_all(path, repair: bool):
     except nbkit.CorruptCacheError as e:
         assert not repair and str(path) in str(e), e
     loader.close()
-    del shutil
 
 
 def _fuzz_open(path):
@@ -404,7 +401,9 @@ def test_fuzz_cacheloader_files(keyed_template, tmp_path_factory, file, edits, c
     if cut is not None:
         del raw[cut % len(raw):]
     (path / file).write_bytes(bytes(raw))
-    if _fuzz_open(path) is not None:
+    opened = _fuzz_open(path)
+    if opened is not None:
+        opened.close()
         _read_all(path, repair=False)
         _read_all(path, repair=True)
     assert sorted(os.listdir(base)) == ["kv"]
@@ -436,3 +435,4 @@ def test_fuzz_cacheloader_metadata_values(tmp_path_factory, meta):
     loader = _fuzz_open(path)
     if loader is not None:
         assert loader.get("k", lambda k: 1) == 1
+        loader.close()

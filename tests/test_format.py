@@ -327,6 +327,7 @@ def same_content(got, want):
 def open_and_read_all(root, src=None):
     """Open the cache (with or without its source) and read every sample, one by one and as one batch,
     then verify; an nbkit error is an allowed outcome, and its message must name the cache."""
+    ds = None
     try:
         ds = nbkit.CachedDataset(src, root) if src is not None else nbkit.CachedDataset.open(root)
         for i in range(len(ds)):
@@ -336,6 +337,9 @@ def open_and_read_all(root, src=None):
     except NBKIT_ERRORS as e:
         assert str(root) in str(e) or "nbkit.json" in str(e) or "sample" in str(e), e
         return e
+    finally:
+        if ds is not None and ds._files_obj is not None:
+            ds._files_obj.close()  # thousands of examples in a long run: release the files now
     return None
 
 
