@@ -99,7 +99,9 @@ META_SPEC = trust.Obj({
     "length": trust.Int(min=1, max=MAX_LENGTH),
     "schema": trust.AnyJSON(),  # checked by Schema.from_json
     "columns": trust.List(_COLUMN_SPEC, max_len=trust.MAX_COLUMNS),
-    "fingerprint": trust.Obj({}),
+    "fingerprint": trust.Obj({"type": trust.AnyJSON(), "length": trust.AnyJSON(), "transform": trust.AnyJSON(),
+                              "samples": trust.Map(trust.Str(max_len=64), key=trust.Str(pattern="(?:0|[1-9][0-9]{0,15})"))},
+                             required=()),
     "allow_pickle": trust.Bool(),
     "max_bytes": trust.Optional(trust.Int(min=0)),
     "capacity": trust.Optional(trust.Int(min=0, max=MAX_LENGTH)),
