@@ -338,3 +338,22 @@ def test_fuzz_structures(structure):
         structure_from_json(structure, "nbkit.json")
     except CorruptCacheError as e:
         assert "nbkit.json" in str(e), e
+
+
+@pytest.mark.fuzz
+@given(edits=st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.none() | st.integers(min_value=0), which=st.integers(0, 9))
+def test_fuzz_var_blobs(edits, cut, which):
+    from sources import DictSource, VarShapeSource
+
+    src = DictSource(10) if which % 2 else VarShapeSource(10)
+    schema = infer_schema([src[0], src[1], src[2]], allow_pickle=False)
+    blob = bytearray(schema.split(src[which], "s", False)[1])
+    for pos, byte in edits:
+        blob[pos % len(blob)] = byte
+    if cut is not None:
+        del blob[cut % len(blob):]
+    try:
+        schema.var_values(bytes(blob), "sample 4 of /c", False)
+    except CorruptCacheError as e:
+        assert "sample 4 of /c" in str(e), e
