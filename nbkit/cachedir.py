@@ -213,8 +213,7 @@ class CacheFiles(fmt.Store):
 
     def flags_of(self, idx: np.ndarray) -> np.ndarray:
         flags = self.flags[idx]
-        state = self.state[idx]
-        damaged = (state != fmt.STORED) & (state != fmt.EMPTY)
+        damaged = self.state[idx] > fmt.STORED  # neither EMPTY nor STORED
         return flags | np.where(damaged, np.uint8(fmt.FLAG_DAMAGED), np.uint8(0)) if damaged.any() else flags
 
     def crc_of(self, idx: np.ndarray) -> np.ndarray:

@@ -1059,7 +1059,10 @@ class Schema:
                     raise CorruptCacheError(f"{where}: stored array size does not match its shape")
                 out.append(array_to_leaf(leaf.kind, leaf.dtype, np.frombuffer(raw, dtype=dt).reshape(shape).copy()))
             elif leaf.kind == "str":
-                out.append(_utf8(data, where))
+                try:  # inline: the hot path of var fields
+                    out.append(bytes(data).decode("utf-8", "surrogatepass"))
+                except UnicodeDecodeError:
+                    out.append(_utf8(data, where))  # raises, naming the sample
             elif leaf.kind == "bytes":
                 out.append(bytes(data))
             elif leaf.kind == "pil":

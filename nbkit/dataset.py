@@ -331,9 +331,13 @@ class CachedDataset(Dataset):
         if schema.structure is None or (f.flags_of(idx) & fmt.FLAG_FREEFORM).any():
             return [self._read_one(int(i)) for i in idx]
         columns = f.gather(idx)
-        blobs = [fmt.read_blob_or_none(f, int(i)) for i in idx] if schema.has_var else None
-        if blobs is not None and any(b is None for b in blobs):  # a damaged record: check (and fail) it again
-            self._verified[idx[[b is None for b in blobs]]] = False
+        blobs = None
+        if schema.has_var:
+            try:
+                blobs = [f.read_blob(int(i)) for i in idx]
+            except CorruptCacheError:  # a damaged record (past the heap): its sample fails the check below
+                blobs = [fmt.read_blob_or_none(f, int(i)) for i in idx]
+                self._verified[idx[[b is None for b in blobs]]] = False
         failed = self._check_new(idx, columns, blobs)
         if len(failed):
             unkept = {}
