@@ -16,12 +16,14 @@ import errno
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 
 import numpy as np
 
 from . import format as fmt
-from .errors import CorruptCacheError
+from . import trust
+from .errors import CorruptCacheError, UnsafeArchiveError
 from .files import file_lock
 from .gather import take_rows
 
@@ -94,28 +96,32 @@ def swap_into_place(tmp: str, dest: str) -> None:
 
 
 def remove_cache(root: str) -> None:
-    """Delete the cache files in ``root`` (metadata first, so nobody sees a cache with half its data)."""
+    """Delete the cache files in ``root`` (metadata first, so nobody sees a cache with half its data).
+
+    Only names of the fixed pattern (:data:`nbkit.trust.CACHE_FILE`) directly in ``root`` are removed,
+    never a name that metadata carries; a symbolic link is removed itself, never what it points to.
+    """
     if not os.path.isdir(root):
         return
-    try:
-        names = fmt.list_cache_files(root)
-    except (CorruptCacheError, FileNotFoundError):
-        names = [n for n in os.listdir(root) if n in (fmt.INDEX, fmt.HEAP) or (n.startswith("col-") and n.endswith(".bin"))]
-    meta_path = os.path.join(root, fmt.META)
-    if os.path.exists(meta_path):
-        os.unlink(meta_path)
-    for name in names + [fmt.LOCK]:
+    names = [n for n in os.listdir(root) if trust.is_cache_file(n) and n != fmt.META]
+    for name in [fmt.META] + sorted(names) + [fmt.LOCK]:
         p = os.path.join(root, name)
-        if os.path.isfile(p):
-            os.unlink(p)
+        try:
+            if not stat.S_ISDIR(os.lstat(p).st_mode):
+                os.unlink(p)  # never follows a link
+        except FileNotFoundError:
+            pass
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def _map(path: str, size: int, writable: bool):
     """``(mmap, fd)`` of ``path`` holding exactly ``size`` bytes, creating/extending it if writable."""
     if writable:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
     else:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     try:
         actual = os.fstat(fd).st_size
         if actual < size:
@@ -133,6 +139,13 @@ def _map(path: str, size: int, writable: bool):
 
 
 def _preallocate(fd: int, path: str, actual: int, size: int) -> None:
+    free = os.statvfs(os.path.dirname(path) or ".")
+    if size - actual > free.f_bavail * free.f_frsize:
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough disk space for the cache file {path}: it needs {size / 2**20:.1f} MiB, "
+            f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB are free. Choose a path on a larger disk or free some space.",
+        )
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, actual, size - actual)
@@ -162,7 +175,8 @@ class CacheFiles(fmt.Store):
         super().__init__(meta, writable=writable)
         self.root = root
         self._fds = []
-        mm, fd = _map(os.path.join(root, fmt.INDEX), self.length * fmt.RECORD.itemsize, writable)
+        self._where = os.path.join(root, fmt.META)
+        mm, fd = _map(trust.cache_file_path(root, fmt.INDEX, self._where), self.length * fmt.RECORD.itemsize, writable)
         self._fds.append(fd)
         self._index_mmap = mm
         if mm is None:
@@ -176,11 +190,11 @@ class CacheFiles(fmt.Store):
         self.len = self.records["len"]
         self.columns = []
         self.column_fds = []
-        for leaf, spec in zip(self.schema.columns, meta["columns"]):
+        for k, leaf in enumerate(self.schema.columns):
             dtype = self.schema.column_dtype(leaf)
             shape = (self.capacity, *leaf.shape)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            cm, cfd = _map(os.path.join(root, spec["file"]), nbytes, writable)
+            nbytes = self.capacity * self.schema.row_bytes(leaf)  # bounded by parse_meta
+            cm, cfd = _map(trust.cache_file_path(root, fmt.column_file(k), self._where), nbytes, writable)
             self._fds.append(cfd)
             self.column_fds.append(cfd)
             if cm is None:
@@ -188,20 +202,25 @@ class CacheFiles(fmt.Store):
             else:
                 self.columns.append(np.frombuffer(cm, dtype=dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape))
         self._heap_fd = None
-        
+        self._heap_size = 0  # bytes of heap.bin known to exist (refreshed when a record points further)
+
     # -- the store interface the engine uses --------------------------------------------------
 
     def is_stored(self, idx: np.ndarray) -> np.ndarray:
-        return self.state[idx] == fmt.STORED
+        # A record in an unknown state counts as stored: its check then fails (see flags_of), so it
+        # is recomputed from the source or reported, never silently taken for a miss.
+        return self.state[idx] != fmt.EMPTY
 
     def flags_of(self, idx: np.ndarray) -> np.ndarray:
-        return self.flags[idx]
+        flags = self.flags[idx]
+        damaged = self.state[idx] > fmt.STORED  # neither EMPTY nor STORED
+        return flags | np.where(damaged, np.uint8(fmt.FLAG_DAMAGED), np.uint8(0)) if damaged.any() else flags
 
     def crc_of(self, idx: np.ndarray) -> np.ndarray:
         return self.crc[idx]
 
     def stored_count(self) -> int:
-        return int(np.count_nonzero(self.state == fmt.STORED))
+        return int(np.count_nonzero(self.state != fmt.EMPTY))
 
     memory_mapped = True  # gather reads this host's page cache: batches can be gathered anywhere on it
 
@@ -240,12 +259,12 @@ class CacheFiles(fmt.Store):
 
     def _heap(self) -> int:
         if self._heap_fd is None:
-            path = os.path.join(self.root, fmt.HEAP)
+            path = trust.cache_file_path(self.root, fmt.HEAP, self._where)
             if self.writable:
-                self._heap_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                self._heap_fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
             else:
                 try:
-                    self._heap_fd = os.open(path, os.O_RDONLY)
+                    self._heap_fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
                 except FileNotFoundError:
                     raise CorruptCacheError(f"{path} is missing but the index points into it: the cache is incomplete. Re-import or re-create it.") from None
             self._fds.append(self._heap_fd)
@@ -255,7 +274,10 @@ class CacheFiles(fmt.Store):
         """Append ``blobs`` to the heap under an exclusive lock; return their offsets."""
         fd = self._heap()
         data = b"".join(blobs)
-        with file_lock(os.path.join(self.root, fmt.LOCK)):  # excludes other processes and threads
+        lock = os.path.join(self.root, fmt.LOCK)
+        if os.path.islink(lock):
+            raise UnsafeArchiveError(f"{lock} is a symbolic link; an nbkit cache holds regular files only. Remove it.")
+        with file_lock(lock):  # excludes other processes and threads
             start = os.fstat(fd).st_size
             written = 0
             while written < len(data):
@@ -267,7 +289,18 @@ class CacheFiles(fmt.Store):
         return offsets
 
     def read_blob(self, i: int) -> bytes:
+        """The heap blob of stored sample ``i``; :class:`CorruptCacheError` naming the index when its
+        record points outside ``heap.bin`` (checked against the file's size before reading)."""
         off, n = int(self.off[i]), int(self.len[i])
+        if n == 0:
+            return b""
+        if off + n > self._heap_size:
+            self._heap_size = os.fstat(self._heap()).st_size  # another process may have appended since
+            if off + n > self._heap_size:
+                raise CorruptCacheError(
+                    f"sample {i}: its record in {os.path.join(self.root, fmt.INDEX)} points at bytes {off}..{off + n} of "
+                    f"{os.path.join(self.root, fmt.HEAP)}, which holds {self._heap_size}: the record is damaged."
+                )
         data = os.pread(self._heap(), n, off)
         if len(data) != n:
             raise CorruptCacheError(f"sample {i}: {os.path.join(self.root, fmt.HEAP)} is shorter than the index says; the cache is damaged.")

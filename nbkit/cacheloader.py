@@ -22,6 +22,7 @@ import functools
 import os
 
 from . import format as fmt
+from . import trust
 from .codec import decode_freeform, encode_freeform
 from .errors import CorruptCacheError, MissingSampleError
 from .stores import keyed
@@ -60,8 +61,11 @@ class CacheLoader:
 
     def __init__(self, path_or_url, *, allow_pickle: bool = False, storage_options: dict | None = None):
         #: the path or URL as given; ``root``: the local directory, or the normalized Redis URL
-        self.path = os.fspath(path_or_url)
-        self.allow_pickle = allow_pickle
+        self.path = _check_url(path_or_url)
+        self.allow_pickle = trust.check_bool(allow_pickle, "allow_pickle")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict (keyword arguments of redis.Redis) or None, got "
+                            f"{type(storage_options).__name__}")
         self.root, self._opener = resolve(self.path, storage_options)
         self._store = None
         self._store_pid = None
@@ -99,18 +103,21 @@ class CacheLoader:
             TypeError: ``load_fn`` returned a type that needs pickle and ``allow_pickle`` is off.
         """
         kb = keyed.key_bytes(key)
-        store = self.store
-        found = store.get(kb)
-        if found is not None and not intact(found):
-            found = store.get(kb, fresh=True)  # another process may have stored it again since
-        if found is not None:
-            if intact(found):
-                return decode_freeform(found[1], allow_pickle=self.allow_pickle, where=self._where(kb))
+        if load_fn is not None and not callable(load_fn):
+            raise TypeError(f"load_fn must be a callable (key -> value) or None, got {type(load_fn).__name__}")
+        value, damage = self._read(kb)
+        if damage is not None:
+            value, damage = self._read(kb, fresh=True)  # another process may have stored it again since
+        if value is not None:
+            try:
+                return decode_freeform(value, allow_pickle=self.allow_pickle, where=self._where(kb))
+            except CorruptCacheError:
+                if load_fn is None:
+                    raise
+                return self._load(kb, key, load_fn, replace=True)  # whole but malformed (forged): replaced
+        if damage is not None:
             if load_fn is None:
-                raise CorruptCacheError(
-                    f"{self._where(kb)} fails its checksum: the stored bytes were damaged or modified. Call "
-                    "get(key, load_fn) to compute and store it again, or delete the cache."
-                )
+                raise CorruptCacheError(f"{damage} Call get(key, load_fn) to compute and store it again, or delete the cache.")
             return self._load(kb, key, load_fn, replace=True)
         if load_fn is None:
             raise MissingSampleError(
@@ -118,6 +125,19 @@ class CacheLoader:
                 "compute it: loader.get(key, load_fn)."
             )
         return self._load(kb, key, load_fn, replace=False)
+
+    def _read(self, kb: bytes, *, fresh: bool = False):
+        """``(value bytes, None)`` of a stored key whose checksum holds; ``(None, None)`` if not stored;
+        ``(None, what is wrong)`` if its record or bytes are damaged."""
+        try:
+            found = self.store.get(kb, fresh=fresh)
+        except CorruptCacheError as e:  # a record pointing outside values.bin
+            return None, f"{self._where(kb)} is damaged: {e}"
+        if found is None:
+            return None, None
+        if not intact(found):
+            return None, f"{self._where(kb)} fails its checksum: the stored bytes were damaged or modified."
+        return found[1], None
 
     def _load(self, kb: bytes, key, load_fn, *, replace: bool):
         value = load_fn(key)
@@ -145,9 +165,8 @@ class CacheLoader:
         Raises:
             CorruptCacheError: naming the first damaged keys.
         """
-        store = self.store
-        kbs = store.keys()
-        bad = [keyed.key_of(kb) for kb in kbs if not intact(store.get(kb))]
+        kbs = self.store.keys()
+        bad = [keyed.key_of(kb) for kb in kbs if self._read(kb)[0] is None]
         if bad:
             raise CorruptCacheError(
                 f"{len(bad)} value(s) in the CacheLoader at {self.path} fail their checksum (keys "
@@ -168,6 +187,13 @@ def intact(found) -> bool:
     return fmt.row_crc([], blob) == crc
 
 
+def _check_url(url) -> str:
+    """``url`` as ``str``, refusing a wrong type or a URL typo (``gs:/x``, an unknown scheme) with the fix."""
+    from fsspec.registry import known_implementations, registry
+
+    return trust.check_url(url, "path_or_url", set(known_implementations) | set(registry) | {"redis", "rediss"})
+
+
 def resolve(url: str, storage_options: dict | None = None):
     """``(root, opener)``: where the keyed store at ``url`` lives, and a picklable callable that opens
     it in a process (each process calls it once; DataLoader workers after they start).
@@ -179,7 +205,7 @@ def resolve(url: str, storage_options: dict | None = None):
     """
     from fsspec.core import split_protocol, strip_protocol
 
-    url = os.fspath(url)
+    url = _check_url(url)
     protocol, _ = split_protocol(url)
     if protocol in ("redis", "rediss"):
         from .stores.keyed_redis import RedisKeyed

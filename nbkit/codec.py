@@ -27,9 +27,12 @@ the reader both pass ``allow_pickle=True``.
   :mod:`nbkit.collate` stacks them as ``PILToTensor`` would: ``(N, C, H, W)``, uint8 for 8-bit
   modes (a channels-last view of the gathered rows); images of different sizes raise a
   ``TypeError`` that names the fix. Pillow is imported only once an image is seen or rebuilt.
-* **namedtuples** keep their type: the structure names the class (``"module:qualname"``) and the
-  reader imports it by that name (never by unpickling). A class that cannot be found again by its
-  name (defined inside a function, bound to another name) is refused when the cache is created.
+* **namedtuples** keep their type: the structure names the class (``"module:qualname"``) and its
+  field names. Reading **never imports** anything: the class comes back when its module is already
+  imported in the reading process, or it was registered (:func:`register_namedtuple`); otherwise an
+  equivalent ``collections.namedtuple`` of the stored field names does, with one warning saying how
+  to get the class back. A class that cannot be found again by its name (defined inside a function,
+  bound to another name) and is not registered is refused when the cache is created.
 
 Example:
     >>> import torch
@@ -41,11 +44,14 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+import collections
 import json
+import keyword
 import pickle
+import re
 import struct
 import sys
+import types
 import warnings
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -54,27 +60,41 @@ import numpy as np
 import torch
 
 from .errors import CorruptCacheError
+from .trust import AnyJSON, Bool, Float, Int, List, Obj, Str, check_json
 
-__all__ = ["Schema", "flatten", "unflatten", "encode_freeform", "decode_freeform", "infer_schema"]
+__all__ = ["Schema", "flatten", "unflatten", "encode_freeform", "decode_freeform", "infer_schema", "register_namedtuple"]
 
 # ---------------------------------------------------------------------------------------------
 # structure
 
+#: Deepest nesting of containers a sample may have (a structure read from a cache deeper than this
+#: is damaged: parsing it must not exhaust the stack).
+MAX_DEPTH = 100
+#: Longest namedtuple name (``"module:qualname"``), field name or dict key nbkit reads from a cache.
+MAX_NAME = 512
+MAX_KEY_LEN = 1 << 16
 
-def flatten(sample, leaves: list, where: str = "sample", named: bool = True):
+
+def flatten(sample, leaves: list, where: str = "sample", named: bool = True, _depth: int = 0):
     """Append the leaves of ``sample`` to ``leaves`` and return its structure.
 
     The structure is a nested tuple: ``("T", children)`` for a tuple, ``("N", "module:qualname",
-    children)`` for a namedtuple (a plain ``"T"`` when not ``named``), ``("L", children)`` for a
-    list, ``("D", keys, children)`` for a dict and ``"*"`` for a leaf.
+    children, field_names)`` for a namedtuple (a plain ``"T"`` when not ``named``), ``("L", children)``
+    for a list, ``("D", keys, children)`` for a dict and ``"*"`` for a leaf.
     """
+    if _depth > MAX_DEPTH and isinstance(sample, (tuple, list, dict)):
+        raise TypeError(
+            f"{where} nests containers more than {MAX_DEPTH} deep, which nbkit does not store. Flatten the sample "
+            "(e.g. a dict of tensors) in your dataset."
+        )
     if isinstance(sample, tuple):
-        children = tuple(flatten(x, leaves, f"{where}[{i}]", named) for i, x in enumerate(sample))
+        children = tuple(flatten(x, leaves, f"{where}[{i}]", named, _depth + 1) for i, x in enumerate(sample))
         if named and is_namedtuple(sample):
-            return ("N", named_path(sample_type(sample), where), children)
+            cls = sample_type(sample)
+            return ("N", named_path(cls, where), children, tuple(cls._fields))
         return ("T", children)
     if isinstance(sample, list):
-        return ("L", tuple(flatten(x, leaves, f"{where}[{i}]", named) for i, x in enumerate(sample)))
+        return ("L", tuple(flatten(x, leaves, f"{where}[{i}]", named, _depth + 1) for i, x in enumerate(sample)))
     if isinstance(sample, dict):
         keys = tuple(sample.keys())
         for k in keys:
@@ -83,7 +103,7 @@ def flatten(sample, leaves: list, where: str = "sample", named: bool = True):
                     f"{where} is a dict with key {k!r} of type {type(k).__name__}; nbkit stores dicts "
                     "with string keys only. Convert the keys to str in your dataset."
                 )
-        return ("D", keys, tuple(flatten(sample[k], leaves, f"{where}[{k!r}]", named) for k in keys))
+        return ("D", keys, tuple(flatten(sample[k], leaves, f"{where}[{k!r}]", named, _depth + 1) for k in keys))
     leaves.append(sample)
     return "*"
 
@@ -99,53 +119,172 @@ def sample_type(value) -> type:
     return getattr(type(value), "_nbkit_named", type(value))
 
 
-def _lookup(path: str):
+# -- namedtuple classes: found by name without importing anything --------------------------------
+#
+# A cache names a namedtuple class as "module:qualname". Reading it never imports that module (a
+# cache from elsewhere could name any module, or bring one along): the class is taken from a module
+# already loaded in this process (through its __dict__, never getattr, whose hooks can import), or
+# from those the user registered; otherwise an equivalent namedtuple is built from the stored field
+# names, with one warning saying how to get the class back.
+
+_REGISTERED: dict = {}  # "module:qualname" -> class, from register_namedtuple
+_REGISTERED_NAME: dict = {}  # class -> the name it was registered under
+_FALLBACK: dict = {}  # ("module:qualname", fields) -> the equivalent namedtuple built for it
+
+
+def register_namedtuple(cls: type, name: str | None = None) -> type:
+    """Let caches that name the namedtuple class ``cls`` rebuild it, in this process.
+
+    Reading a cache never imports a module it names (that would run code from a stranger's cache): a
+    stored namedtuple comes back as its class only if the class's module is already imported, or the
+    class is registered here; otherwise as an equivalent ``collections.namedtuple`` (with a warning).
+    ``name`` (``"module:qualname"``, default: the class's own) is the name caches store it under, so a
+    class defined inside a function can be cached too. Returns ``cls`` (usable as a decorator).
+
+    Example:
+        >>> from collections import namedtuple
+        >>> import nbkit
+        >>> Pair = nbkit.register_namedtuple(namedtuple("Pair", "image label"), "myproject.data:Pair")
+        >>> named_type("myproject.data:Pair", ("image", "label")) is Pair
+        True
+    """
+    if _fields_of(cls) is None:
+        raise TypeError(f"register_namedtuple takes a namedtuple class (collections.namedtuple or typing.NamedTuple), got {cls!r}")
+    name = f"{cls.__module__}:{cls.__qualname__}" if name is None else name
+    if not isinstance(name, str) or not _valid_path(name):
+        raise ValueError(f"register_namedtuple: name must be 'module:qualname' (dotted identifiers), got {name!r}")
+    _REGISTERED[name] = cls
+    _REGISTERED_NAME[cls] = name
+    return cls
+
+
+def _static(cls: type, name: str):
+    """``cls.name`` looked up in the class dictionaries along its MRO, running no descriptor or hook."""
+    for klass in type.__getattribute__(cls, "__mro__"):
+        namespace = type.__getattribute__(klass, "__dict__")
+        if name in namespace:
+            return namespace[name]
+    return None
+
+
+def _fields_of(cls) -> tuple | None:
+    """The field names of a namedtuple class (read without running any of its code), or ``None``."""
+    if not isinstance(cls, type) or tuple not in type.__getattribute__(cls, "__mro__"):
+        return None
+    fields = _static(cls, "_fields")
+    if type(fields) is not tuple or not all(type(f) is str for f in fields) or _static(cls, "_make") is None:
+        return None
+    return fields
+
+
+def _valid_path(path: str) -> bool:
+    module, sep, qualname = path.partition(":")
+    return (bool(sep) and len(path) <= MAX_NAME and all(p.isidentifier() for p in module.split("."))
+            and all(p.isidentifier() for p in qualname.split(".")))
+
+
+def _valid_field(name) -> bool:
+    return (isinstance(name, str) and len(name) <= MAX_NAME and name.isidentifier() and not keyword.iskeyword(name)
+            and not name.startswith("_"))
+
+
+def _loaded(path: str):
+    """The object ``path`` names in a module already loaded here, found through ``__dict__`` s only
+    (no import, no ``__getattr__``), or ``None``."""
     module, _, qualname = path.partition(":")
     obj = sys.modules.get(module)
-    if obj is None:
-        obj = importlib.import_module(module)
+    if not isinstance(obj, types.ModuleType):
+        return None
+    namespace = object.__getattribute__(obj, "__dict__")
     for part in qualname.split("."):
-        obj = getattr(obj, part)
+        if not isinstance(namespace, (dict, types.MappingProxyType)):
+            return None
+        obj = namespace.get(part)
+        if obj is None:
+            return None
+        namespace = type.__getattribute__(obj, "__dict__") if isinstance(obj, type) else None
     return obj
 
 
-@lru_cache(maxsize=None)
-def _findable(cls: type) -> bool:
-    path = f"{cls.__module__}:{cls.__qualname__}"
-    try:
-        return _lookup(path) is cls
-    except (ImportError, AttributeError):
-        return False
+def _class_path(cls: type) -> str:
+    path = getattr(cls, "_nbkit_path", None)  # an equivalent namedtuple nbkit built stands for its original
+    if path is not None:
+        return path
+    return _REGISTERED_NAME.get(cls) or f"{cls.__module__}:{cls.__qualname__}"
 
 
 def named_path(cls: type, where: str) -> str:
-    """``"module:qualname"`` of a namedtuple class that a reader can import again, else ``TypeError``."""
-    if not _findable(cls):
+    """``"module:qualname"`` of a namedtuple class that a reader can find again, else ``TypeError``."""
+    path = _class_path(cls)
+    if getattr(cls, "_nbkit_path", None) is None and _REGISTERED.get(path) is not cls and _loaded(path) is not cls:
         raise TypeError(
             f"{where} is a namedtuple {cls.__module__}.{cls.__qualname__}, which nbkit cannot find again by its "
             "module and name (is it defined inside a function, or bound to another name?), so a reader could "
             "not rebuild it. Define the namedtuple at the top level of a module (or of the notebook) under its "
-            "own name, or return a plain tuple or dict (sample._asdict()) from your dataset."
+            "own name, register it (nbkit.register_namedtuple(cls, 'module:Name')), or return a plain tuple or "
+            "dict (sample._asdict()) from your dataset."
         )
-    return f"{cls.__module__}:{cls.__qualname__}"
+    return path
 
 
-def named_type(path: str, n_fields: int, where: str = "sample") -> type:
-    """The namedtuple class a cache names ``"module:qualname"`` (imported if need be; never unpickled)."""
-    try:
-        cls = _lookup(path)
-    except (ImportError, AttributeError) as e:
-        raise ImportError(
-            f"{where} is a namedtuple {path.replace(':', '.')}, which nbkit cannot import here ({e}). Import or "
-            "define it (at the top level, under the same name) before reading the cache."
-        ) from e
-    if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_make")
-            and len(getattr(cls, "_fields", ())) == n_fields):
-        raise TypeError(
-            f"{where} is stored as a namedtuple {path.replace(':', '.')} of {n_fields} fields, but that name now "
-            f"holds {cls!r}. Restore the definition, or rebuild the cache with overwrite=True."
-        )
+def named_type(path: str, fields, where: str = "sample") -> type:
+    """The namedtuple class a cache names ``"module:qualname"`` with ``fields`` (its field names, or
+    only their number for caches written before names were stored).
+
+    The class is used when it is registered (:func:`register_namedtuple`) or its module is already
+    imported, and has those fields; nothing is ever imported or unpickled. Otherwise an equivalent
+    ``collections.namedtuple`` of the stored field names comes back, with one warning per name.
+    """
+    names = None if isinstance(fields, int) else tuple(fields)
+    n = fields if names is None else len(names)
+    cls = _REGISTERED.get(path)
+    if cls is None:
+        cls = _loaded(path)
+    found = _fields_of(cls)
+    if found is not None and len(found) == n and (names is None or found == names):
+        return cls
+    return _equivalent(path, names or tuple(f"f{k}" for k in range(n)), cls, where)
+
+
+def named_class(node, where: str = "sample") -> type:
+    """The class of a structure's ``("N", path, children, field_names)`` node (see :func:`named_type`)."""
+    return named_type(node[1], len(node[2]) if node[3] is None else node[3], where)
+
+
+def _equivalent(path: str, names: tuple, found, where: str) -> type:
+    cls = _FALLBACK.get((path, names))
+    if cls is not None:
+        return cls
+    qualname = path.partition(":")[2].rpartition(".")[2]
+    cls = collections.namedtuple(qualname if _valid_field(qualname) else "Sample", names)
+    cls._nbkit_path = path
+    cls.__module__ = __name__
+    cls.__reduce__ = lambda self: (_rebuild_equivalent, (path, names, tuple(self)))
+    _FALLBACK[(path, names)] = cls
+    shown, (module, _, qualname) = path.replace(":", "."), path.partition(":")
+    if module not in sys.modules:
+        why = (f"its module {module!r} is not imported in this process (nbkit never imports a module that a cache "
+               "names: a cache from elsewhere could run code that way)")
+    else:
+        why = f"that name holds {_short(found)} here, not a namedtuple with the fields {names}"
+    warnings.warn(
+        f"{where} is a namedtuple {shown}, but {why}. Its samples come back as an equivalent namedtuple with the "
+        f"fields {names}. To get the class back, import it before reading (import {module}) or call "
+        f"nbkit.register_namedtuple({qualname}).",
+        UserWarning,
+        stacklevel=3,
+    )
     return cls
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _rebuild_equivalent(path: str, names: tuple, values: tuple):
+    """Unpickle a sample of an equivalent namedtuple (a DataLoader worker's batch row) by its stored names."""
+    return named_type(path, names)._make(values)
 
 
 def unflatten(structure, leaves_iter, where: str = "sample"):
@@ -156,7 +295,7 @@ def unflatten(structure, leaves_iter, where: str = "sample"):
     if tag == "T":
         return tuple(unflatten(s, leaves_iter, where) for s in structure[1])
     if tag == "N":
-        cls = named_type(structure[1], len(structure[2]), where)
+        cls = named_class(structure, where)
         return cls._make([unflatten(s, leaves_iter, where) for s in structure[2]])
     if tag == "L":
         return [unflatten(s, leaves_iter, where) for s in structure[1]]
@@ -172,7 +311,7 @@ def unflatten_columns(structure, columns_iter, n: int):
     tag = structure[0]
     children = [unflatten_columns(s, columns_iter, n) for s in structure[1 if tag in "TL" else 2]]
     if tag == "N":
-        make = named_type(structure[1], len(structure[2]))._make
+        make = named_class(structure)._make
         return [make(t) for t in zip(*children)] if children else [make(()) for _ in range(n)]
     if not children:
         empty = {"T": tuple, "L": list, "D": dict}[tag]
@@ -188,24 +327,71 @@ def unflatten_columns(structure, columns_iter, n: int):
 def structure_to_json(structure):
     if structure == "*":
         return "*"
-    if structure[0] in "DN":
-        head = list(structure[1]) if structure[0] == "D" else structure[1]
-        return [structure[0], head, [structure_to_json(s) for s in structure[2]]]
+    if structure[0] == "N":
+        out = ["N", structure[1], [structure_to_json(s) for s in structure[2]]]
+        return out if structure[3] is None else out + [list(structure[3])]
+    if structure[0] == "D":
+        return ["D", list(structure[1]), [structure_to_json(s) for s in structure[2]]]
     return [structure[0], [structure_to_json(s) for s in structure[1]]]
 
 
-def structure_from_json(obj):
-    if obj == "*":
-        return "*"
-    if not isinstance(obj, list) or not obj or obj[0] not in ("T", "L", "D", "N"):
-        raise CorruptCacheError(f"malformed sample structure in cache metadata: {obj!r} (written by a newer nbkit?)")
-    if obj[0] == "D":
-        return ("D", tuple(str(k) for k in obj[1]), tuple(structure_from_json(s) for s in obj[2]))
-    if obj[0] == "N":
-        if not isinstance(obj[1], str) or ":" not in obj[1]:
-            raise CorruptCacheError(f"malformed namedtuple name in cache metadata: {obj[1]!r}")
-        return ("N", obj[1], tuple(structure_from_json(s) for s in obj[2]))
-    return (obj[0], tuple(structure_from_json(s) for s in obj[1]))
+def structure_from_json(obj, where: str = "cache metadata", fix: str = ""):
+    """The structure stored as ``obj`` (JSON), every node checked: tags, names, keys, field names and
+    nesting depth; anything else raises :class:`CorruptCacheError` naming ``where``.
+
+    Example:
+        >>> structure_from_json(["N", "x.y:P", ["*", "*"], ["image", "label"]])
+        ('N', 'x.y:P', ('*', '*'), ('image', 'label'))
+    """
+    fix = fix or "Re-create the cache, or get it again from where it came from."
+
+    def bad(what, got):
+        shown = repr(got)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise CorruptCacheError(f"{where} holds a malformed sample structure: {what}, got {shown}. {fix}")
+
+    def node(o, depth):
+        if o == "*":
+            return o
+        if depth > MAX_DEPTH:
+            bad(f"containers nested more than {MAX_DEPTH} deep", "...")
+        if not isinstance(o, list) or not o or not isinstance(o[0], str):
+            bad("each node must be '*' or a list starting with a tag", o)
+        tag = o[0]
+        if tag in ("T", "L"):
+            if len(o) != 2 or not isinstance(o[1], list):
+                bad(f"a {tag!r} node is [{tag!r}, children]", o)
+            return (tag, tuple(node(c, depth + 1) for c in o[1]))
+        if tag == "D":
+            if len(o) != 3 or not isinstance(o[1], list) or not isinstance(o[2], list) or len(o[1]) != len(o[2]):
+                bad("a 'D' node is ['D', keys, children] with one child per key", o)
+            keys = o[1]
+            if not all(isinstance(k, str) and len(k) <= MAX_KEY_LEN for k in keys) or len(set(keys)) != len(keys):
+                bad("dict keys must be distinct strings", keys)
+            return ("D", tuple(keys), tuple(node(c, depth + 1) for c in o[2]))
+        if tag == "N":
+            if len(o) not in (3, 4) or not isinstance(o[2], list):
+                bad("an 'N' node is ['N', 'module:qualname', children, field names]", o)
+            if not isinstance(o[1], str) or not _valid_path(o[1]):
+                bad("a namedtuple is named 'module:qualname' (dotted identifiers)", o[1])
+            names = None
+            if len(o) == 4:
+                names = o[3]
+                if (not isinstance(names, list) or len(names) != len(o[2]) or not all(map(_valid_field, names))
+                        or len(set(names)) != len(names)):
+                    bad("namedtuple field names must be distinct identifiers not starting with '_', one per child", names)
+                names = tuple(names)
+            return ("N", o[1], tuple(node(c, depth + 1) for c in o[2]), names)
+        raise CorruptCacheError(f"{where}: unknown structure tag {tag!r} (written by a newer nbkit?) {fix}")
+
+    return node(obj, 0)
+
+
+def count_leaves(structure) -> int:
+    """How many leaves a sample of ``structure`` has."""
+    if structure == "*":
+        return 1
+    return sum(count_leaves(c) for c in structure[1 if structure[0] in "TL" else 2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +412,9 @@ def _torch_dtypes() -> dict:
 
 _TORCH_DTYPES = _torch_dtypes()
 _NP_KINDS = set("biufcSU")  # never "O" (objects) or "V" (void/structured)
+#: The numpy dtype strings a cache may name (as ``dtype.str`` writes them): numbers, bools, and
+#: fixed-size byte or unicode strings. Never objects, structured, datetime or sub-array dtypes.
+_DTYPE = re.compile(r"[<>|=]?(?:[biufc](?:1|2|4|8|16)|[SU][1-9][0-9]{0,7})\Z")
 # dtypes numpy lacks travel as their bit pattern in an integer of the same size (bfloat16 as int16,
 # as the first nbkit stored it; float8 as uint8 …), and are viewed back on read.
 _BITS = {1: np.dtype("|u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
@@ -264,6 +453,22 @@ def _torch_storage_dtype(dtype: torch.dtype) -> np.dtype:
 # PIL images: Pillow is imported only once a value from it is seen (``import nbkit`` never does)
 
 PALETTE_MODES = ("P", "PA")
+#: The PIL image modes nbkit rebuilds (a mode read from a cache is one of these, or the cache is damaged).
+PIL_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV", "I", "F",
+             "I;16", "I;16L", "I;16B", "I;16N")
+#: At most this many dimensions in a stored array (numpy's own limit is 64).
+MAX_NDIM = 32
+_DIM = Int(min=0, max=1 << 48)
+_PIL_HEADER = Obj({"m": Str(choices=PIL_MODES), "d": Str(max_len=16), "s": List(_DIM, max_len=3),
+                   "pm": Str(choices=PIL_MODES)}, required=("m", "d", "s"))
+
+
+def nbytes(shape, itemsize: int) -> int:
+    """Bytes of an array of ``shape`` (Python integers: a shape read from a cache cannot overflow)."""
+    n = itemsize
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def is_pil_image(value) -> bool:
@@ -288,12 +493,14 @@ def pil_from_pixels(mode: str, arr: np.ndarray, palette: tuple | None = None, wh
     except ImportError as e:
         raise ImportError(f"{where} is a PIL image; reading it needs Pillow: pip install pillow") from e
     size = (arr.shape[1], arr.shape[0])
-    data = np.packbits(arr, axis=1).tobytes() if mode == "1" else np.ascontiguousarray(arr).tobytes()
+    if mode not in PIL_MODES or (palette is not None and palette[0] not in PIL_MODES):
+        raise CorruptCacheError(f"{where}: stored PIL image has the unknown mode {mode!r}; the cache is damaged")
     try:
+        data = np.packbits(arr, axis=1).tobytes() if mode == "1" else np.ascontiguousarray(arr).tobytes()
         img = Image.frombytes(mode, size, data)
         if palette is not None:
             img.putpalette(palette[1], rawmode=palette[0])
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise CorruptCacheError(f"{where}: stored PIL image (mode {mode!r}, size {size}) is malformed ({e})") from e
     return img
 
@@ -316,16 +523,16 @@ def pil_from_bytes(data, where: str):
     try:
         (hlen,) = struct.unpack_from("<I", mv, 0)
         head = json.loads(bytes(mv[4 : 4 + hlen]))
-        mode, shape = str(head["m"]), tuple(int(x) for x in head["s"])
-        dt = storage_dtype("ndarray", head["d"])
-    except (struct.error, ValueError, KeyError, TypeError) as e:
+    except (struct.error, ValueError, RecursionError) as e:
         raise CorruptCacheError(f"{where}: stored PIL image header is malformed ({e})") from e
+    head = check_json(head, _PIL_HEADER, f"{where} (its PIL image header)", "The stored sample is damaged.")
+    mode, shape, dt = head["m"], tuple(head["s"]), storage_dtype("ndarray", head["d"])
     pos = 4 + hlen
-    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    if len(shape) not in (2, 3) or min(shape) < 0 or pos + n > len(mv):
+    n = nbytes(shape, dt.itemsize)
+    if len(shape) not in (2, 3) or pos + n > len(mv):
         raise CorruptCacheError(f"{where}: stored PIL image is truncated")
     arr = np.frombuffer(mv[pos : pos + n], dtype=dt).reshape(shape)
-    palette = (str(head["pm"]), bytes(mv[pos + n :])) if "pm" in head else None
+    palette = (head["pm"], bytes(mv[pos + n :])) if "pm" in head else None
     return pil_from_pixels(mode, arr, palette, where)
 
 
@@ -456,11 +663,14 @@ def storage_dtype(kind: str, dtype_name: str) -> np.dtype:
     """The numpy dtype of the stored bytes for a leaf described by ``(kind, dtype_name)``."""
     if kind == "tensor":
         return _torch_storage_dtype(torch_dtype(dtype_name))
+    if not isinstance(dtype_name, str) or not _DTYPE.match(dtype_name):
+        raise CorruptCacheError(f"refusing array dtype {dtype_name!r} in cache metadata (only numbers, bools and "
+                                "fixed-size strings are stored; objects are never loaded)")
     try:
         dt = np.dtype(dtype_name)
     except TypeError as e:
         raise CorruptCacheError(f"unsupported array dtype {dtype_name!r} in cache metadata") from e
-    if dt.kind not in _NP_KINDS:
+    if dt.kind not in _NP_KINDS or dt.itemsize == 0:
         raise CorruptCacheError(f"refusing array dtype {dtype_name!r} in cache metadata (objects are never loaded)")
     return dt
 
@@ -539,38 +749,67 @@ def encode_freeform(sample, *, allow_pickle: bool, where: str = "sample", legacy
     return b"".join([_FREEFORM_MAGIC, struct.pack("<I", len(header)), header, *payloads])
 
 
+_SIZED = Int(min=0, max=1 << 48)
+_ARRAY_HEADER = Obj({"k": Str(), "d": Str(max_len=32), "s": List(_DIM, max_len=MAX_NDIM), "n": _SIZED})
+_BYTES_HEADER = Obj({"k": Str(), "n": _SIZED})
+_FREEFORM_HEADER = Obj({"s": AnyJSON(), "l": List(Obj({"k": Str(max_len=16)}))})
+_LEAF_HEADERS = {
+    "int": Obj({"k": Str(), "v": Int(min=-(2**63), max=2**63 - 1)}),
+    "bool": Obj({"k": Str(), "v": Bool()}),
+    "none": Obj({"k": Str(), "v": AnyJSON()}),
+    "float": Obj({"k": Str(), "v": AnyJSON()}),  # NaN and ±inf are kept: checked below
+    "complex": Obj({"k": Str(), "v": List(AnyJSON(), max_len=2)}),
+    **dict.fromkeys(("str", "bytes", "pickle", "pil"), _BYTES_HEADER),
+    **dict.fromkeys(("tensor", "ndarray", "npscalar"), _ARRAY_HEADER),
+}
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def decode_freeform(blob, *, allow_pickle: bool, where: str = "sample"):
-    """Inverse of :func:`encode_freeform`. Never unpickles unless ``allow_pickle``."""
+    """Inverse of :func:`encode_freeform`. Never unpickles unless ``allow_pickle``; anything malformed
+    raises :class:`CorruptCacheError` naming ``where``."""
     mv = memoryview(blob)
     if len(mv) < 8 or bytes(mv[:4]) != _FREEFORM_MAGIC:
         raise CorruptCacheError(f"{where}: stored blob is not an nbkit sample")
     (hlen,) = struct.unpack_from("<I", mv, 4)
+    if 8 + hlen > len(mv):
+        raise CorruptCacheError(f"{where}: stored sample is truncated (its header claims {hlen} bytes)")
     try:
         header = json.loads(bytes(mv[8 : 8 + hlen]))
-        structure = structure_from_json(header["s"])
-        descs = header["l"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptCacheError(f"{where}: stored sample header is malformed ({e})") from e
+    damaged = "The stored sample is damaged."
+    header = check_json(header, _FREEFORM_HEADER, f"{where} (its header)", damaged)
+    structure = structure_from_json(header["s"], f"{where} (its header)", damaged)
+    descs = header["l"]
+    if len(descs) != count_leaves(structure):
+        raise CorruptCacheError(f"{where}: stored sample header lists {len(descs)} values for a structure of "
+                                f"{count_leaves(structure)}. {damaged}")
     pos = 8 + hlen
     leaves = []
-    for h in descs:
-        k = h.get("k")
-        if k in ("int", "bool", "none"):
-            leaves.append(h["v"])
+    for j, h in enumerate(descs):
+        k = h["k"]
+        spec = _LEAF_HEADERS.get(k)
+        if spec is None:
+            raise CorruptCacheError(f"{where}: unknown leaf kind {k!r} (written by a newer nbkit?)")
+        h = check_json(h, spec, f"{where} (its header, value {j})", damaged)
+        if k in ("int", "bool", "none", "float", "complex"):
+            v = h["v"]
+            if (k == "none" and v is not None) or (k == "float" and not _number(v)) or (
+                    k == "complex" and (len(v) != 2 or not all(map(_number, v)))):
+                raise CorruptCacheError(f"{where}: stored {k} value {v!r} is malformed. {damaged}")
+            leaves.append(float(v) if k == "float" else complex(*v) if k == "complex" else v)
             continue
-        if k == "float":
-            leaves.append(float(h["v"]))
-            continue
-        if k == "complex":
-            leaves.append(complex(*h["v"]))
-            continue
-        n = int(h["n"])
-        if n < 0 or pos + n > len(mv):
+        n = h["n"]
+        if pos + n > len(mv):
             raise CorruptCacheError(f"{where}: stored sample is truncated")
         data = mv[pos : pos + n]
         pos += n
         if k == "str":
-            leaves.append(bytes(data).decode("utf-8", "surrogatepass"))
+            leaves.append(_utf8(data, where))
         elif k == "bytes":
             leaves.append(bytes(data))
         elif k == "pickle":
@@ -579,16 +818,21 @@ def decode_freeform(blob, *, allow_pickle: bool, where: str = "sample"):
             leaves.append(pickle.loads(data))
         elif k == "pil":
             leaves.append(pil_from_bytes(data, where))
-        elif k in ("tensor", "ndarray", "npscalar"):
+        else:
             dt = storage_dtype(k, h["d"])
-            shape = tuple(int(x) for x in h["s"])
-            if int(np.prod(shape, dtype=np.int64)) * dt.itemsize != n:
+            shape = tuple(h["s"])
+            if nbytes(shape, dt.itemsize) != n or (k == "npscalar" and shape):
                 raise CorruptCacheError(f"{where}: stored array size does not match its shape")
             arr = np.frombuffer(data, dtype=dt).reshape(shape).copy()
             leaves.append(array_to_leaf(k, h["d"], arr))
-        else:
-            raise CorruptCacheError(f"{where}: unknown leaf kind {k!r} (written by a newer nbkit?)")
     return unflatten(structure, iter(leaves), where)
+
+
+def _utf8(data, where: str) -> str:
+    try:
+        return bytes(data).decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as e:
+        raise CorruptCacheError(f"{where}: a stored string is not UTF-8 ({e}); the stored sample is damaged") from e
 
 
 def pickle_refused(where: str) -> Exception:
@@ -619,8 +863,20 @@ class Leaf:
 
     @classmethod
     def from_json(cls, obj):
-        return cls(obj["kind"], obj["store"], obj.get("dtype", ""), tuple(int(x) for x in obj.get("shape", ())),
-                   int(obj.get("column", -1)), str(obj.get("mode", "")))
+        """The leaf stored as ``obj`` (already checked against ``_LEAF_SPEC`` by :meth:`Schema.from_json`)."""
+        return cls(obj["kind"], obj["store"], obj.get("dtype", ""), tuple(obj.get("shape", ())), obj.get("column", -1),
+                   obj.get("mode", ""))
+
+
+_SCALAR_DTYPES = {"int": "<i8", "float": "<f8", "bool": "|b1", "complex": "<c16"}
+_COL_KINDS = ("tensor", "ndarray", "npscalar", "pil", *_SCALAR_DTYPES)
+_VAR_KINDS = ("tensor", "ndarray", "str", "bytes", "pickle", "pil")
+#: The largest row one column may have (a sample's fixed-shape field), in bytes.
+MAX_ROW_BYTES = 1 << 40
+_LEAF_SPEC = Obj({"kind": Str(choices=(*_COL_KINDS, *_VAR_KINDS, "none")), "store": Str(choices=("col", "var", "const")),
+                  "dtype": Str(max_len=32), "shape": List(_DIM, max_len=MAX_NDIM), "column": Int(min=-1, max=4095),
+                  "mode": Str(max_len=8)}, required=("kind", "store"))
+_SCHEMA_SPEC = Obj({"structure": AnyJSON(), "leaves": List(_LEAF_SPEC)})
 
 
 @dataclass(frozen=True)
@@ -647,7 +903,7 @@ class Schema:
         return storage_dtype(leaf.kind, leaf.dtype)
 
     def row_bytes(self, leaf: Leaf) -> int:
-        return int(np.prod(leaf.shape, dtype=np.int64)) * self.column_dtype(leaf).itemsize
+        return nbytes(leaf.shape, self.column_dtype(leaf).itemsize)
 
     def to_json(self):
         if self.structure is None:
@@ -655,17 +911,61 @@ class Schema:
         return {"structure": structure_to_json(self.structure), "leaves": [leaf.to_json() for leaf in self.leaves]}
 
     @classmethod
-    def from_json(cls, obj):
+    def from_json(cls, obj, where: str = "cache metadata", fix: str = "Re-create the cache, or get it again."):
+        """The schema stored as ``obj``, every leaf checked against the structure and each other;
+        anything malformed raises :class:`CorruptCacheError` naming ``where``, the field and ``fix``.
+
+        Example:
+            >>> Schema.from_json({"structure": "*", "leaves": [{"kind": "int", "store": "col", "dtype": "<i8",
+            ...                                                  "shape": [], "column": 0}]}).columns[0].kind
+            'int'
+            >>> Schema.from_json({"structure": "*", "leaves": []}, "nbkit.json", "Re-create it.")
+            Traceback (most recent call last):
+            ...
+            nbkit.errors.CorruptCacheError: nbkit.json is damaged: the field 'schema.leaves' describes 0 values, but the structure holds 1. Re-create it.
+        """
         if obj is None:
             return cls(None, ())
-        try:
-            leaves = tuple(Leaf.from_json(x) for x in obj["leaves"])
-            schema = cls(structure_from_json(obj["structure"]), leaves)
-            for leaf in schema.columns:
-                schema.column_dtype(leaf)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCacheError(f"malformed schema in cache metadata ({e})") from e
-        return schema
+        obj = check_json({"schema": obj}, Obj({"schema": _SCHEMA_SPEC}), where, fix)["schema"]
+        structure = structure_from_json(obj["structure"], where, fix)
+        leaves = tuple(Leaf.from_json(x) for x in obj["leaves"])
+
+        def bad(field, what):
+            raise CorruptCacheError(f"{where} is damaged: the field 'schema.{field}' {what}. {fix}")
+
+        def itemsize(field, leaf):
+            try:
+                return storage_dtype(leaf.kind, leaf.dtype).itemsize
+            except CorruptCacheError as e:
+                bad(f"{field}.dtype", f"names a dtype nbkit does not read ({e})")
+
+        if len(leaves) != count_leaves(structure):
+            bad("leaves", f"describes {len(leaves)} values, but the structure holds {count_leaves(structure)}")
+        n_columns = 0
+        for j, leaf in enumerate(leaves):
+            field = f"leaves[{j}]"
+            if (leaf.kind == "none") != (leaf.store == "const"):
+                bad(field, f"is a {leaf.kind!r} value stored as {leaf.store!r} (None, and only None, is 'const')")
+            if leaf.store == "const":
+                continue
+            if leaf.kind not in (_COL_KINDS if leaf.store == "col" else _VAR_KINDS):
+                bad(field, f"stores a {leaf.kind!r} value as {leaf.store!r}, which nbkit never does")
+            if leaf.store == "var":
+                if leaf.kind in ("tensor", "ndarray"):
+                    itemsize(field, leaf)
+                continue
+            if leaf.column != n_columns:
+                bad(f"{field}.column", f"is {leaf.column}, but column leaves are numbered in order from 0 (expected {n_columns})")
+            n_columns += 1
+            if leaf.kind in _SCALAR_DTYPES and (leaf.dtype != _SCALAR_DTYPES[leaf.kind] or leaf.shape):
+                bad(field, f"is a Python {leaf.kind} stored as {leaf.dtype!r} {list(leaf.shape)}, not {_SCALAR_DTYPES[leaf.kind]!r} []")
+            if leaf.kind == "npscalar" and leaf.shape:
+                bad(f"{field}.shape", f"is {list(leaf.shape)} for a numpy scalar (expected [])")
+            if leaf.kind == "pil" and (leaf.mode not in PIL_MODES or len(leaf.shape) not in (2, 3)):
+                bad(field, f"is a PIL image of mode {leaf.mode!r} and shape {list(leaf.shape)} (a known mode and 2 or 3 dimensions expected)")
+            if nbytes(leaf.shape, itemsize(field, leaf)) > MAX_ROW_BYTES:
+                bad(f"{field}.shape", f"makes rows of more than {MAX_ROW_BYTES} bytes")
+        return cls(structure, leaves)
 
     # -- encoding conforming samples -------------------------------------------------------
 
@@ -748,16 +1048,21 @@ class Schema:
             if leaf.kind in ("tensor", "ndarray"):
                 try:
                     (ndim,) = struct.unpack_from("<I", data, 0)
+                    if ndim > MAX_NDIM:
+                        raise CorruptCacheError(f"{where}: a stored array claims {ndim} dimensions; the blob is damaged")
                     shape = struct.unpack_from(f"<{ndim}q", data, 4)
                 except struct.error as e:
                     raise CorruptCacheError(f"{where}: stored array header is truncated") from e
                 dt = storage_dtype(leaf.kind, leaf.dtype)
                 raw = data[4 + 8 * ndim :]
-                if int(np.prod(shape, dtype=np.int64)) * dt.itemsize != len(raw) or min(shape, default=0) < 0:
+                if min(shape, default=0) < 0 or nbytes(shape, dt.itemsize) != len(raw):
                     raise CorruptCacheError(f"{where}: stored array size does not match its shape")
                 out.append(array_to_leaf(leaf.kind, leaf.dtype, np.frombuffer(raw, dtype=dt).reshape(shape).copy()))
             elif leaf.kind == "str":
-                out.append(bytes(data).decode("utf-8", "surrogatepass"))
+                try:  # inline: the hot path of var fields
+                    out.append(bytes(data).decode("utf-8", "surrogatepass"))
+                except UnicodeDecodeError:
+                    out.append(_utf8(data, where))  # raises, naming the sample
             elif leaf.kind == "bytes":
                 out.append(bytes(data))
             elif leaf.kind == "pil":
@@ -836,7 +1141,7 @@ def _compile_structure(structure):
             if not is_namedtuple(s) or len(s) != n:
                 return False
             cls = sample_type(s)
-            if f"{cls.__module__}:{cls.__qualname__}" != path:
+            if _class_path(cls) != path:
                 return False
             return all(sub(x, out) for sub, x in zip(subs, s))
         return named

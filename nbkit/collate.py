@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from .codec import (array_to_leaf, batch_leaf_values, channels_first, is_namedtuple, named_type, native, stack_pil,
+from .codec import (array_to_leaf, batch_leaf_values, channels_first, is_namedtuple, named_class, native, stack_pil,
                     unflatten_columns)
 
 __all__ = ["SampleBatch", "DeferredBatch", "BatchHandle", "collate", "collate_columns", "map_tensors", "iter_tensors"]
@@ -139,7 +139,7 @@ def _rebuild(structure, it, in_sequence: bool = False):
     if structure[0] == "D":
         return {k: _rebuild(s, it) for k, s in zip(structure[1], structure[2])}
     if structure[0] == "N":  # default_collate keeps a namedtuple's type
-        return named_type(structure[1], len(structure[2]))(*(_rebuild(s, it, True) for s in structure[2]))
+        return named_class(structure)(*(_rebuild(s, it, True) for s in structure[2]))
     return [_rebuild(s, it, True) for s in structure[1]]
 
 

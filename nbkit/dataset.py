@@ -331,7 +331,13 @@ class CachedDataset(Dataset):
         if schema.structure is None or (f.flags_of(idx) & fmt.FLAG_FREEFORM).any():
             return [self._read_one(int(i)) for i in idx]
         columns = f.gather(idx)
-        blobs = [f.read_blob(int(i)) for i in idx] if schema.has_var else None
+        blobs = None
+        if schema.has_var:
+            try:
+                blobs = [f.read_blob(int(i)) for i in idx]
+            except CorruptCacheError:  # a damaged record (past the heap): its sample fails the check below
+                blobs = [fmt.read_blob_or_none(f, int(i)) for i in idx]
+                self._verified[idx[[b is None for b in blobs]]] = False
         failed = self._check_new(idx, columns, blobs)
         if len(failed):
             unkept = {}
@@ -406,9 +412,9 @@ class CachedDataset(Dataset):
         where = f"sample {i} of {self.path}"
         one = np.array([i])
         flag = int(f.flags_of(one)[0])
-        blob = f.read_blob(i) if flag & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR) else b""
+        blob = fmt.read_blob_or_none(f, i) if flag & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR) else b""
         rows = [] if flag & fmt.FLAG_FREEFORM else [r[0] for r in f.gather(one)]
-        if not self._verified[i]:
+        if not self._verified[i] or blob is None:
             if not fmt.verify(f, one, columns=[r[None] for r in rows], blobs={0: blob})[0]:
                 unkept = self._repair(i)
                 return self._from_source(i, unkept) if unkept else self._read_one(i)
@@ -428,9 +434,9 @@ class CachedDataset(Dataset):
         """Recompute a sample that failed its checksum; return ``{i: sample}`` if the store refused it."""
         if self._source is None:
             raise CorruptCacheError(
-                f"sample {i} in the cache at {self.path} fails its checksum: the stored bytes were damaged or modified. "
-                "Open the cache with its source (nbkit.CachedDataset(source, path)) to recompute it, or pull / "
-                "import the cache again."
+                f"sample {i} in the cache at {self.path} fails its checksum: the stored bytes, or its record in "
+                f"{fmt.INDEX}, were damaged or modified. Open the cache with its source (nbkit.CachedDataset(source, "
+                "path)) to recompute it, or pull / import the cache again."
             )
         self._counters.add(recomputed=1)
         return self._compute_and_store(np.array([i]))

@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from functools import cached_property
 
 import numpy as np
 
-from .codec import Schema
+from . import trust
+from .codec import Schema, storage_dtype
 from .gather import pool, spans
 from .errors import CorruptCacheError, StaleCacheError
 from .files import atomic_write
@@ -28,7 +30,8 @@ from .progress import as_callback
 from .text import format_list
 
 __all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "Store", "list_cache_files", "read_meta",
-           "parse_meta", "publish_meta", "row_crc", "batch_crc", "sample_crcs", "verify", "verify_store"]
+           "parse_meta", "publish_meta", "row_crc", "batch_crc", "sample_crcs", "verify", "verify_store", "read_blob_or_none",
+           "META_SPEC"]
 
 FORMAT_NAME = "nbkit-cache"
 VERSION = 1
@@ -40,6 +43,9 @@ LOCK = "heap.lock"
 EMPTY, STORED = 0, 1
 FLAG_VAR = 1  # conforming sample with var leaves in the heap
 FLAG_FREEFORM = 2  # whole sample is a free-form blob in the heap
+#: Never written: a store sets it in ``flags_of`` for a record it cannot trust (an unknown state),
+#: and :func:`verify` fails every record with it or any other unknown bit, like a bad checksum.
+FLAG_DAMAGED = 0x80
 
 RECORD = np.dtype([("state", "u1"), ("flags", "u1"), ("pad", "<u2"), ("crc", "<u4"), ("off", "<u8"), ("len", "<u8")])
 
@@ -49,54 +55,127 @@ def column_file(k: int) -> str:
 
 
 def list_cache_files(root: str, meta: dict | None = None) -> list[str]:
-    """Names of the data files of the cache at ``root``, metadata last (the order to copy them in)."""
+    """Names of the data files of the cache at ``root``, metadata last (the order to copy them in).
+
+    Every name comes from the fixed pattern (:data:`nbkit.trust.CACHE_FILE`), never from the
+    metadata's text, and a file that is a symbolic link is refused (:func:`nbkit.trust.cache_file_path`).
+    """
     meta = read_meta(root) if meta is None else meta
-    names = [INDEX] + [c["file"] for c in meta["columns"]]
-    if os.path.exists(os.path.join(root, HEAP)):
+    names = [INDEX] + [column_file(k) for k in range(len(meta["columns"]))]
+    if os.path.lexists(os.path.join(root, HEAP)):
         names.append(HEAP)
+    for name in names:
+        trust.cache_file_path(root, name, os.path.join(root, META))
     return names + [META]
 
 
 def read_meta(root: str) -> dict:
     """Parse and check ``root/nbkit.json``; ``FileNotFoundError`` if ``root`` holds no cache."""
-    path = os.path.join(root, META)
+    path = trust.cache_file_path(root, META, root)
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(trust.MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no nbkit cache at {root} (it has no {META}). Create one with nbkit.CachedDataset(source, "
             f"{root!r}), or bring one in with nbkit.pull(...) or nbkit.import_tar(...)."
         ) from None
-    return parse_meta(raw, path, "Re-create or re-import the cache.")
+    except IsADirectoryError as e:
+        raise CorruptCacheError(f"{path} is a directory, not cache metadata. Remove it, or re-create the cache.") from e
+    return parse_meta(raw, path, "Re-create the cache (overwrite=True) or get it again (nbkit.pull / nbkit.import_tar).")
+
+
+#: The most samples a cache may hold (its index is 24 bytes a sample).
+MAX_LENGTH = 1 << 40
+#: The most bytes a cache's columns may take (capacity x row bytes), far below int64's limit.
+MAX_CACHE_BYTES = 1 << 56
+
+_COLUMN_SPEC = trust.Obj({"file": trust.Str(max_len=64), "dtype": trust.Str(max_len=16),
+                          "shape": trust.List(trust.Int(min=0, max=1 << 48), max_len=32)})
+#: What ``nbkit.json`` holds. Fields a newer nbkit adds are kept as they are.
+META_SPEC = trust.Obj({
+    "format": trust.Str(choices=(FORMAT_NAME,)),
+    "version": trust.Int(min=1, max=VERSION),
+    "length": trust.Int(min=1, max=MAX_LENGTH),
+    "schema": trust.AnyJSON(),  # checked by Schema.from_json
+    "columns": trust.List(_COLUMN_SPEC, max_len=trust.MAX_COLUMNS),
+    "fingerprint": trust.Obj({"type": trust.AnyJSON(), "length": trust.AnyJSON(), "transform": trust.AnyJSON(),
+                              "samples": trust.Map(trust.Str(max_len=64), key=trust.Str(pattern="(?:0|[1-9][0-9]{0,15})"))},
+                             required=()),
+    "allow_pickle": trust.Bool(),
+    "max_bytes": trust.Optional(trust.Int(min=0)),
+    "capacity": trust.Optional(trust.Int(min=0, max=MAX_LENGTH)),
+    "admit_seed": trust.Int(min=0, max=2**63 - 1),
+    "generation": trust.Str(pattern="[0-9a-f]{32}", max_len=32),
+}, required=("format", "version", "length", "schema", "columns", "fingerprint"))
 
 
 def parse_meta(raw: bytes, where: str, fix: str) -> dict:
-    """Parse and check cache metadata read from ``where``; damage raises
-    :class:`CorruptCacheError` ending with ``fix`` (what to do, which depends on where it lives).
+    """Parse and check cache metadata read from ``where``, all of it, in one place: every field
+    against :data:`META_SPEC`, the schema (:meth:`nbkit.codec.Schema.from_json`), and the fields
+    against each other (one column entry per column leaf, named ``col-<k>.bin``, of its dtype and
+    shape; ``capacity <= length``; sizes that cannot overflow). Damage raises
+    :class:`CorruptCacheError` naming ``where``, the field, and ending with ``fix``.
 
     Example:
         >>> parse_meta(b'{"format": "nbkit-cache", "version": 1, "length": 3, "schema": null,'
         ...            b' "columns": [], "fingerprint": {}}', "nbkit.json", "")["length"]
         3
+        >>> parse_meta(b'{"format": "nbkit-cache", "version": 1, "length": "3", "schema": null,'
+        ...            b' "columns": [], "fingerprint": {}}', "nbkit.json", "Re-create it.")
+        Traceback (most recent call last):
+        ...
+        nbkit.errors.CorruptCacheError: nbkit.json is damaged: the field 'length' must be an integer >= 1 and <= 1099511627776, but holds '3'. Re-create it.
     """
+    if len(raw) > trust.MAX_JSON_BYTES:
+        raise CorruptCacheError(f"{where} is larger than {trust.MAX_JSON_BYTES} bytes; it is not nbkit cache metadata. {fix}")
     try:
         meta = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptCacheError(f"{where} is not valid JSON ({e}); the cache metadata is damaged. {fix}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         found = meta.get("format") if isinstance(meta, dict) else None
-        raise CorruptCacheError(f"{where} is not nbkit cache metadata (format field is {found!r}). {fix}")
+        raise CorruptCacheError(f"{where} is not nbkit cache metadata (format field is {_shown(found)}). {fix}")
     version = meta.get("version")
-    if not isinstance(version, int) or version > VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
         raise CorruptCacheError(
             f"{where} has format version {version!r}; this nbkit reads version {VERSION}. Upgrade nbkit "
             "(pip install -U nbkit) to open it."
         )
-    for key in ("length", "schema", "columns", "fingerprint"):
-        if key not in meta:
-            raise CorruptCacheError(f"{where} lacks the field {key!r}; the cache metadata is damaged. {fix}")
+    meta = trust.check_json(meta, META_SPEC, where, fix)
+    schema = Schema.from_json(meta["schema"], where, fix)
+
+    def bad(field, what, got):
+        raise CorruptCacheError(f"{where} is damaged: the field {field!r} must be {what}, but holds {_shown(got)}. {fix}")
+
+    length, capacity = meta["length"], meta.get("capacity")
+    if capacity is not None and capacity > length:
+        bad("capacity", f"at most the length ({length})", capacity)
+    columns = meta["columns"]
+    if len(columns) != len(schema.columns):
+        bad("columns", f"a list of {len(schema.columns)} entries (one per fixed-shape field of the schema)", columns)
+    row_bytes = 0
+    for k, (entry, leaf) in enumerate(zip(columns, schema.columns)):
+        if entry["file"] != column_file(k):
+            bad(f"columns[{k}].file", repr(column_file(k)), entry["file"])
+        dtype = schema.column_dtype(leaf)
+        try:
+            same = storage_dtype("ndarray", entry["dtype"]) == dtype
+        except CorruptCacheError:
+            same = False
+        if not same:
+            bad(f"columns[{k}].dtype", f"{dtype.str!r} (the schema's dtype of that column)", entry["dtype"])
+        if tuple(entry["shape"]) != leaf.shape:
+            bad(f"columns[{k}].shape", f"{list(leaf.shape)} (the schema's shape of that column)", entry["shape"])
+        row_bytes += schema.row_bytes(leaf)
+    if (length if capacity is None else capacity) * row_bytes > MAX_CACHE_BYTES:
+        bad("columns", f"columns of at most {MAX_CACHE_BYTES} bytes in all", "rows of " + str(row_bytes) + " bytes")
     return meta
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def publish_meta(root: str, meta: dict) -> dict:
@@ -139,9 +218,14 @@ class Store:
         # A byte budget (``max_bytes``) gives the columns fewer rows than samples: only the admitted
         # samples have a row (their slot); the others are always computed from the source.
         self.capacity = self.length if meta.get("capacity") is None else int(meta["capacity"])
-        self.slot_of = None
-        if self.capacity < self.length:
-            self.slot_of = admission_slots(self.length, self.capacity, int(meta.get("admit_seed", 0)))
+
+    @cached_property
+    def slot_of(self) -> np.ndarray | None:
+        """Each index's row (``-1``: not admitted), or ``None`` when every sample has one. Made on
+        first use, so a store checks its files against the metadata before allocating anything."""
+        if self.capacity >= self.length:
+            return None
+        return admission_slots(self.length, self.capacity, int(self.meta.get("admit_seed", 0)))
 
     @property
     def n_columns(self) -> int:
@@ -251,13 +335,33 @@ def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict |
     if columns is None:
         columns = store.gather(idx)
     if blobs is None:
-        blobs = {}
-        for m in np.flatnonzero(flags & (FLAG_FREEFORM | FLAG_VAR)).tolist():
-            try:
-                blobs[m] = store.read_blob(int(idx[m]))
-            except CorruptCacheError:
-                blobs[m] = b""  # a record pointing past the heap: fails its crc
-    return sample_crcs(columns, flags, blobs, threads=threads) == store.crc_of(idx)
+        blobs = {m: read_blob_or_none(store, int(idx[m])) for m in np.flatnonzero(flags & (FLAG_FREEFORM | FLAG_VAR)).tolist()}
+    unreadable = [m for m, b in blobs.items() if b is None]
+    if unreadable:
+        blobs = {m: (b"" if b is None else b) for m, b in blobs.items()}
+    ok = sample_crcs(columns, flags, blobs, threads=threads) == store.crc_of(idx)
+    ok &= _consistent(flags, store.schema)
+    ok[unreadable] = False
+    return ok
+
+
+def _consistent(flags: np.ndarray, schema) -> np.ndarray:
+    """Which records' flags are what a writer of ``schema`` sets: free-form alone, or (for a sample
+    that fits the schema) ``FLAG_VAR`` exactly when the schema has variable-length fields; anything
+    else (unknown bits, ``FLAG_DAMAGED``) is a damaged record."""
+    if schema.structure is None:
+        return flags == FLAG_FREEFORM
+    return (flags == FLAG_FREEFORM) | (flags == (FLAG_VAR if schema.has_var else 0))
+
+
+def read_blob_or_none(store, i: int) -> bytes | None:
+    """The heap blob of stored sample ``i``, or ``None`` when its record is damaged (it points past the
+    heap, or the heap is missing): the sample then fails :func:`verify` like a bad checksum, and is
+    recomputed from the source or reported."""
+    try:
+        return store.read_blob(i)
+    except CorruptCacheError:
+        return None
 
 
 def verify_store(store, *, where: str, callback=None, verified: np.ndarray | None = None, chunk: int = 1024) -> int:

@@ -100,8 +100,9 @@ def test_string_and_int_keys_are_distinct(where):
     assert 2 not in loader and "2" not in loader
     with pytest.raises(nbkit.MissingSampleError, match="not in the CacheLoader"):
         loader.get(2)
-    with pytest.raises(TypeError, match="str, an int or bytes"):
-        loader.get(1.5, str)
+    for bad in (1.5, float("nan"), True, torch.tensor(1 + 2j), torch.tensor(0.5)):
+        with pytest.raises(TypeError, match=r"^key must be a str, an int .*or bytes, got"):
+            loader.get(bad, str)
 
 
 def test_values_persist_across_sessions(where):
@@ -258,3 +259,180 @@ def test_bucket_urls_are_refused_with_the_alternatives(tmp_path):
     ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tmp_path / "ds")
     with pytest.raises(ValueError, match="CachedDataset cache"):
         nbkit.CacheLoader(ds.root)
+
+
+# -- untrusted files and arguments ----------------------------------------------------------------------
+
+def _forge_record(path, key, off, length, crc):
+    """Append a keys.bin record for ``key`` with a valid record checksum (what a forged cache could hold)."""
+    import struct
+
+    from nbkit import format as fmt
+
+    kb = keyed.key_bytes(key)
+    head = keyed.RECORD.pack(keyed.MAGIC, len(kb), off, length, crc, 0)[:-4]
+    with open(os.path.join(path, keyed.KEYS), "ab") as f:
+        f.write(head + struct.pack("<I", fmt.row_crc([head, kb])) + kb)
+
+
+@pytest.mark.parametrize("off,length", [(2**64 - 1, 1), (0, 2**63), (10**12, 10), (5, 2**64 - 6)])
+def test_a_record_past_values_bin_is_recomputed_or_reported(tmp_path, off, length):
+    path = str(tmp_path / "kv")
+    nbkit.CacheLoader(path).get("k", lambda k: "value")
+    _forge_record(path, "k", off, length, 0)
+    reader = nbkit.CacheLoader(path)
+    with pytest.raises(nbkit.CorruptCacheError, match=r"key 'k'.*keys\.bin.*values\.bin.*load_fn"):
+        reader.get("k")
+    with pytest.raises(nbkit.CorruptCacheError, match="'k'"):
+        reader.verify()
+    assert reader.get("k", lambda k: "again") == "again"
+    assert nbkit.CacheLoader(path).get("k") == "again" and nbkit.CacheLoader(path).verify() == 1
+
+
+def test_records_with_keys_no_writer_makes_are_skipped(tmp_path):
+    path = str(tmp_path / "kv")
+    loader = nbkit.CacheLoader(path)
+    loader.get(1, lambda k: "one")
+    import struct
+
+    from nbkit import format as fmt
+
+    for kb in (b"i\xff", b"i1_0", b"x1", b"s\xff\xfe", b"i" + b"9" * 5000):
+        head = keyed.RECORD.pack(keyed.MAGIC, len(kb), 0, 1, 0, 0)[:-4]
+        with open(os.path.join(path, keyed.KEYS), "ab") as f:
+            f.write(head + struct.pack("<I", fmt.row_crc([head, kb])) + kb)
+    again = nbkit.CacheLoader(path)
+    assert again.keys() == [1] and again.get(1) == "one" and again.verify() == 1
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"path_or_url": b"/tmp/kv"}, TypeError, "path_or_url must be a str path"),
+    ({"path_or_url": 3}, TypeError, "path_or_url must be a path"),
+    ({"path_or_url": "gs:/bucket/kv"}, ValueError, "one slash.*gs://bucket/kv"),
+    ({"path_or_url": "redis:/host/0/x"}, ValueError, "one slash"),
+    ({"allow_pickle": "yes"}, TypeError, "allow_pickle must be True or False"),
+    ({"storage_options": "x"}, TypeError, "storage_options must be a dict"),
+])
+def test_arguments_are_checked_at_the_door(tmp_path, kwargs, error, match):
+    args = {"path_or_url": str(tmp_path / "kv"), **kwargs}
+    with pytest.raises(error, match=match):
+        nbkit.CacheLoader(args.pop("path_or_url"), **args)
+    with pytest.raises(TypeError, match="load_fn must be a callable"):
+        nbkit.CacheLoader(str(tmp_path / "ok")).get("k", "not callable")
+
+
+def test_files_that_are_links_are_refused(tmp_path):
+    path = tmp_path / "kv"
+    nbkit.CacheLoader(str(path)).get("k", lambda k: 1)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"mine")
+    os.unlink(path / keyed.VALUES)
+    os.symlink(victim, path / keyed.VALUES)
+    with pytest.raises(nbkit.UnsafeArchiveError, match="symbolic link"):
+        nbkit.CacheLoader(str(path))
+    assert victim.read_bytes() == b"mine"
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, strategies as st  # noqa: E402
+
+FUZZ_VALUES = {"a": torch.arange(5), 7: ("seven", 7.5, None), b"raw": {"x": [1, 2], "y": b"\x00"}, "long": "z" * 300}
+
+
+@pytest.fixture(scope="module")
+def keyed_template(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kvt") / "kv"
+    loader = nbkit.CacheLoader(str(path))
+    for k, v in FUZZ_VALUES.items():
+        loader.get(k, lambda key, v=v: v)
+    loader.close()
+    return path
+
+
+def _same(a, b):
+    from sources import assert_equal
+
+    try:
+        assert_equal(a, b)
+        return True
+    except AssertionError:
+        return False
+
+
+def _read_all(path, repair: bool):
+    """Every key through a fresh CacheLoader: the value, or an nbkit error naming the key and the cache."""
+    loader = nbkit.CacheLoader(str(path))
+    for k, v in FUZZ_VALUES.items():
+        try:
+            got = loader.get(k, (lambda key, v=v: v) if repair else None)
+        except (nbkit.CorruptCacheError, nbkit.MissingSampleError) as e:
+            assert not repair, e
+            assert repr(k) in str(e) and str(path) in str(e), e
+            continue
+        assert _same(got, v), (k, got)
+    try:
+        loader.verify()
+    except nbkit.CorruptCacheError as e:
+        assert not repair and str(path) in str(e), e
+    loader.close()
+
+
+def _fuzz_open(path):
+    try:
+        return nbkit.CacheLoader(str(path))
+    except nbkit.CorruptCacheError as e:
+        assert keyed.KEYS_META in str(e), e
+        return None
+
+
+@pytest.mark.fuzz
+@given(file=st.sampled_from([keyed.KEYS, keyed.VALUES, keyed.KEYS_META]),
+       edits=st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), min_size=1, max_size=8),
+       cut=st.none() | st.integers(min_value=0))
+def test_fuzz_cacheloader_files(keyed_template, tmp_path_factory, file, edits, cut):
+    import shutil
+
+    base = tmp_path_factory.mktemp("kvcase")
+    path = base / "kv"
+    shutil.copytree(keyed_template, path)
+    raw = bytearray((path / file).read_bytes())
+    for pos, byte in edits:
+        raw[pos % len(raw)] = byte
+    if cut is not None:
+        del raw[cut % len(raw):]
+    (path / file).write_bytes(bytes(raw))
+    opened = _fuzz_open(path)
+    if opened is not None:
+        opened.close()
+        _read_all(path, repair=False)
+        _read_all(path, repair=True)
+    assert sorted(os.listdir(base)) == ["kv"]
+
+
+@pytest.mark.fuzz
+@given(key=st.sampled_from(list(FUZZ_VALUES)), off=st.integers(0, 2**64 - 1) | st.integers(0, 2000),
+       length=st.integers(0, 2**64 - 1) | st.integers(0, 2000), crc=st.integers(0, 2**32 - 1))
+def test_fuzz_forged_key_records(keyed_template, tmp_path_factory, key, off, length, crc):
+    import shutil
+
+    path = tmp_path_factory.mktemp("kvforged") / "kv"
+    shutil.copytree(keyed_template, path)
+    _forge_record(str(path), key, off, length, crc)
+    _read_all(path, repair=False)
+    _read_all(path, repair=True)
+
+
+@pytest.mark.fuzz
+@given(meta=st.dictionaries(st.sampled_from(["format", "version", "shards", "x"]),
+                            st.none() | st.booleans() | st.integers() | st.text(max_size=12) | st.just("nbkit-keyed")
+                            | st.lists(st.integers(), max_size=2), max_size=4))
+def test_fuzz_cacheloader_metadata_values(tmp_path_factory, meta):
+    import json
+
+    path = tmp_path_factory.mktemp("kvmeta") / "kv"
+    path.mkdir()
+    (path / keyed.KEYS_META).write_text(json.dumps(meta))
+    loader = _fuzz_open(path)
+    if loader is not None:
+        assert loader.get("k", lambda k: 1) == 1
+        loader.close()

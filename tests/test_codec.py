@@ -127,7 +127,7 @@ def test_namedtuples_round_trip_by_name():
     assert type(back["p"]) is Point and type(back["t"]) is tuple
     assert_equal(back, sample)
     schema = infer_schema([Point(torch.zeros(2), 1)], allow_pickle=False)
-    assert schema.structure == ("N", "sources:Point", ("*", "*"))
+    assert schema.structure == ("N", "sources:Point", ("*", "*"), ("image", "label"))
     assert Schema.from_json(schema.to_json()) == schema
     assert schema.split((torch.zeros(2), 1), "s", False) is None  # a plain tuple does not fit
 
@@ -162,3 +162,198 @@ def test_dtypes_numpy_lacks_travel_as_bits_and_come_back(dtype):
 def test_a_dtype_this_torch_lacks_is_named():
     with pytest.raises(CorruptCacheError, match="float99.*torch"):
         storage_dtype("tensor", "float99")
+
+
+# -- no code from data: a namedtuple named by a cache is never imported ---------------------------------
+
+def _named_blob(path, fields=None, n=2):
+    header = {"s": ["N", path, ["*"] * n] + ([fields] if fields is not None else []),
+              "l": [{"k": "int", "v": k} for k in range(n)]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return b"NBKF" + struct.pack("<I", len(raw)) + raw
+
+
+def test_reading_never_imports_the_module_a_cache_names(tmp_path, monkeypatch):
+    import sys
+    import warnings
+
+    marker = tmp_path / "ran"
+    (tmp_path / "nbkit_evil_mod.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\nfrom collections import namedtuple\nP = namedtuple('P', 'a b')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match=r"nbkit_evil_mod\.P.*not imported.*import nbkit_evil_mod.*register_namedtuple"):
+        back = decode_freeform(_named_blob("nbkit_evil_mod:P", ["a", "b"]), allow_pickle=False)
+    assert not marker.exists() and "nbkit_evil_mod" not in sys.modules
+    assert back == (0, 1) and back._fields == ("a", "b") and back.b == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per name
+        assert decode_freeform(_named_blob("nbkit_evil_mod:P", ["a", "b"]), allow_pickle=False).a == 0
+    # Any installed module, not only a planted one: never imported either.
+    with pytest.warns(UserWarning):
+        decode_freeform(_named_blob("antigravity:P"), allow_pickle=False)
+    assert "antigravity" not in sys.modules
+
+
+def test_a_module_getattr_hook_is_never_called(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    mod = types.ModuleType("nbkit_hooked_mod")
+    mod.__getattr__ = lambda name: calls.append(name)
+    monkeypatch.setitem(sys.modules, "nbkit_hooked_mod", mod)
+    with pytest.warns(UserWarning, match="not a namedtuple"):
+        back = decode_freeform(_named_blob("nbkit_hooked_mod:Missing.Deeper", ["x", "y"]), allow_pickle=False)
+    assert calls == [] and back._fields == ("x", "y")
+
+
+def test_the_class_comes_back_when_loaded_or_registered_and_equivalents_pickle():
+    from collections import namedtuple
+
+    import nbkit
+    from sources import Point
+
+    assert type(decode_freeform(_named_blob("sources:Point", ["image", "label"]), allow_pickle=False)) is Point
+    # a loaded class of other fields is not taken for it
+    with pytest.warns(UserWarning, match="not a namedtuple with the fields"):
+        other = decode_freeform(_named_blob("sources:Point", ["x", "y"]), allow_pickle=False)
+    assert type(other) is not Point and other._fields == ("x", "y")
+    assert pickle.loads(pickle.dumps(other)) == other and type(pickle.loads(pickle.dumps(other))) is type(other)
+
+    Local = namedtuple("Local", "u v")
+    nbkit.register_namedtuple(Local, "nbkit_tests.somewhere:Local")
+    back = decode_freeform(encode_freeform(Local(1, 2), allow_pickle=False), allow_pickle=False)
+    assert type(back) is Local and back == (1, 2)
+    with pytest.raises(TypeError, match="namedtuple class"):
+        nbkit.register_namedtuple(tuple)
+
+
+def test_caches_written_before_field_names_were_stored_still_read():
+    import warnings
+
+    from sources import Point
+
+    assert type(decode_freeform(_named_blob("sources:Point"), allow_pickle=False)) is Point  # by its number of fields
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = decode_freeform(_named_blob("nbkit_not_loaded_mod:Old", n=3), allow_pickle=False)
+    assert back._fields == ("f0", "f1", "f2") and tuple(back) == (0, 1, 2)
+
+
+@pytest.mark.parametrize("fields", [["a", "_b"], ["a", "a"], ["a", "class"], ["a"], ["a", "b c"], ["a", 3], ["a", "x" * 600]])
+def test_malformed_field_names_are_corrupt(fields):
+    with pytest.raises(CorruptCacheError, match="field names"):
+        decode_freeform(_named_blob("m:P", fields), allow_pickle=False)
+
+
+@pytest.mark.parametrize("path", ["os", "os:", ":P", "os:path.join()", "a b:P", "m:P" + "x" * 600, 7])
+def test_malformed_namedtuple_names_are_corrupt(path):
+    with pytest.raises(CorruptCacheError, match="module:qualname"):
+        decode_freeform(_named_blob(path), allow_pickle=False)
+
+
+def test_a_pickle_leaf_is_never_unpickled_without_allow_pickle(monkeypatch):
+    from sources import Opaque
+
+    blob = encode_freeform({"o": Opaque(3)}, allow_pickle=True)
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
+    with pytest.raises(PermissionError, match="allow_pickle=True"):
+        decode_freeform(blob, allow_pickle=False)
+
+
+@pytest.mark.parametrize("header", [
+    {"s": "*", "l": []}, {"s": ["T", ["*", "*"]], "l": [{"k": "int", "v": 1}]}, {"s": "*", "l": [{"k": "int", "v": "1"}]},
+    {"s": "*", "l": [{"k": "int", "v": True}]}, {"s": "*", "l": [{"k": "float", "v": "x"}]},
+    {"s": "*", "l": [{"k": "complex", "v": [1]}]}, {"s": "*", "l": [{"k": "none", "v": 1}]},
+    {"s": "*", "l": [{"k": "str", "n": -1}]}, {"s": "*", "l": [{"k": "str", "n": 2**70}]},
+    {"s": "*", "l": [{"k": "ndarray", "d": "<i8", "s": [2**32, 2**32], "n": 0}]},
+    {"s": "*", "l": [{"k": "ndarray", "d": "<i8", "s": [-1], "n": 0}]},
+    {"s": "*", "l": [{"k": "ndarray", "d": "(2,)i4", "s": [1], "n": 8}]},
+    {"s": "*", "l": [{"k": "npscalar", "d": "<i8", "s": [1], "n": 8}]},
+    {"s": "*", "l": [7]}, {"s": "*", "l": {}}, [], {"s": ["D", ["a", "a"], ["*", "*"]], "l": [{"k": "none", "v": None}] * 2},
+])
+def test_malformed_free_form_headers_are_corrupt(header):
+    raw = json.dumps(header).encode()
+    with pytest.raises(CorruptCacheError):
+        decode_freeform(b"NBKF" + struct.pack("<I", len(raw)) + raw + b"\0" * 16, allow_pickle=False)
+
+
+def test_var_blob_shapes_cannot_overflow():
+    from sources import VarShapeSource
+
+    src = VarShapeSource()
+    schema = infer_schema([src[0], src[1]], allow_pickle=False)
+    _, blob = schema.split(src[0], "s", False)
+    header = struct.pack("<IQ", 1, 4 + 16)
+    for ndim, dims in ((2, (2**32, 2**32)), (2**31, ()), (1, (-4,))):
+        body = struct.pack(f"<I{len(dims)}q", ndim, *dims)
+        with pytest.raises(CorruptCacheError):
+            schema.var_values(struct.pack("<IQ", 1, len(body)) + body, "s", False)
+    assert header  # the intact blob decodes
+    assert len(schema.var_values(blob, "s", False)) == 1
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, strategies as st  # noqa: E402
+
+FUZZ_SAMPLES = [
+    {"a": torch.arange(6).reshape(2, 3), "s": "text", "b": b"\x00\x01", "n": None, "f": 1.5, "c": 1 + 2j, "t": True},
+    (np.arange(4, dtype=np.float32), [1, 2, ("x", np.int16(3))]),
+    Point(torch.zeros(2, dtype=torch.bfloat16), 7),
+]
+
+
+@pytest.mark.fuzz
+@given(which=st.integers(0, len(FUZZ_SAMPLES) - 1),
+       edits=st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.none() | st.integers(min_value=0))
+def test_fuzz_free_form_blobs(which, edits, cut):
+    import warnings
+
+    blob = bytearray(encode_freeform(FUZZ_SAMPLES[which], allow_pickle=False))
+    for pos, byte in edits:
+        blob[pos % len(blob)] = byte
+    if cut is not None:
+        del blob[cut % len(blob):]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            decode_freeform(bytes(blob), allow_pickle=False, where="sample 3 of /c")
+        except CorruptCacheError as e:
+            assert "sample 3 of /c" in str(e) or "cache metadata" in str(e), e
+        except PermissionError as e:  # a leaf turned into "pickle": refused, never unpickled
+            assert "allow_pickle=True" in str(e)
+
+
+@pytest.mark.fuzz
+@given(structure=st.recursive(
+    st.sampled_from(["*", "T", "N", 0, None]),
+    lambda c: st.lists(c, max_size=4) | st.tuples(st.sampled_from(["T", "L", "D", "N"]), st.lists(c, max_size=3)).map(list)
+    | st.tuples(st.just("N"), st.sampled_from(["m:P", "os:path", "x"]), st.lists(c, max_size=3), st.lists(
+        st.sampled_from(["a", "b", "_c", "if"]), max_size=3)).map(list), max_leaves=12))
+def test_fuzz_structures(structure):
+    from nbkit.codec import structure_from_json
+
+    try:
+        structure_from_json(structure, "nbkit.json")
+    except CorruptCacheError as e:
+        assert "nbkit.json" in str(e), e
+
+
+@pytest.mark.fuzz
+@given(edits=st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.none() | st.integers(min_value=0), which=st.integers(0, 9))
+def test_fuzz_var_blobs(edits, cut, which):
+    from sources import DictSource, VarShapeSource
+
+    src = DictSource(10) if which % 2 else VarShapeSource(10)
+    schema = infer_schema([src[0], src[1], src[2]], allow_pickle=False)
+    blob = bytearray(schema.split(src[which], "s", False)[1])
+    for pos, byte in edits:
+        blob[pos % len(blob)] = byte
+    if cut is not None:
+        del blob[cut % len(blob):]
+    try:
+        schema.var_values(bytes(blob), "sample 4 of /c", False)
+    except CorruptCacheError as e:
+        assert "sample 4 of /c" in str(e), e

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import threading
 
 import numpy as np
+import torch
 
 from .. import format as fmt
-from ..errors import CorruptCacheError
+from .. import trust
+from ..errors import CorruptCacheError, UnsafeArchiveError
 from ..files import atomic_write, file_lock
 
 __all__ = ["KEYS_META", "KEYS", "VALUES", "KEYS_LOCK", "FORMAT_NAME", "RECORD", "key_bytes", "key_of", "LocalKeyed"]
@@ -47,38 +50,76 @@ MAGIC = b"NBKV"
 #: value CRC-32, and the CRC-32 of the record's first 28 bytes and the key.
 RECORD = struct.Struct("<4sIQQII")
 MAX_KEY = 1 << 16
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def key_bytes(key) -> bytes:
+def key_bytes(key, name: str = "key") -> bytes:
     """The stored form of a key: ``i<decimal>`` for an integer, ``s<utf-8>`` for a string, ``b<bytes>``.
 
     Integers and strings stay apart (``1`` and ``"1"`` are different keys), and numpy or 0-d tensor
-    integers equal Python ones.
+    integers equal Python ones. Anything else (``bool``, floats, NaN, float or complex tensors …)
+    raises ``TypeError`` naming ``name`` and what is accepted.
 
     Example:
         >>> key_bytes(7), key_bytes("7"), key_bytes(__import__("numpy").int64(7))
         (b'i7', b's7', b'i7')
+        >>> key_bytes(True)
+        Traceback (most recent call last):
+        ...
+        TypeError: key must be a str, an int (numpy and 0-d integer tensors too) or bytes, got True (bool); convert it (e.g. str(key)) in your dataset
     """
     if isinstance(key, str):
         out = b"s" + key.encode("utf-8", "surrogatepass")
     elif isinstance(key, (bytes, bytearray)):
         out = b"b" + bytes(key)
-    elif isinstance(key, (int, np.integer)):
-        out = b"i%d" % int(key)
-    elif hasattr(key, "dtype") and getattr(key, "ndim", None) == 0 and not getattr(key, "is_floating_point", lambda: True)():
-        out = b"i%d" % int(key.item())  # a 0-d integer tensor (a DataLoader's index)
+    elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        out = _int_key(int(key), name)
+    elif isinstance(key, torch.Tensor) and key.ndim == 0 and not key.is_floating_point() and not key.is_complex() \
+            and key.dtype != torch.bool:
+        out = _int_key(int(key.item()), name)  # a 0-d integer tensor (a DataLoader's index)
     else:
         raise TypeError(
-            f"a CacheLoader key must be a str, an int or bytes, got {type(key).__module__}.{type(key).__qualname__} "
-            f"{key!r}; convert it (e.g. str(key)) in your dataset."
+            f"{name} must be a str, an int (numpy and 0-d integer tensors too) or bytes, got {_shown(key)} "
+            f"({type(key).__name__}); convert it (e.g. str(key)) in your dataset"
         )
     if len(out) > MAX_KEY:
-        raise ValueError(f"a CacheLoader key is at most {MAX_KEY - 1} bytes long; got one of {len(out) - 1}")
+        raise ValueError(f"{name} is at most {MAX_KEY - 1} bytes long in its stored form; got one of {len(out) - 1}")
     return out
 
 
+def _int_key(value: int, name: str) -> bytes:
+    if not -MAX_INT_KEY < value < MAX_INT_KEY:
+        raise ValueError(f"{name} is too large for an int key (at most {MAX_INT_DIGITS} digits); use a str key (str(key)) or bytes")
+    return b"i%d" % value
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+MAX_INT_DIGITS = 1000
+MAX_INT_KEY = 10**MAX_INT_DIGITS
+_INT_KEY = re.compile(rb"i-?(?:0|[1-9][0-9]{0,999})\Z")
+
+
+def valid_key(kb: bytes) -> bool:
+    """Whether ``kb`` is a stored key form that :func:`key_bytes` could have made (checked on every
+    record read from a cache: anything else is damage)."""
+    tag = kb[:1]
+    if tag == b"i":
+        return _INT_KEY.match(kb) is not None
+    if tag == b"s":
+        try:
+            kb[1:].decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            return False
+        return True
+    return tag == b"b"
+
+
 def key_of(kb: bytes):
-    """The key a stored form stands for (inverse of :func:`key_bytes`).
+    """The key a stored form stands for (inverse of :func:`key_bytes`; ``kb`` passed :func:`valid_key`).
 
     Example:
         >>> key_of(b"i7"), key_of(b"sseven"), key_of(b"b\\x00")
@@ -96,17 +137,25 @@ def keyed_meta() -> dict:
     return {"format": FORMAT_NAME, "version": VERSION}
 
 
+_META_SPEC = trust.Obj({"format": trust.Str(choices=(FORMAT_NAME,)), "version": trust.Int(min=1, max=VERSION),
+                       "shards": trust.Int(min=1, max=4096)}, required=("format", "version"))
+
+
 def check_keyed_meta(raw: bytes, where: str) -> dict:
     """Parse keyed-cache metadata read from ``where``; anything else raises :class:`CorruptCacheError`."""
+    fix = "Delete the CacheLoader's directory (or Redis keys) and let it fill again, or give it a directory of its own."
+    if len(raw) > trust.MAX_JSON_BYTES:
+        raise CorruptCacheError(f"{where} is larger than {trust.MAX_JSON_BYTES} bytes: it is not CacheLoader metadata. {fix}")
     try:
         meta = json.loads(raw)
-    except ValueError as e:
-        raise CorruptCacheError(f"{where} is not valid JSON ({e}); the CacheLoader metadata is damaged.") from e
+    except (ValueError, RecursionError) as e:
+        raise CorruptCacheError(f"{where} is not valid JSON ({e}); the CacheLoader metadata is damaged. {fix}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CorruptCacheError(f"{where} is not CacheLoader metadata (format {meta.get('format') if isinstance(meta, dict) else None!r}).")
-    if not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
-        raise CorruptCacheError(f"{where} has version {meta.get('version')!r}; this nbkit reads {VERSION}. Upgrade nbkit.")
-    return meta
+        raise CorruptCacheError(f"{where} is not CacheLoader metadata (format {_shown(meta.get('format') if isinstance(meta, dict) else None)}). {fix}")
+    version = meta.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        raise CorruptCacheError(f"{where} has version {version!r}; this nbkit reads {VERSION}. Upgrade nbkit (pip install -U nbkit).")
+    return trust.check_json(meta, _META_SPEC, where, fix)
 
 
 class LocalKeyed:
@@ -126,12 +175,18 @@ class LocalKeyed:
             )
         os.makedirs(root, exist_ok=True)
         meta_path = os.path.join(root, KEYS_META)
-        if not os.path.exists(meta_path):
+        if not os.path.lexists(meta_path):
             atomic_write(meta_path, json.dumps(keyed_meta(), sort_keys=True).encode(), exclusive=True, sync=True)
-        with open(meta_path, "rb") as f:
-            check_keyed_meta(f.read(), meta_path)
-        self._values = os.open(os.path.join(root, VALUES), os.O_RDWR | os.O_CREAT, 0o644)
-        self._keys = os.open(os.path.join(root, KEYS), os.O_RDWR | os.O_CREAT, 0o644)
+        for name in (KEYS_META, KEYS, VALUES, KEYS_LOCK):
+            if os.path.islink(os.path.join(root, name)):
+                raise UnsafeArchiveError(f"{os.path.join(root, name)} is a symbolic link; a CacheLoader's directory holds "
+                                         "regular files only. Refusing to follow it: remove it.")
+        fd = os.open(meta_path, os.O_RDONLY | _NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            check_keyed_meta(f.read(trust.MAX_JSON_BYTES + 1), meta_path)
+        self._values = os.open(os.path.join(root, VALUES), os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
+        self._keys = os.open(os.path.join(root, KEYS), os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
+        self._values_size = 0  # bytes of values.bin known to exist (refreshed when a record points further)
         self._lock = os.path.join(root, KEYS_LOCK)
         self._map: dict = {}  # key bytes -> (offset, length, crc)
         self._pos = 0  # end of the last whole record read from keys.bin
@@ -175,7 +230,7 @@ class LocalKeyed:
         if magic != MAGIC or end > len(data):
             return None
         key = data[pos + head:end]
-        if fmt.row_crc([data[pos:pos + head - 4], key]) != rcrc:
+        if fmt.row_crc([data[pos:pos + head - 4], key]) != rcrc or not valid_key(key):
             return None
         if add:
             self._map[key] = (off, length, crc)
@@ -201,7 +256,14 @@ class LocalKeyed:
         if found is None:
             return None
         off, length, crc = found
-        return crc, os.pread(self._values, length, off)  # short if values.bin was truncated: its checksum fails
+        if off + length > self._values_size:
+            self._values_size = os.fstat(self._values).st_size  # another process may have appended since
+            if off + length > self._values_size:
+                raise CorruptCacheError(
+                    f"the record of key {key_of(kb)!r} in {os.path.join(self.root, KEYS)} points at bytes {off}..{off + length} "
+                    f"of {os.path.join(self.root, VALUES)}, which holds {self._values_size}: the record is damaged."
+                )
+        return crc, os.pread(self._values, length, off)
 
     def put(self, kb: bytes, crc: int, value: bytes, *, replace: bool = False) -> bool:
         """Store ``value`` under ``kb`` unless another process stored the key first (or ``replace``);

@@ -2,6 +2,10 @@
 
 import os
 
+import numpy as np
+import pytest
+import torch
+
 import nbkit
 from nbkit.stores import keyed
 
@@ -9,7 +13,19 @@ from nbkit.stores import keyed
 def test_keys_keep_their_type():
     for key in (0, -5, 2**70, "", "ünï", b"\x00raw"):
         assert keyed.key_of(keyed.key_bytes(key)) == key
-    assert keyed.key_bytes(True) == keyed.key_bytes(1)  # as in a dict
+    assert keyed.key_bytes(torch.tensor(7)) == keyed.key_bytes(7) == keyed.key_bytes(np.uint8(7))
+
+
+@pytest.mark.parametrize("key", [True, np.bool_(False), 1.0, float("nan"), torch.tensor(1.5), torch.tensor(1 + 2j),
+                                 torch.tensor(True), torch.arange(2), None, (1, 2), np.array(3)], ids=repr)
+def test_keys_of_other_types_are_refused_naming_the_argument(key):
+    with pytest.raises(TypeError, match=r"^key must be a str, an int .* or bytes, got"):
+        keyed.key_bytes(key)
+
+
+def test_huge_int_keys_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"key is too large .*str\(key\)"):
+        keyed.key_bytes(10**5000)
 
 
 def test_a_torn_record_is_never_served_and_writing_goes_on_after_it(tmp_path):
