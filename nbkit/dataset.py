@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import os
+import time
 import uuid
 import warnings
 
@@ -30,6 +31,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from . import format as fmt
 from .stores import registry
+from .stores.base import new_generation
 from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
@@ -90,6 +92,9 @@ class CachedDataset(Dataset):
                 raise self._location.not_found()
         else:
             self._meta = self._create_or_check(dataset, overwrite, fingerprint_samples, max_bytes)
+        # Which build of the cache this handle opened: a rebuild elsewhere (overwrite=True) makes it stale.
+        self._generation = self._location.generation_of(self._meta)
+        self._generation_checked = time.monotonic()
         self._length = int(self._meta["length"])
         self._files_obj = None
         self._files_pid = None
@@ -140,6 +145,7 @@ class CachedDataset(Dataset):
             "columns": columns,
             "fingerprint": fp,
             "allow_pickle": self.allow_pickle,
+            "generation": new_generation(),  # kept only if this call creates the cache
         }
         if max_bytes is not None:
             wanted.update(max_bytes=int(max_bytes), admit_seed=0,
@@ -172,11 +178,26 @@ class CachedDataset(Dataset):
         """The sample store of this process (``docs/DESIGN.md``, "Store protocol"), opened on first use."""
         pid = os.getpid()
         if self._files_obj is None or self._files_pid != pid:
-            # Each process maps the files itself (after fork too: never share fds or locks).
+            # Each process maps the files itself (after fork too: never share fds or locks), and
+            # first makes sure they are still the cache this handle opened.
+            self._generation, _ = self._location.check_generation(self._generation, reread=True)
+            self._generation_checked = time.monotonic()
             self._files_obj = self._location.open_store(self._meta, writable=self._source is not None)
             self._files_pid = pid
             self._verified = np.zeros(self._length, dtype=bool)
         return self._files_obj
+
+    def _check_generation(self, every: float = 0.0) -> None:
+        """Raise :class:`StaleCacheError` if the cache was rebuilt since this handle opened it (one
+        ``stat`` of ``nbkit.json``; at most every ``every`` seconds); reopen the store if its files
+        were replaced by a copy of the same build."""
+        now = time.monotonic()
+        if every and now - self._generation_checked < every:
+            return
+        self._generation, replaced = self._location.check_generation(self._generation)
+        self._generation_checked = now
+        if replaced:
+            self._files_obj = None  # reopened (and checked again) on next use
 
     @property
     def source(self):
@@ -213,6 +234,7 @@ class CachedDataset(Dataset):
             return [self[i] for i in range(*index.indices(self._length))]
         if isinstance(index, torch.Tensor):
             index = index.item()
+        self._check_generation(every=_READ_CHECK_SECONDS)
         return self._fetch(self._index_array([index]), single=True)
 
     def __getitems__(self, indices):
@@ -223,6 +245,7 @@ class CachedDataset(Dataset):
         main process gathers the rows itself from the shared memory-mapped files.
         """
         idx = self._index_array(indices)
+        self._check_generation(every=_READ_CHECK_SECONDS)
         if self.transform is None and get_worker_info() is not None and self._column_ready(idx):
             self._counters.add(hits=len(idx))
             return DeferredBatch(self.store.schema, idx, self._stored_batch, BatchHandle(self._token, idx))
@@ -266,6 +289,7 @@ class CachedDataset(Dataset):
             [1, 2]
         """
         idx = self._index_array(idx)
+        self._check_generation(every=_READ_CHECK_SECONDS)
         if not self._column_ready(idx, local=False):
             return None
         f = self.store
@@ -469,6 +493,7 @@ class CachedDataset(Dataset):
 
     def _store(self, indices: np.ndarray, samples: list) -> np.ndarray:
         """Store computed samples; return which ones the store kept."""
+        self._check_generation()  # never write old-source samples into a cache rebuilt meanwhile
         f = self.store
         if not f.writable:
             raise PermissionError(f"the cache at {self.path} is open read-only")
@@ -645,6 +670,9 @@ class CachedDataset(Dataset):
     def is_complete(self) -> bool:
         return len(self.store.missing()) == 0
 
+
+#: Reads check the cache's generation at most this often (seconds); writes check every time.
+_READ_CHECK_SECONDS = 1.0
 
 # torch_xla's CachedDataset options and what nbkit does instead (each is accepted, ignored, and warned about).
 _TORCH_XLA_OPTIONS = {
