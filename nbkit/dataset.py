@@ -32,6 +32,7 @@ from torch.utils.data import Dataset, get_worker_info
 from . import format as fmt
 from .stores import registry
 from .stores.base import new_generation
+from .trust import check_bool, check_int, check_size, check_url
 from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
@@ -78,6 +79,20 @@ class CachedDataset(Dataset):
                  local_max_bytes: int | None = None, max_files_per_folder: int | None = None,
                  compress: bool | None = None):
         _warn_torch_xla_options(max_files_per_folder=max_files_per_folder, compress=compress)
+        path = check_url(path, "path", known_schemes=_known_schemes())
+        overwrite, allow_pickle = check_bool(overwrite, "overwrite"), check_bool(allow_pickle, "allow_pickle")
+        fingerprint_samples = check_int(fingerprint_samples, "fingerprint_samples", min=0)
+        if max_bytes is not None:
+            max_bytes = check_size(max_bytes, "max_bytes")
+        if local_max_bytes is not None:
+            local_max_bytes = check_size(local_max_bytes, "local_max_bytes", min=1)
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable (or None), got {type(transform).__name__}; for one callable "
+                            "per field use nbkit.fields(...)")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict (or None), got {type(storage_options).__name__}")
+        if overwrite and dataset is None:
+            raise ValueError("overwrite=True needs the source dataset: a cache opened without it cannot be rebuilt")
         self._source = dataset
         self.transform = transform
         self.allow_pickle = allow_pickle
@@ -669,6 +684,14 @@ class CachedDataset(Dataset):
     @property
     def is_complete(self) -> bool:
         return len(self.store.missing()) == 0
+
+
+def _known_schemes() -> set:
+    """The URL schemes a cache path may have: fsspec's and nbkit's own store backends (``redis://``)."""
+    from fsspec.registry import known_implementations
+    from fsspec.registry import registry as fsspec_registry
+
+    return set(known_implementations) | set(fsspec_registry) | set(registry.SCHEMES)
 
 
 #: Reads check the cache's generation at most this often (seconds); writes check every time.
