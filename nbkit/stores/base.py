@@ -101,7 +101,11 @@ class Location:
         except FileNotFoundError:
             meta = None
         if meta is None:
-            raise self._stale("its metadata is gone (overwrite=True removes a cache before rebuilding it)")
+            if self.meta_is_local_file:
+                raise self._stale("its nbkit.json is gone (overwrite=True removes a cache before rebuilding it)")
+            # A server that lost its memory (restarted, flushed): its store publishes the metadata
+            # again and the samples are recomputed; that is not a rebuild.
+            return opened, False
         current = Generation(meta.get("generation"), stamp)
         if opened.id is not None or current.id is not None:
             same = current.id == opened.id
