@@ -218,7 +218,7 @@ def register_gatherer(token: str, method) -> None:
     Example:
         >>> class Cache:
         ...     def gather(self, idx):
-        ...         return list(idx)
+        ...         return idx.tolist()
         >>> a, b = Cache(), Cache()
         >>> register_gatherer("t", a.gather); register_gatherer("t", b.gather)
         >>> del a

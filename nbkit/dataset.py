@@ -69,7 +69,10 @@ class CachedDataset(Dataset):
             with ``nbkit.export_tar(..., compression="zst")``).
 
     Raises:
-        StaleCacheError: the cache at ``path`` was built from a different source.
+        StaleCacheError: the cache at ``path`` was built from a different source; or, from reads and
+            writes, it was rebuilt (``overwrite=True``) by another handle or process after this one
+            opened it (each ``nbkit.json`` carries a generation id: writes check it every time with
+            one ``stat``, reads at most once a second, and every process when its store opens).
         NondeterministicSourceError: the source returns different data for the same index.
         TypeError: a sample holds a type that needs pickle and ``allow_pickle`` is off.
     """
@@ -592,11 +595,19 @@ class CachedDataset(Dataset):
         Args:
             num_workers: ``0`` fills in this process; ``k > 0`` fills in ``k`` worker processes.
             callback: an :class:`nbkit.progress.Callback` (or any fsspec callback) for progress;
-                setting its ``stop_requested`` stops the warmup after the current chunk.
+                ``callback.request_stop()`` stops the warmup: after the current chunk in this process,
+                at once with workers (they are terminated, even when stuck in the source; what they
+                stored is kept). ``KeyboardInterrupt`` ends the workers too.
             shard: ``(rank, world)``: fill only the missing indices ``i`` with ``i % world == rank``
                 (several processes sharing one cache each fill their part, no sample twice).
             chunk_size: samples per unit of work (and per progress update).
-            multiprocessing_context: start method for the workers (default: the DataLoader default).
+            multiprocessing_context: start method for the workers: ``"fork"``, ``"spawn"``,
+                ``"forkserver"`` or a context (default: multiprocessing's default). With ``spawn`` and
+                ``forkserver`` the source must be importable (defined in a module, not in ``__main__``).
+
+        Raises:
+            StaleCacheError: the cache at ``path`` was rebuilt (``overwrite=True``) elsewhere after
+                this handle opened it.
 
         Returns:
             A :class:`nbkit.warmup.WarmupReport`.

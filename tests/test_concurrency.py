@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 import nbkit
 import workers
+from fixtures_redis import redis_server, redis_url  # noqa: F401
 from sources import CountingSource, TupleSource, assert_equal, computed_counts
 
 CTX = mp.get_context("spawn")
@@ -261,6 +262,18 @@ def test_a_cache_made_before_generation_ids_still_opens_and_still_notices_a_rebu
     nbkit.CachedDataset(workers.ShiftedSource(n, 3), path, overwrite=True)
     with pytest.raises(nbkit.StaleCacheError):
         old.warmup()
+
+
+def test_a_redis_handle_made_before_an_overwrite_refuses_the_rebuilt_cache(redis_url):
+    n = 40
+    old = nbkit.CachedDataset(workers.ShiftedSource(n, 0), redis_url)
+    new = nbkit.CachedDataset(workers.ShiftedSource(n, 5), redis_url, overwrite=True)
+    with pytest.raises(nbkit.StaleCacheError, match="rebuilt"):
+        old.warmup(num_workers=2, chunk_size=10)  # its store opens: one GET of the metadata
+    new.warmup()
+    got = nbkit.CachedDataset.open(redis_url).__getitems__(list(range(n)))
+    src = workers.ShiftedSource(n, 5)
+    assert all(torch.equal(got[i][0], src[i][0]) for i in range(n))
 
 
 def test_a_generation_check_costs_one_stat_per_write(tmp_path):
