@@ -317,3 +317,16 @@ def test_stop_ends_a_warmup_whose_workers_are_stuck_in_the_source(tmp_path, stop
     ds = nbkit.CachedDataset.open(path)
     assert ds.verify() == ds.stats.cached >= 32  # whatever the killed workers left is whole
     assert len(ds.missing()) == 64 - ds.stats.cached
+
+
+def test_a_worker_error_or_crash_reaches_the_caller_and_keeps_what_was_stored(tmp_path):
+    ds = nbkit.CachedDataset(workers.FailingSource(40, bad=30), tmp_path / "a", fingerprint_samples=0)
+    with pytest.raises(ValueError, match="bad sample 30") as got:
+        ds.warmup(num_workers=2, chunk_size=5)
+    if hasattr(got.value, "add_note"):  # Python 3.11+
+        assert any("warmup worker" in note for note in got.value.__notes__)
+    assert ds.verify() == ds.stats.cached >= 5
+    crash = nbkit.CachedDataset(workers.FailingSource(40, bad=30, crash=True), tmp_path / "b", fingerprint_samples=0)
+    with pytest.raises(RuntimeError, match="warmup worker .* exited with code 9"):
+        crash.warmup(num_workers=2, chunk_size=5)
+    assert crash.verify() == crash.stats.cached

@@ -121,3 +121,18 @@ def warm_stuck(path, result, stop_by):
         result.put(("interrupted", time.monotonic()))
     else:
         result.put(("report", report.computed, report.stopped, time.monotonic()))
+
+
+class FailingSource(TupleSource):
+    """Index ``bad`` raises ``ValueError`` (``crash=True``: the process dies at once, as if OOM-killed)."""
+
+    def __init__(self, n=40, bad=30, crash=False):
+        super().__init__(n)
+        self.bad, self.crash = bad, crash
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            if self.crash:
+                os._exit(9)
+            raise ValueError(f"bad sample {i}")
+        return super().__getitem__(i)
