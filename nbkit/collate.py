@@ -205,26 +205,50 @@ class BatchHandle:
         return f"BatchHandle({len(self.indices)} samples)"
 
 
+# token -> the live datasets' gather methods. A token can have several: a copy of a dataset
+# (pickle, deepcopy) made in the process that holds the original carries its token, and either
+# dying must leave the other's DataLoader workers working.
 _gatherers: dict = {}
 
 
 def register_gatherer(token: str, method) -> None:
     """Let batch handles carrying ``token`` be gathered by ``method(indices)`` in this process
-    (held weakly: a dataset that is gone unregisters itself)."""
-    _gatherers[token] = weakref.WeakMethod(method, lambda _ref, token=token: _gatherers.pop(token, None))
+    (held weakly: a dataset that is gone unregisters itself, and only itself).
+
+    Example:
+        >>> class Cache:
+        ...     def gather(self, idx):
+        ...         return idx.tolist()
+        >>> a, b = Cache(), Cache()
+        >>> register_gatherer("t", a.gather); register_gatherer("t", b.gather)
+        >>> del a
+        >>> gather_on_arrival("t", [1, 2])
+        [1, 2]
+    """
+    refs = _gatherers.setdefault(token, [])
+    refs.append(weakref.WeakMethod(method, lambda ref, token=token: _unregister(token, ref)))
+
+
+def _unregister(token: str, ref) -> None:
+    refs = _gatherers.get(token)
+    if refs is None:
+        return
+    refs[:] = [r for r in refs if r is not ref]
+    if not refs:
+        _gatherers.pop(token, None)
 
 
 def gather_on_arrival(token: str, indices):
     """Unpickling a :class:`BatchHandle`: gather its batch from this process's dataset."""
-    ref = _gatherers.get(token)
-    fn = ref() if ref is not None else None
-    if fn is None:
-        raise RuntimeError(
-            "nbkit: a DataLoader worker sent a batch of a CachedDataset that this process does not hold. "
-            "Iterate the DataLoader in the process that created it, or pass collate_fn=None-safe settings "
-            "such as num_workers=0."
-        )
-    return fn(np.asarray(indices))
+    for ref in list(_gatherers.get(token, ())):
+        fn = ref()
+        if fn is not None:
+            return fn(np.asarray(indices))
+    raise RuntimeError(
+        "nbkit: a DataLoader worker sent a batch of a CachedDataset that this process does not hold. "
+        "Iterate the DataLoader in the process that created it, or pass collate_fn=None-safe settings "
+        "such as num_workers=0."
+    )
 
 
 # default_collate picks its method by the type of batch[0]. A SampleBatch hands out its samples as

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import os
+import time
 import uuid
 import warnings
 
@@ -30,6 +31,8 @@ from torch.utils.data import Dataset, get_worker_info
 
 from . import format as fmt
 from .stores import registry
+from .stores.base import new_generation
+from .trust import check_bool, check_int, check_size, check_url
 from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
@@ -66,7 +69,10 @@ class CachedDataset(Dataset):
             with ``nbkit.export_tar(..., compression="zst")``).
 
     Raises:
-        StaleCacheError: the cache at ``path`` was built from a different source.
+        StaleCacheError: the cache at ``path`` was built from a different source; or, from reads and
+            writes, it was rebuilt (``overwrite=True``) by another handle or process after this one
+            opened it (each ``nbkit.json`` carries a generation id: writes check it every time with
+            one ``stat``, reads at most once a second, and every process when its store opens).
         NondeterministicSourceError: the source returns different data for the same index.
         TypeError: a sample holds a type that needs pickle and ``allow_pickle`` is off.
     """
@@ -76,6 +82,20 @@ class CachedDataset(Dataset):
                  local_max_bytes: int | None = None, max_files_per_folder: int | None = None,
                  compress: bool | None = None):
         _warn_torch_xla_options(max_files_per_folder=max_files_per_folder, compress=compress)
+        path = check_url(path, "path", known_schemes=_known_schemes())
+        overwrite, allow_pickle = check_bool(overwrite, "overwrite"), check_bool(allow_pickle, "allow_pickle")
+        fingerprint_samples = check_int(fingerprint_samples, "fingerprint_samples", min=0)
+        if max_bytes is not None:
+            max_bytes = check_size(max_bytes, "max_bytes")
+        if local_max_bytes is not None:
+            local_max_bytes = check_size(local_max_bytes, "local_max_bytes", min=1)
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable (or None), got {type(transform).__name__}; for one callable "
+                            "per field use nbkit.fields(...)")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict (or None), got {type(storage_options).__name__}")
+        if overwrite and dataset is None:
+            raise ValueError("overwrite=True needs the source dataset: a cache opened without it cannot be rebuilt")
         self._source = dataset
         self.transform = transform
         self.allow_pickle = allow_pickle
@@ -90,6 +110,9 @@ class CachedDataset(Dataset):
                 raise self._location.not_found()
         else:
             self._meta = self._create_or_check(dataset, overwrite, fingerprint_samples, max_bytes)
+        # Which build of the cache this handle opened: a rebuild elsewhere (overwrite=True) makes it stale.
+        self._generation = self._location.generation_of(self._meta)
+        self._generation_checked = time.monotonic()
         self._length = int(self._meta["length"])
         self._files_obj = None
         self._files_pid = None
@@ -140,6 +163,7 @@ class CachedDataset(Dataset):
             "columns": columns,
             "fingerprint": fp,
             "allow_pickle": self.allow_pickle,
+            "generation": new_generation(),  # kept only if this call creates the cache
         }
         if max_bytes is not None:
             wanted.update(max_bytes=int(max_bytes), admit_seed=0,
@@ -172,11 +196,26 @@ class CachedDataset(Dataset):
         """The sample store of this process (``docs/DESIGN.md``, "Store protocol"), opened on first use."""
         pid = os.getpid()
         if self._files_obj is None or self._files_pid != pid:
-            # Each process maps the files itself (after fork too: never share fds or locks).
+            # Each process maps the files itself (after fork too: never share fds or locks), and
+            # first makes sure they are still the cache this handle opened.
+            self._generation, _ = self._location.check_generation(self._generation, reread=True)
+            self._generation_checked = time.monotonic()
             self._files_obj = self._location.open_store(self._meta, writable=self._source is not None)
             self._files_pid = pid
             self._verified = np.zeros(self._length, dtype=bool)
         return self._files_obj
+
+    def _check_generation(self, every: float = 0.0) -> None:
+        """Raise :class:`StaleCacheError` if the cache was rebuilt since this handle opened it (one
+        ``stat`` of ``nbkit.json``; at most every ``every`` seconds); reopen the store if its files
+        were replaced by a copy of the same build."""
+        now = time.monotonic()
+        if every and now - self._generation_checked < every:
+            return
+        self._generation, replaced = self._location.check_generation(self._generation)
+        self._generation_checked = now
+        if replaced:
+            self._files_obj = None  # reopened (and checked again) on next use
 
     @property
     def source(self):
@@ -213,6 +252,7 @@ class CachedDataset(Dataset):
             return [self[i] for i in range(*index.indices(self._length))]
         if isinstance(index, torch.Tensor):
             index = index.item()
+        self._check_generation(every=_READ_CHECK_SECONDS)
         return self._fetch(self._index_array([index]), single=True)
 
     def __getitems__(self, indices):
@@ -223,6 +263,7 @@ class CachedDataset(Dataset):
         main process gathers the rows itself from the shared memory-mapped files.
         """
         idx = self._index_array(indices)
+        self._check_generation(every=_READ_CHECK_SECONDS)
         if self.transform is None and get_worker_info() is not None and self._column_ready(idx):
             self._counters.add(hits=len(idx))
             return DeferredBatch(self.store.schema, idx, self._stored_batch, BatchHandle(self._token, idx))
@@ -266,6 +307,7 @@ class CachedDataset(Dataset):
             [1, 2]
         """
         idx = self._index_array(idx)
+        self._check_generation(every=_READ_CHECK_SECONDS)
         if not self._column_ready(idx, local=False):
             return None
         f = self.store
@@ -475,6 +517,7 @@ class CachedDataset(Dataset):
 
     def _store(self, indices: np.ndarray, samples: list) -> np.ndarray:
         """Store computed samples; return which ones the store kept."""
+        self._check_generation()  # never write old-source samples into a cache rebuilt meanwhile
         f = self.store
         if not f.writable:
             raise PermissionError(f"the cache at {self.path} is open read-only")
@@ -558,11 +601,19 @@ class CachedDataset(Dataset):
         Args:
             num_workers: ``0`` fills in this process; ``k > 0`` fills in ``k`` worker processes.
             callback: an :class:`nbkit.progress.Callback` (or any fsspec callback) for progress;
-                setting its ``stop_requested`` stops the warmup after the current chunk.
+                ``callback.request_stop()`` stops the warmup: after the current chunk in this process,
+                at once with workers (they are terminated, even when stuck in the source; what they
+                stored is kept). ``KeyboardInterrupt`` ends the workers too.
             shard: ``(rank, world)``: fill only the missing indices ``i`` with ``i % world == rank``
                 (several processes sharing one cache each fill their part, no sample twice).
             chunk_size: samples per unit of work (and per progress update).
-            multiprocessing_context: start method for the workers (default: the DataLoader default).
+            multiprocessing_context: start method for the workers: ``"fork"``, ``"spawn"``,
+                ``"forkserver"`` or a context (default: multiprocessing's default). With ``spawn`` and
+                ``forkserver`` the source must be importable (defined in a module, not in ``__main__``).
+
+        Raises:
+            StaleCacheError: the cache at ``path`` was rebuilt (``overwrite=True``) elsewhere after
+                this handle opened it.
 
         Returns:
             A :class:`nbkit.warmup.WarmupReport`.
@@ -651,6 +702,17 @@ class CachedDataset(Dataset):
     def is_complete(self) -> bool:
         return len(self.store.missing()) == 0
 
+
+def _known_schemes() -> set:
+    """The URL schemes a cache path may have: fsspec's and nbkit's own store backends (``redis://``)."""
+    from fsspec.registry import known_implementations
+    from fsspec.registry import registry as fsspec_registry
+
+    return set(known_implementations) | set(fsspec_registry) | set(registry.SCHEMES)
+
+
+#: Reads check the cache's generation at most this often (seconds); writes check every time.
+_READ_CHECK_SECONDS = 1.0
 
 # torch_xla's CachedDataset options and what nbkit does instead (each is accepted, ignored, and warned about).
 _TORCH_XLA_OPTIONS = {

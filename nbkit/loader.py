@@ -39,6 +39,7 @@ from torch.utils.data import default_collate
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads, pinned_rows
 from .samplers import EpochSampler
+from .trust import check_bool, check_int
 from .stats import Consumed
 
 __all__ = ["DeviceLoader"]
@@ -116,12 +117,11 @@ class DeviceLoader:
                 raise TypeError(f"DeviceLoader() got an unexpected keyword argument {name!r}")
             raise TypeError(f"DeviceLoader does not take {name}= (a DataLoader argument): {why}. "
                             "For a DataLoader with these settings, use torch.utils.data.DataLoader(ds, ...).")
-        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"DeviceLoader: batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(prefetch, (int, np.integer)) or prefetch < 1:
-            raise ValueError(f"DeviceLoader: prefetch must be an int >= 1 (batches kept ready), got {prefetch!r}")
-        if threads is not None and (not isinstance(threads, (int, np.integer)) or threads < 1):
-            raise ValueError(f"DeviceLoader: threads must be None (automatic) or an int >= 1, got {threads!r}")
+        batch_size = check_int(batch_size, "DeviceLoader: batch_size", min=1)
+        prefetch = check_int(prefetch, "DeviceLoader: prefetch (batches kept ready)", min=1)
+        if threads is not None:
+            threads = check_int(threads, "DeviceLoader: threads (None: automatic)", min=1)
+        shuffle, drop_last = check_bool(shuffle, "DeviceLoader: shuffle"), check_bool(drop_last, "DeviceLoader: drop_last")
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise TypeError(f"DeviceLoader needs a map-style dataset (with __len__ and __getitem__), got {type(dataset).__name__}")
         if batch_transform is not None and not callable(batch_transform):

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .extras import xla_runtime_started
+from .trust import check_bool, check_int, check_size
 from .stores.readthrough import store_of
 
 __all__ = ["EpochSampler", "default_rank_world", "PrefetchSampler", "plan_windows"]
@@ -65,17 +66,22 @@ class EpochSampler(Sampler):
 
     def __init__(self, data, *, shuffle: bool = True, seed: int = 0, rank: int | None = None,
                  world_size: int | None = None, drop_last: bool = False):
-        n = data if isinstance(data, (int, np.integer)) else len(data)
+        if isinstance(data, (int, np.integer)) and not isinstance(data, bool):
+            n = check_int(data, "data (a length)", min=0)
+        elif hasattr(data, "__len__"):
+            n = len(data)
+        else:
+            raise TypeError(f"EpochSampler needs a dataset (with __len__) or its length, got {type(data).__name__}")
+        shuffle, drop_last = check_bool(shuffle, "shuffle"), check_bool(drop_last, "drop_last")
+        seed = check_int(seed, "seed", min=0)
         if rank is None and world_size is None:
             rank, world_size = default_rank_world()
         elif rank is None or world_size is None:
             raise ValueError(f"give both rank and world_size, or neither (got rank={rank}, world_size={world_size})")
-        if not isinstance(world_size, (int, np.integer)) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-        self.n, self.shuffle, self.seed = int(n), bool(shuffle), int(seed)
-        self.rank, self.world_size, self.drop_last = int(rank), int(world_size), bool(drop_last)
+        world_size = check_int(world_size, "world_size", min=1)
+        rank = check_int(rank, "rank", min=0, max=world_size - 1)
+        self.n, self.shuffle, self.seed = int(n), shuffle, seed
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.epoch = 0
         if self.drop_last:
             self.per_rank = self.n // self.world_size
@@ -141,9 +147,11 @@ class PrefetchSampler(torch.utils.data.Sampler):
     def __init__(self, dataset, *, shuffle: bool = True, seed: int | None = None, window_bytes: int | None = None):
         self.dataset = dataset
         store = store_of(dataset)
-        self.shuffle = shuffle
-        self.seed = int(np.random.SeedSequence().entropy % (2**32)) if seed is None else int(seed)
-        self.window_bytes = int(window_bytes) if window_bytes else max(1, store.geometry.usable // 3)
+        self.shuffle = check_bool(shuffle, "shuffle")
+        self.seed = int(np.random.SeedSequence().entropy % (2**32)) if seed is None else check_int(seed, "seed", min=0)
+        if window_bytes is not None:
+            window_bytes = check_size(window_bytes, "window_bytes", min=1)
+        self.window_bytes = window_bytes or max(1, store.geometry.usable // 3)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:

@@ -6,11 +6,13 @@ import signal
 import time
 
 import numpy as np
+import torch
 import pytest
 from torch.utils.data import DataLoader
 
 import nbkit
 import workers
+from fixtures_redis import redis_server, redis_url  # noqa: F401
 from sources import CountingSource, TupleSource, assert_equal, computed_counts
 
 CTX = mp.get_context("spawn")
@@ -189,3 +191,142 @@ def test_processes_appending_variable_length_samples_at_once(tmp_path):
     src = VarShapeSource(n)
     for i in range(n):
         assert_equal(ds[i], src[i], f"sample {i}")
+
+
+# -- one generation: a handle made before a rebuild elsewhere never writes into it ----------------
+
+
+def _served_from(path, n, shift):
+    """How many samples of the cache at ``path`` equal ``ShiftedSource(n, shift)``'s."""
+    ds = nbkit.CachedDataset.open(path)
+    src = workers.ShiftedSource(n, shift)
+    batch = ds.__getitems__(list(range(n)))
+    return sum(bool(torch.equal(batch[i][0], src[i][0])) for i in range(n))
+
+
+def test_a_handle_made_before_an_overwrite_in_another_process_refuses_to_fill_the_rebuilt_cache(tmp_path):
+    n, path = 200, str(tmp_path / "cache")
+    old = nbkit.CachedDataset(workers.ShiftedSource(n, 0), path)
+    p = CTX.Process(target=workers.overwrite, args=(path, n, 1000))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    with pytest.raises(nbkit.StaleCacheError, match="rebuilt .*overwrite=True.*Open it again"):
+        old.warmup()
+    with pytest.raises(nbkit.StaleCacheError, match=path):
+        old.warmup(num_workers=2, chunk_size=50)
+    with pytest.raises(nbkit.StaleCacheError):
+        old[3]
+    assert _served_from(path, n, 1000) == n  # nothing of the old source got in
+
+
+def test_a_handle_whose_store_is_open_refuses_to_write_after_an_overwrite_by_another_handle(tmp_path):
+    n, path = 60, tmp_path / "cache"
+    old = nbkit.CachedDataset(workers.ShiftedSource(n, 0), path)
+    old[0]  # its store is open and mapped
+    new = nbkit.CachedDataset(workers.ShiftedSource(n, 7), path, overwrite=True)
+    with pytest.raises(nbkit.StaleCacheError, match="rebuilt"):
+        old.warmup()
+    new.warmup()
+    assert _served_from(path, n, 7) == n
+    reader = nbkit.CachedDataset.open(path)
+    nbkit.CachedDataset(workers.ShiftedSource(n, 9), path, overwrite=True)
+    with pytest.raises(nbkit.StaleCacheError):  # read-only handles notice at open (and reads at most 1 s later)
+        reader[1]
+
+
+def test_a_handle_stays_valid_while_the_cache_is_only_reopened_or_replaced_by_a_copy_of_itself(tmp_path):
+    n, path = 40, tmp_path / "cache"
+    ds = nbkit.CachedDataset(workers.ShiftedSource(n, 0), path)
+    ds[:10]
+    again = nbkit.CachedDataset(workers.ShiftedSource(n, 0), path)  # same source, no overwrite: same cache
+    again.warmup()
+    nbkit.export_tar(path, tmp_path / "c.tar")
+    nbkit.import_tar(tmp_path / "c.tar", path)  # the same build, swapped into place
+    ds.warmup()
+    assert ds.verify() == n and _served_from(path, n, 0) == n
+
+
+def test_a_cache_made_before_generation_ids_still_opens_and_still_notices_a_rebuild(tmp_path):
+    import json
+
+    n, path = 40, tmp_path / "cache"
+    nbkit.CachedDataset(workers.ShiftedSource(n, 0), path)[:5]
+    meta_path = path / "nbkit.json"
+    meta = json.loads(meta_path.read_text())
+    assert len(meta.pop("generation")) == 32
+    meta_path.write_text(json.dumps(meta))
+    old = nbkit.CachedDataset(workers.ShiftedSource(n, 0), path)
+    old.warmup()
+    assert old.verify() == n
+    nbkit.CachedDataset(workers.ShiftedSource(n, 3), path, overwrite=True)
+    with pytest.raises(nbkit.StaleCacheError):
+        old.warmup()
+
+
+def test_a_redis_handle_made_before_an_overwrite_refuses_the_rebuilt_cache(redis_url):
+    n = 40
+    old = nbkit.CachedDataset(workers.ShiftedSource(n, 0), redis_url)
+    new = nbkit.CachedDataset(workers.ShiftedSource(n, 5), redis_url, overwrite=True)
+    with pytest.raises(nbkit.StaleCacheError, match="rebuilt"):
+        old.warmup(num_workers=2, chunk_size=10)  # its store opens: one GET of the metadata
+    new.warmup()
+    got = nbkit.CachedDataset.open(redis_url).__getitems__(list(range(n)))
+    src = workers.ShiftedSource(n, 5)
+    assert all(torch.equal(got[i][0], src[i][0]) for i in range(n))
+
+
+def test_a_generation_check_costs_one_stat_per_write(tmp_path):
+    ds = nbkit.CachedDataset(workers.ShiftedSource(64, 0), tmp_path / "cache")
+    ds[0]
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        ds._check_generation()
+    per_check = (time.perf_counter() - t0) / 2000
+    assert per_check < 200e-6, f"{per_check * 1e6:.1f} µs per check"
+
+
+# -- stop always stops -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop_by", ["callback", "signal"])
+def test_stop_ends_a_warmup_whose_workers_are_stuck_in_the_source(tmp_path, stop_by):
+    path = str(tmp_path / "cache")
+    result = CTX.Queue()
+    p = CTX.Process(target=workers.warm_stuck, args=(path, result, stop_by))
+    p.start()
+    try:
+        kind, asked = result.get(timeout=120)
+        assert kind == "asked"
+        if stop_by == "signal":
+            os.kill(p.pid, signal.SIGINT)
+        outcome = result.get(timeout=15)  # the old warmup blocked in DataLoader's next() for the source's 600 s
+    finally:
+        if p.is_alive():
+            p.join(10)
+        if p.is_alive():
+            p.kill()
+    took = outcome[-1] - asked
+    assert took < 5, f"the warmup took {took:.1f} s to stop"
+    if stop_by == "callback":
+        assert outcome[:3] == ("report", 32, True)
+    else:
+        assert outcome[0] == "interrupted"
+    p.join(10)
+    assert p.exitcode == 0
+    ds = nbkit.CachedDataset.open(path)
+    assert ds.verify() == ds.stats.cached >= 32  # whatever the killed workers left is whole
+    assert len(ds.missing()) == 64 - ds.stats.cached
+
+
+def test_a_worker_error_or_crash_reaches_the_caller_and_keeps_what_was_stored(tmp_path):
+    ds = nbkit.CachedDataset(workers.FailingSource(40, bad=30), tmp_path / "a", fingerprint_samples=0)
+    with pytest.raises(ValueError, match="bad sample 30") as got:
+        ds.warmup(num_workers=2, chunk_size=5)
+    if hasattr(got.value, "add_note"):  # Python 3.11+
+        assert any("warmup worker" in note for note in got.value.__notes__)
+    assert ds.verify() == ds.stats.cached >= 5
+    crash = nbkit.CachedDataset(workers.FailingSource(40, bad=30, crash=True), tmp_path / "b", fingerprint_samples=0)
+    with pytest.raises(RuntimeError, match="warmup worker .* exited with code 9"):
+        crash.warmup(num_workers=2, chunk_size=5)
+    assert crash.verify() == crash.stats.cached

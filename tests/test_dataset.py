@@ -508,3 +508,77 @@ def test_warmup_and_verify_take_a_plain_fsspec_callback(tmp_path, num_workers):
     assert (cb.size, cb.value) == (100, 100)
     cb = fsspec.callbacks.Callback()
     assert ds.verify(callback=cb) == 100 and cb.value == 100
+
+
+# -- arguments are checked at the door, naming the argument -----------------------------------------
+
+_BAD_ARGUMENTS = [
+    # (call on a fresh source, a warmed dataset and a tmp path) -> (error type, text the message holds)
+    ("path bytes", lambda src, ds, p: nbkit.CachedDataset(src, os.fsencode(p / "x")), TypeError, "path must be a str"),
+    ("path int", lambda src, ds, p: nbkit.CachedDataset(src, 3), TypeError, "path must be a path or URL"),
+    ("path empty", lambda src, ds, p: nbkit.CachedDataset(src, ""), ValueError, "path is empty"),
+    ("url one slash", lambda src, ds, p: nbkit.CachedDataset(src, "gs:/bucket/c"), ValueError, "gs://bucket/c"),
+    ("url unknown scheme", lambda src, ds, p: nbkit.CachedDataset(src, "gcs2://b/c"), ValueError, "unknown scheme"),
+    ("open path bytes", lambda src, ds, p: nbkit.CachedDataset.open(b"/tmp/c"), TypeError, "path must be a str"),
+    ("max_bytes nan", lambda src, ds, p: nbkit.CachedDataset(src, p / "m", max_bytes=float("nan")), TypeError,
+     "max_bytes must be a number of bytes"),
+    ("max_bytes inf", lambda src, ds, p: nbkit.CachedDataset(src, p / "m", max_bytes=float("inf")), TypeError,
+     "max_bytes must be a number of bytes"),
+    ("max_bytes str", lambda src, ds, p: nbkit.CachedDataset(src, p / "m", max_bytes="1GB"), TypeError,
+     "max_bytes must be a number of bytes"),
+    ("max_bytes negative", lambda src, ds, p: nbkit.CachedDataset(src, p / "m", max_bytes=-1), ValueError,
+     "max_bytes must be a number of bytes >= 0"),
+    ("fingerprint_samples", lambda src, ds, p: nbkit.CachedDataset(src, p / "m", fingerprint_samples=2.5), TypeError,
+     "fingerprint_samples must be an int"),
+    ("overwrite", lambda src, ds, p: nbkit.CachedDataset(src, p / "m", overwrite="yes"), TypeError,
+     "overwrite must be True or False"),
+    ("allow_pickle", lambda src, ds, p: nbkit.CachedDataset(src, p / "m", allow_pickle=1), TypeError,
+     "allow_pickle must be True or False"),
+    ("transform", lambda src, ds, p: nbkit.CachedDataset(src, p / "m", transform=3), TypeError, "transform must be callable"),
+    ("overwrite without source", lambda src, ds, p: nbkit.CachedDataset(None, ds.path, overwrite=True), ValueError,
+     "needs the source"),
+    ("num_workers float", lambda src, ds, p: ds.warmup(num_workers=1.5), TypeError, "num_workers must be an int >= 0, got 1.5"),
+    ("num_workers str", lambda src, ds, p: ds.warmup(num_workers="2"), TypeError, "num_workers must be an int >= 0, got '2'"),
+    ("num_workers negative", lambda src, ds, p: ds.warmup(num_workers=-1), ValueError, "num_workers must be an int >= 0"),
+    ("chunk_size", lambda src, ds, p: ds.warmup(chunk_size=0), ValueError, "chunk_size must be an int >= 1"),
+    ("chunk_size float", lambda src, ds, p: ds.warmup(chunk_size=8.0), TypeError, "chunk_size must be an int"),
+    ("shard shape", lambda src, ds, p: ds.warmup(shard=3), TypeError, "shard must be a (rank, world) pair"),
+    ("shard rank", lambda src, ds, p: ds.warmup(shard=(2, 2)), ValueError, "0 <= rank < world"),
+    ("shard float", lambda src, ds, p: ds.warmup(shard=(0.0, 2)), TypeError, "shard rank must be an int"),
+    ("start method", lambda src, ds, p: ds.warmup(num_workers=1, multiprocessing_context="thread"), ValueError,
+     "multiprocessing_context must be one of"),
+    ("batch_size float", lambda src, ds, p: ds.loader(2.0), TypeError, "batch_size must be an int >= 1, got 2.0"),
+    ("batch_size bool", lambda src, ds, p: ds.loader(True), TypeError, "batch_size must be an int"),
+    ("prefetch", lambda src, ds, p: ds.loader(4, prefetch="3"), TypeError, "prefetch"),
+    ("threads", lambda src, ds, p: ds.loader(4, threads=0), ValueError, "threads"),
+    ("seed", lambda src, ds, p: ds.loader(4, seed=1.5), TypeError, "seed must be an int"),
+    ("rank float", lambda src, ds, p: ds.loader(4, rank=0.0, world_size=2), TypeError, "rank must be an int"),
+    ("world_size zero", lambda src, ds, p: ds.loader(4, rank=0, world_size=0), ValueError, "world_size must be an int >= 1"),
+    ("shuffle", lambda src, ds, p: ds.loader(4, shuffle="no"), TypeError, "shuffle must be True or False"),
+    ("sampler rank", lambda src, ds, p: nbkit.samplers.EpochSampler(10, rank=2, world_size=2), ValueError,
+     "rank must be an int in [0, 1], got 2"),
+    ("sampler data", lambda src, ds, p: nbkit.samplers.EpochSampler(object()), TypeError, "needs a dataset"),
+    ("sampler seed", lambda src, ds, p: nbkit.samplers.EpochSampler(10, seed="0"), TypeError, "seed must be an int"),
+]
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory):
+    path = tmp_path_factory.mktemp("args") / "c"
+    ds = nbkit.CachedDataset(TupleSource(12), path)
+    ds.warmup()
+    return ds
+
+
+@pytest.mark.parametrize("call, error, text", [case[1:] for case in _BAD_ARGUMENTS], ids=[c[0] for c in _BAD_ARGUMENTS])
+def test_bad_arguments_name_the_argument(tmp_path, warmed, call, error, text):
+    with pytest.raises(error) as got:
+        call(TupleSource(12), warmed, tmp_path)
+    assert text in str(got.value)
+    assert not (tmp_path / "m").exists()  # refused before anything was created
+
+
+def test_a_path_like_and_a_numpy_int_still_work(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(12), tmp_path / "c", max_bytes=2e9, fingerprint_samples=np.int64(2))
+    assert ds.warmup(num_workers=np.int32(0), chunk_size=np.int64(5)).computed == 12
+    assert len(ds.loader(np.int64(4), seed=np.uint8(3))) == 3

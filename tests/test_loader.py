@@ -187,7 +187,7 @@ def test_bad_arguments_are_clear(tmp_path):
         ds.loader(4, sampler=None)
     with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
         ds.loader(4, colour=1)
-    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         ds.loader(0)
     with pytest.raises(ValueError, match="rank must be"):
         ds.loader(4, rank=3, world_size=2)

@@ -38,3 +38,101 @@ def warm_var(path, n, barrier):
 
     barrier.wait()
     nbkit.CachedDataset(VarShapeSource(n), path).warmup(chunk_size=7)
+
+
+# -- sources and entry points for tests/test_start_methods.py and the lifecycle tests --------------
+# (module level, so that spawn and forkserver workers can import them)
+
+import os
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+from sources import TupleSource, image
+
+
+class ShiftedSource(TupleSource):
+    """TupleSource's shape of sample, with other values: ``shift`` tells an old source from a new one."""
+
+    def __init__(self, n=200, shift=0):
+        super().__init__(n)
+        self.shift = shift
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return image(i + self.shift, self.shape), (i + self.shift) % 10
+
+
+class StuckSource(TupleSource):
+    """Samples below ``free`` come at once; any other index sleeps ``seconds`` (a source stuck in I/O)."""
+
+    def __init__(self, n=64, free=0, seconds=600.0):
+        super().__init__(n)
+        self.free, self.seconds = free, seconds
+
+    def __getitem__(self, i):
+        if i >= self.free:
+            time.sleep(self.seconds)
+        return super().__getitem__(i)
+
+
+class KeyedDataset(Dataset):
+    """A dataset that caches its own samples with ``nbkit.CacheLoader`` inside ``__getitem__``."""
+
+    def __init__(self, path, n=32):
+        self.loader = nbkit.CacheLoader(path)
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.loader.get(f"k{i}", lambda key: image(i)), i
+
+
+def overwrite(path, n, shift):
+    """Rebuild the cache at ``path`` from ``ShiftedSource(n, shift)`` (another process's overwrite=True)."""
+    nbkit.CachedDataset(ShiftedSource(n, shift), path, overwrite=True).warmup()
+
+
+def warm_stuck(path, result, stop_by):
+    """Warm a cache whose source sticks after 32 samples, with 2 workers; once 32 are stored, stop
+    it (``stop_by="callback"``: ``request_stop()`` from another thread, as the panel's Stop does;
+    ``"signal"``: tell the parent, which sends SIGINT); put what happened on ``result``."""
+    import threading
+
+    ds = nbkit.CachedDataset(StuckSource(64, free=32), path, fingerprint_samples=0)
+    cb = nbkit.Callback()
+
+    def stop_when_stuck():
+        while cb.value < 32:
+            time.sleep(0.01)
+        time.sleep(0.5)  # the workers are inside the stuck source by now
+        result.put(("asked", time.monotonic()))
+        if stop_by == "callback":
+            cb.request_stop()
+
+    threading.Thread(target=stop_when_stuck, daemon=True).start()
+    try:
+        report = ds.warmup(num_workers=2, chunk_size=8, callback=cb)
+    except KeyboardInterrupt:
+        result.put(("interrupted", time.monotonic()))
+    else:
+        result.put(("report", report.computed, report.stopped, time.monotonic()))
+
+
+class FailingSource(TupleSource):
+    """Index ``bad`` raises ``ValueError`` (``crash=True``: the process dies at once, as if OOM-killed)."""
+
+    def __init__(self, n=40, bad=30, crash=False):
+        super().__init__(n)
+        self.bad, self.crash = bad, crash
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            if self.crash:
+                os._exit(9)
+            raise ValueError(f"bad sample {i}")
+        return super().__getitem__(i)

@@ -188,6 +188,11 @@ class RedisLocation(Location):
         (True, 'redis://127.0.0.1:6379,127.0.0.1:6380/0/mnist')
     """
 
+    # The metadata lives on the servers: a handle checks its generation when its store opens (one
+    # GET), and a rebuilt cache's sample keys carry another meta_tag, so an old handle's writes
+    # never land among them.
+    meta_is_local_file = False
+
     def __init__(self, url: str, storage_options: dict | None = None):
         self.parsed = parse_url(url)
         p = self.parsed
