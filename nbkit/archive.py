@@ -378,20 +378,21 @@ def _extract(raw, tar_path, tmp: str, free: int, cb) -> list:
                 written += m.size
                 if written > free:
                     check_free_disk(written, tmp, f"importing {tar_path}")
+                sizes[name] = m.size
+                names.append(name)
+                if name == MANIFEST:  # read, never written (at most MAX_JSON_BYTES)
+                    raw_manifest = tar.extractfile(m).read(m.size)
+                    hashes[name] = hashlib.sha256(raw_manifest).hexdigest()
+                    manifest = parse_manifest(raw_manifest, f"{tar_path}:{MANIFEST}", _REEXPORT)
+                    if names == [MANIFEST]:
+                        # The manifest came first: every size is known before anything else is written.
+                        total = sum(e["size"] for e in manifest["files"].values())
+                        check_free_disk(total, tmp, f"importing {tar_path}")
+                        stream.limit = min(stream.limit, total + _TAR_SLACK + len(manifest["files"]) * 2 * _MAX_EXTENDED_HEADER)
+                    continue
                 # nbkit.json makes a directory a cache: hold it under another name until all is checked.
                 target = os.path.join(tmp, f".{fmt.META}.pending" if name == fmt.META else name)
                 hashes[name] = _copy_member(tar, m, target, raw, cb)
-                sizes[name] = m.size
-                names.append(name)
-                if name == MANIFEST:
-                    with open(target, "rb") as f:
-                        manifest = parse_manifest(f.read(), f"{tar_path}:{MANIFEST}", _REEXPORT)
-                    if not names[:-1]:
-                        # The manifest came first: every size is known before anything else is written.
-                        total = sum(e["size"] for e in manifest["files"].values())
-                        check_free_disk(written + total, tmp, f"importing {tar_path}")
-                        stream.limit = min(stream.limit, written + total + _TAR_SLACK + len(manifest["files"]) * 2 * _MAX_EXTENDED_HEADER)
-                    os.unlink(target)
     except _Refused as e:
         raise UnsafeArchiveError(f"{tar_path} holds {e}; refusing to import it. {_REEXPORT}") from e
     except (_Damaged, tarfile.TarError) as e:

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -218,6 +219,7 @@ def check_free_disk(nbytes: int, dest: str, where: str) -> None:
     free = shutil.disk_usage(parent).free
     if nbytes > free:
         raise OSError(
+            errno.ENOSPC,
             f"{where} needs {nbytes / 2**20:,.1f} MiB but {parent} has {free / 2**20:,.1f} MiB free; nothing was "
             "written. Free some space or choose a destination on a larger disk (a size this large may also mean "
             "the source is damaged).")

@@ -256,3 +256,257 @@ def test_stale_tar_reason_of_a_plain_tar_and_of_a_damaged_one(tmp_path, cache):
     url = "memory://nbkit-tests/stale/c.tar.gz"  # any fsspec URL, as export_tar writes them
     nbkit.export_tar(cache, url, compression="gz")
     assert stale_tar_reason(url, cache) is None
+
+
+# -- issue 17: a tar is untrusted input -------------------------------------------------------------
+
+import errno  # noqa: E402
+import gzip  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+from nbkit.manifest import MANIFEST, manifest_bytes, new_manifest  # noqa: E402
+
+
+def tree_digest(path):
+    """name -> sha256 of every file under ``path`` (to show a cache is byte-for-byte unchanged)."""
+    out = {}
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def good_dest(tmp_path):
+    """A good cache at the destination (another one than ``cache``), and its digest."""
+    ds = nbkit.CachedDataset(TupleSource(n=10), tmp_path / "dest" / "copy")
+    ds.warmup()
+    return ds.root, tree_digest(ds.root)
+
+
+def cache_files(root):
+    return {n: open(os.path.join(root, n), "rb").read() for n in os.listdir(root) if n != fmt.LOCK}
+
+
+def make_tar(path, files, *, order=None, manifest=True, compression=None, stored_length=(40, 40)):
+    """A tar of ``files`` (name -> bytes) with a manifest consistent with them, first by default."""
+    members = dict(files)
+    if manifest:
+        entries = {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in files.items()}
+        members[MANIFEST] = manifest_bytes(new_manifest(entries, *stored_length))
+    order = order or ([MANIFEST] if manifest else []) + sorted(files)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in order:
+            ti = tarfile.TarInfo(name)
+            ti.size = len(members[name])
+            tar.addfile(ti, io.BytesIO(members[name]))
+    data = buf.getvalue()
+    if compression == "gz":
+        data = gzip.compress(data, mtime=0)
+    elif compression == "zst":
+        import zstandard
+
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+    return path
+
+
+def assert_refused(tar, dest, good, exc, match):
+    parent = os.path.dirname(dest)
+    before = sorted(os.listdir(parent))
+    with pytest.raises(exc, match=match) as info:
+        nbkit.import_tar(tar, dest)
+    assert str(tar) in str(info.value)
+    assert sorted(os.listdir(parent)) == before  # no temporary directory left, nothing else written
+    assert tree_digest(dest) == good  # the previous cache, byte for byte
+    return info.value
+
+
+def test_a_member_that_is_not_a_cache_file_is_refused(tmp_path, cache, good_dest):
+    # Problem 1: evil.py next to nbkit.json could be imported by a namedtuple's module name.
+    dest, good = good_dest
+    for order in ("first", "last"):
+        files = cache_files(cache)
+        files["evil.py"] = b"raise SystemExit('pwned')\n"
+        tar = make_tar(tmp_path / f"evil-{order}.tar", files, manifest=False,
+                       order=(["evil.py"] + sorted(cache_files(cache))) if order == "first" else None)
+        e = assert_refused(tar, dest, good, UnsafeArchiveError, "evil.py")
+        assert "not one of an nbkit cache's files" in str(e)
+    assert not any("evil" in n for _, _, ns in os.walk(tmp_path / "dest") for n in ns)
+
+
+def test_samples_failing_their_crc_keep_the_previous_cache(tmp_path, cache, good_dest):
+    # Problem 3: the manifest's sha256s agree with the damaged files; only the CRCs tell.
+    dest, good = good_dest
+    files = cache_files(cache)
+    col = bytearray(files["col-0.bin"])
+    col[len(col) // 3] ^= 0x10
+    files["col-0.bin"] = bytes(col)
+    tar = make_tar(tmp_path / "crc.tar", files)
+    assert_refused(tar, dest, good, CorruptCacheError, "fail their checksum")
+
+
+def test_metadata_must_agree_with_the_files(tmp_path, cache, good_dest):
+    dest, good = good_dest
+    files = cache_files(cache)
+    short = dict(files, **{"col-0.bin": files["col-0.bin"][:-8]})  # consistent manifest, wrong size for nbkit.json
+    assert_refused(make_tar(tmp_path / "short.tar", short), dest, good, CorruptCacheError, "col-0.bin")
+    extra = dict(files, **{"col-77.bin": b"x" * 16})  # a column file nbkit.json does not name
+    assert_refused(make_tar(tmp_path / "extra.tar", extra), dest, good, CorruptCacheError, "col-77.bin")
+    missing = {n: b for n, b in files.items() if n != "col-1.bin"}
+    assert_refused(make_tar(tmp_path / "missing.tar", missing), dest, good, CorruptCacheError, "col-1.bin")
+
+
+def test_a_tar_with_the_manifest_last_or_none_still_imports(tmp_path, cache):
+    files = cache_files(cache)
+    for manifest, order in ((True, sorted(files) + [MANIFEST]), (False, None)):
+        tar = make_tar(tmp_path / f"old-{manifest}.tar", files, manifest=manifest, order=order)
+        nbkit.import_tar(tar, tmp_path / f"copy-{manifest}")
+        assert_same_samples(tmp_path / f"copy-{manifest}")
+
+
+def _header(name, size, type=tarfile.REGTYPE, pax=None):
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.type = size, type
+    if pax:
+        ti.pax_headers = pax
+    return ti.tobuf(tarfile.PAX_FORMAT if pax else tarfile.GNU_FORMAT)
+
+
+@pytest.mark.parametrize("kind", ["gnu-type-S", "pax-0.0", "pax-0.1", "pax-1.0"])
+def test_sparse_members_are_refused(tmp_path, good_dest, kind):
+    # Problem 5: a small sparse member can claim far more than the disk holds.
+    dest, good = good_dest
+    big = str(1 << 50)
+    if kind == "gnu-type-S":
+        head = _header("col-0.bin", 512, tarfile.GNUTYPE_SPARSE)
+    else:
+        pax = {"pax-0.0": {"GNU.sparse.size": big, "GNU.sparse.numblocks": "1", "GNU.sparse.offset": "0",
+                           "GNU.sparse.numbytes": "512"},
+               "pax-0.1": {"GNU.sparse.size": big, "GNU.sparse.map": "0,512"},
+               "pax-1.0": {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.realsize": big,
+                           "GNU.sparse.name": "col-0.bin"}}[kind]
+        head = _header("col-0.bin", 512, pax=pax)
+    tar = tmp_path / "sparse.tar"
+    tar.write_bytes(head + b"1\n512\n".ljust(512, b"\0") + b"\0" * 512 + b"\0" * 1024)
+    assert_refused(tar, dest, good, UnsafeArchiveError, "sparse")
+
+
+def test_a_real_gnu_tar_sparse_file_is_refused(tmp_path, good_dest):
+    dest, good = good_dest
+    work = tmp_path / "work"
+    work.mkdir()
+    with open(work / "col-0.bin", "wb") as f:
+        f.truncate(1 << 30)  # 1 GiB of holes: a tar of a few KiB
+        f.write(b"x")
+    for fmt_ in ("gnu", "posix"):
+        tar = tmp_path / f"sparse-{fmt_}.tar"
+        subprocess.run(["tar", "--sparse", f"--format={fmt_}", "-cf", str(tar), "-C", str(work), "col-0.bin"], check=True)
+        assert os.path.getsize(tar) < 1 << 20
+        assert_refused(tar, dest, good, UnsafeArchiveError, "sparse")
+
+
+def test_a_gzip_bomb_is_refused_before_anything_is_written(tmp_path, good_dest, monkeypatch):
+    dest, good = good_dest
+    free = shutil.disk_usage(tmp_path).free
+    # A header claiming more than the disk holds, then zeros that compress 1000:1.
+    data = _header("col-0.bin", free + (1 << 30)) + b"\0" * (8 << 20)
+    tar = tmp_path / "bomb.tar.gz"
+    tar.write_bytes(gzip.compress(data, mtime=0))
+    written = []
+    real_open = open
+
+    def spy(file, mode="r", *a, **k):
+        if "w" in mode or "x" in mode:
+            written.append(file)
+        return real_open(file, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", spy)
+    e = assert_refused(tar, dest, good, OSError, "free")
+    assert e.errno == errno.ENOSPC
+    assert not written
+    # With a manifest first, a member larger than its entry is refused before it is written.
+    files = {"index.bin": b"\0" * 24}
+    entries = {"index.bin": {"size": 24, "sha256": "0" * 64}}
+    head = manifest_bytes(new_manifest(entries, 0, 1))
+    body = _header(MANIFEST, len(head)) + head.ljust(-(-len(head) // 512) * 512, b"\0") + _header("index.bin", 1 << 30)
+    tar2 = tmp_path / "bomb2.tar.gz"
+    tar2.write_bytes(gzip.compress(body + b"\0" * (4 << 20), mtime=0))
+    assert_refused(tar2, dest, good, CorruptCacheError, "says 24")
+    assert not written
+    del files
+
+
+@pytest.mark.parametrize("compression", [None, "gz", "zst"])
+def test_truncated_or_fake_compressed_tars_are_named(tmp_path, cache, good_dest, compression):
+    dest, good = good_dest
+    tar = tmp_path / f"c.tar{'.' + compression if compression else ''}"
+    nbkit.export_tar(cache, tar, compression=compression)
+    data = tar.read_bytes()
+    # (A plain tar cut in its end-of-archive padding still holds the whole cache.)
+    for cut in (len(data) // 2, 10) + ((len(data) - 7,) if compression else ()):
+        tar.write_bytes(data[:cut])
+        assert_refused(tar, dest, good, CorruptCacheError, "export_tar again")
+    magic = {None: b"", "gz": b"\x1f\x8b", "zst": b"\x28\xb5\x2f\xfd"}[compression]
+    tar.write_bytes(magic + b"this is not a tar at all" * 50)
+    assert_refused(tar, dest, good, CorruptCacheError, "not a readable tar")
+
+
+def test_a_damaged_manifest_is_named_with_the_fix(tmp_path, cache, good_dest):
+    dest, good = good_dest
+    files = cache_files(cache)
+    for bad, match in (({"size": "12", "sha256": "0" * 64}, "size"), ({"size": 1, "sha256": "xyz"}, "sha256"),
+                       ({"size": -1, "sha256": "0" * 64}, "size")):
+        manifest = json.loads(manifest_bytes(new_manifest(
+            {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in files.items()}, 40, 40)))
+        manifest["files"]["index.bin"] = bad
+        members = dict(files, **{MANIFEST: json.dumps(manifest).encode()})
+        tar = make_tar(tmp_path / "m.tar", members, manifest=False, order=[MANIFEST] + sorted(files))
+        e = assert_refused(tar, dest, good, CorruptCacheError, match)
+        assert "Ask whoever exported it" in str(e) and "rerun" not in str(e)
+
+
+def test_arguments_are_checked_naming_them(tmp_path, cache):
+    with pytest.raises(TypeError, match="tar_path"):
+        nbkit.import_tar(b"/tmp/x.tar", tmp_path / "c")
+    with pytest.raises(TypeError, match="cache_path"):
+        nbkit.import_tar(tmp_path / "x.tar", 3)
+    with pytest.raises(ValueError, match="tar_path 'gs:/bucket/c.tar' looks like a URL with one slash"):
+        nbkit.export_tar(cache, "gs:/bucket/c.tar")
+    with pytest.raises(FileNotFoundError, match="tar_path"):
+        nbkit.import_tar(tmp_path / "absent.tar", tmp_path / "c")
+    with pytest.raises(ValueError, match="compression"):
+        nbkit.export_tar(cache, tmp_path / "c.tar", compression=3)
+
+
+def test_export_sends_only_cache_files_and_refuses_a_symlink(tmp_path, cache):
+    work = tmp_path / "work"
+    shutil.copytree(cache, work)
+    (work / "notes.txt").write_text("private")
+    tar = tmp_path / "c.tar"
+    nbkit.export_tar(work, tar)
+    with tarfile.open(tar) as t:
+        assert "notes.txt" not in t.getnames()
+    outside = tmp_path / "outside.bin"
+    shutil.copyfile(work / "col-0.bin", outside)
+    os.unlink(work / "col-0.bin")
+    os.symlink(outside, work / "col-0.bin")
+    with pytest.raises(UnsafeArchiveError, match="symbolic link"):
+        nbkit.export_tar(work, tmp_path / "d.tar")
+    assert not (tmp_path / "d.tar").exists()
+
+
+def test_stale_tar_reason_reads_only_the_head(tmp_path, cache):
+    from nbkit.archive import stale_tar_reason
+
+    tar = tmp_path / "c.tar"
+    nbkit.export_tar(cache, tar)
+    with tarfile.open(tar) as t:
+        cut = t.getmember(fmt.META).offset  # the manifest is all that is left
+    tar.write_bytes(tar.read_bytes()[:cut])
+    assert stale_tar_reason(tar, cache) is None
