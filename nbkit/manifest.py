@@ -131,13 +131,14 @@ def read_bounded(fs, path: str, limit: int = MAX_JSON_BYTES) -> bytes:
     return fs.cat_file(path, start=0, end=limit + 1)
 
 
-def read_remote_manifest(fs, rroot: str) -> dict | None:
-    """The manifest at ``rroot`` of ``fs``, or ``None`` if there is none; ``CorruptCacheError`` if it is damaged."""
+def read_remote_manifest(fs, rroot: str, url: str | None = None) -> dict | None:
+    """The manifest at ``rroot`` of ``fs`` (errors name ``url``), or ``None`` if there is none;
+    ``CorruptCacheError`` if it is damaged."""
     try:
         raw = read_bounded(fs, f"{rroot}/{MANIFEST}")
     except FileNotFoundError:
         return None
-    return parse_manifest(raw, f"{rroot}/{MANIFEST}")
+    return parse_manifest(raw, f"{url or rroot}/{MANIFEST}")
 
 
 def trusted_remote_manifest(fs, rroot: str) -> dict | None:

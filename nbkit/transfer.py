@@ -371,7 +371,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
             f"{url} holds no complete nbkit cache ({fmt.META} is missing): push one with "
             f"nbkit.push(cache_dir, {url!r}), or wait until the push in progress has finished."
         )
-    manifest = read_remote_manifest(fs, rroot)
+    manifest = read_remote_manifest(fs, rroot, url)
     if manifest is None:
         raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by nbkit.push. {REPUSH}")
     files = manifest["files"]

@@ -308,3 +308,116 @@ def test_a_plain_fsspec_callback_works(tmp_path):
     cb = fsspec.callbacks.Callback()
     assert nbkit.pull(url, tmp_path / "copy", callback=cb).bytes == cb.size == cb.value
     assert len(nbkit.CachedDataset.open(tmp_path / "copy").missing()) == 0
+
+
+# -- issue 17: a bucket prefix is untrusted input ---------------------------------------------------
+
+import hashlib  # noqa: E402
+
+from nbkit.errors import UnsafeArchiveError  # noqa: E402
+
+
+def tree_digest(path):
+    out = {}
+    for n in sorted(os.listdir(path)):
+        with open(os.path.join(path, n), "rb") as f:
+            out[n] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def pushed(tmp_path):
+    """(url, fs, rroot) of a cache pushed to memory://, and a good other cache at the destination."""
+    ds = make_cache(tmp_path / "src")
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/cache"
+    nbkit.push(ds.root, url)
+    fs, rroot = url_to_fs(url)
+    good = make_cache(tmp_path / "dest" / "copy", TupleSource(n=10))
+    yield url, fs, rroot, good.root, tree_digest(good.root)
+    fs.rm(rroot, recursive=True)
+
+
+def set_manifest(fs, rroot, edit):
+    m = json.loads(fs.cat_file(f"{rroot}/manifest.json"))
+    edit(m)
+    fs.pipe_file(f"{rroot}/manifest.json", json.dumps(m).encode())
+
+
+def assert_pull_refused(url, dest, good, exc, match):
+    parent = os.path.dirname(dest)
+    before = sorted(os.listdir(parent))
+    with pytest.raises(exc, match=match) as info:
+        nbkit.pull(url, dest)
+    assert url in str(info.value)
+    assert sorted(os.listdir(parent)) == before and tree_digest(dest) == good
+    return info.value
+
+
+def test_pull_refuses_an_object_that_is_not_a_cache_file(pushed):
+    url, fs, rroot, dest, good = pushed
+    fs.pipe_file(f"{rroot}/evil.py", b"raise SystemExit('pwned')\n")
+    assert_pull_refused(url, dest, good, UnsafeArchiveError, "evil.py")
+    fs.rm_file(f"{rroot}/evil.py")
+    # ... and one the manifest lists (with its right sha256) too.
+    fs.pipe_file(f"{rroot}/evil.py", b"x")
+    set_manifest(fs, rroot, lambda m: m["files"].update({"evil.py": {"size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}}))
+    assert_pull_refused(url, dest, good, UnsafeArchiveError, "evil.py")
+
+
+def test_a_manifest_size_of_2_to_the_50_fails_at_once(pushed, monkeypatch):
+    url, fs, rroot, dest, good = pushed
+    set_manifest(fs, rroot, lambda m: m["files"]["col-0.bin"].update(size=2**50))
+    reads = []
+    real = type(fs).cat_file
+    monkeypatch.setattr(type(fs), "cat_file", lambda self, path, *a, **k: reads.append(path) or real(self, path, *a, **k))
+    assert_pull_refused(url, dest, good, CorruptCacheError, "col-0.bin is .* bytes but its manifest says 1125899906842624")
+    assert all(p.endswith("manifest.json") for p in reads)  # no range read of any data file
+
+
+def test_pull_checks_every_samples_crc_and_keeps_the_previous_cache(pushed, tmp_path):
+    # The manifest's sha256s agree with the damaged file: only the CRCs tell.
+    url, fs, rroot, dest, good = pushed
+    col = bytearray(fs.cat_file(f"{rroot}/col-0.bin"))
+    col[len(col) // 3] ^= 0x10
+    fs.pipe_file(f"{rroot}/col-0.bin", bytes(col))
+    set_manifest(fs, rroot, lambda m: m["files"]["col-0.bin"].update(sha256=hashlib.sha256(bytes(col)).hexdigest()))
+    assert_pull_refused(url, dest, good, CorruptCacheError, "fail their checksum")
+
+
+def test_pull_checks_the_metadata_names_exactly_the_files(pushed):
+    url, fs, rroot, dest, good = pushed
+    fs.pipe_file(f"{rroot}/col-77.bin", b"x" * 8)
+    set_manifest(fs, rroot, lambda m: m["files"].update({"col-77.bin": {"size": 8, "sha256": hashlib.sha256(b"x" * 8).hexdigest()}}))
+    assert_pull_refused(url, dest, good, CorruptCacheError, "col-77.bin")
+
+
+@pytest.mark.parametrize("bad, field", [({"size": "12"}, "size"), ({"sha256": "xyz"}, "sha256"), ({"size": -1}, "size")])
+def test_a_malformed_manifest_entry_is_named_with_the_fix(pushed, bad, field):
+    url, fs, rroot, dest, good = pushed
+    set_manifest(fs, rroot, lambda m: m["files"]["index.bin"].update(bad))
+    e = assert_pull_refused(url, dest, good, CorruptCacheError, field)
+    assert "Ask whoever pushed" in str(e) and "rerun" not in str(e)
+
+
+def test_pull_and_push_check_their_arguments(tmp_path):
+    ds = make_cache(tmp_path / "c", warm=False)
+    with pytest.raises(TypeError, match="max_workers"):
+        nbkit.pull("memory://x/y", tmp_path / "d", max_workers=1.5)
+    with pytest.raises(TypeError, match="max_workers"):
+        nbkit.push(ds.root, "memory://x/y", max_workers="2")
+    with pytest.raises(TypeError, match="cache_path"):
+        nbkit.pull("memory://x/y", b"/tmp/d")
+    with pytest.raises(ValueError, match="url 'gs:/bucket/c' looks like a URL with one slash"):
+        nbkit.pull("gs:/bucket/c", tmp_path / "d")
+
+
+def test_push_refuses_a_symlinked_file(tmp_path):
+    import shutil
+
+    ds = make_cache(tmp_path / "c")
+    outside = tmp_path / "outside.bin"
+    shutil.copyfile(os.path.join(ds.root, "col-0.bin"), outside)
+    os.unlink(os.path.join(ds.root, "col-0.bin"))
+    os.symlink(outside, os.path.join(ds.root, "col-0.bin"))
+    with pytest.raises(UnsafeArchiveError, match="symbolic link"):
+        nbkit.push(ds.root, f"memory://nbkit-tests/{uuid.uuid4().hex}/c")

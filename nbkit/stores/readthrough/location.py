@@ -92,7 +92,7 @@ class ReadThroughLocation(Location):
                 meta_raw = read_bounded(fs, f"{rroot}/{fmt.META}")  # a bigger one fails its manifest entry
             except FileNotFoundError:
                 raise FileNotFoundError(_absent(fs, self.url, rroot)) from None
-            manifest = read_remote_manifest(fs, rroot)
+            manifest = read_remote_manifest(fs, rroot, self.url)
             if manifest is None:
                 raise CorruptCacheError(f"{self.url} has {fmt.META} but no {MANIFEST}: it was not written by nbkit.push, "
                                         "and read-through needs the manifest. Push the cache with nbkit.push.")
