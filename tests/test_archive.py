@@ -264,6 +264,7 @@ import errno  # noqa: E402
 import gzip  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import shutil  # noqa: E402
 
 from nbkit.manifest import MANIFEST, manifest_bytes, new_manifest  # noqa: E402
@@ -510,3 +511,185 @@ def test_stale_tar_reason_reads_only_the_head(tmp_path, cache):
         cut = t.getmember(fmt.META).offset  # the manifest is all that is left
     tar.write_bytes(tar.read_bytes()[:cut])
     assert stale_tar_reason(tar, cache) is None
+
+
+# -- fuzzing: mutated tar bytes and manifest values --------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ_SOURCE = TupleSource(n=6, shape=(2, 3))
+
+
+@pytest.fixture(scope="module")
+def fuzz_cache(tmp_path_factory):
+    """A small cache (a fixed-shape column, labels and a free-form heap would all be there in a
+    bigger one; this one has index, two columns and metadata), its plain tar, and its files."""
+    ds = nbkit.CachedDataset(FUZZ_SOURCE, tmp_path_factory.mktemp("fuzz") / "cache")
+    ds.warmup()
+    tar = tmp_path_factory.mktemp("fuzz-tar") / "c.tar"
+    nbkit.export_tar(ds.root, tar)
+    return Quiet((ds.root, tar.read_bytes(), cache_files(ds.root)))
+
+
+class Quiet(tuple):
+    def __repr__(self):  # hypothesis prints the arguments of a failing example
+        return "<fuzz cache>"
+
+
+class Arena:
+    """A directory holding a good previous cache at ``dest``: each example imports into it and checks
+    the outcome, then puts the good cache back."""
+
+    def __init__(self, base):
+        self.base = base
+        self.pristine = os.path.join(base, "pristine")
+        ds = nbkit.CachedDataset(TupleSource(n=3, shape=(2, 3)), self.pristine)
+        ds.warmup()
+        self.good = tree_digest(self.pristine)
+        self.parent = os.path.join(base, "work")
+        self.dest = os.path.join(self.parent, "copy")
+        shutil.copytree(self.pristine, self.dest)
+        self.src = os.path.join(base, "src")  # where the tar under test lies, alone
+        os.makedirs(self.src)
+        self.tar = os.path.join(self.src, "fuzz.tar")
+        self.listing = sorted(os.listdir(base)), sorted(os.listdir(self.parent)), ["fuzz.tar"]
+
+    def __repr__(self):
+        return "<arena>"
+
+    def check(self, run, source_name):
+        """``run()`` imports or pulls into ``dest``: correct samples, or an nbkit error naming the source."""
+        try:
+            run()
+        except (CorruptCacheError, UnsafeArchiveError, FileNotFoundError) as e:
+            assert source_name in str(e), str(e)
+            assert tree_digest(self.dest) == self.good
+        except OSError as e:  # a size past the free disk: refused before writing
+            assert e.errno == errno.ENOSPC and source_name in str(e), repr(e)
+            assert tree_digest(self.dest) == self.good
+        else:
+            copy = nbkit.CachedDataset.open(self.dest)
+            assert len(copy) == len(FUZZ_SOURCE) and len(copy.missing()) == 0
+            for i in range(len(FUZZ_SOURCE)):
+                assert_equal(copy[i], FUZZ_SOURCE[i], f"sample {i}")
+            shutil.rmtree(self.dest)
+            shutil.copytree(self.pristine, self.dest)
+        # Nothing written beside the destination or the source, no temporary directory left behind.
+        assert (sorted(os.listdir(self.base)), sorted(os.listdir(self.parent)), os.listdir(self.src)) == self.listing
+
+
+@pytest.fixture(scope="module")
+def arena(tmp_path_factory):
+    return Arena(str(tmp_path_factory.mktemp("arena")))
+
+
+def _fix_checksum(data: bytearray, at: int) -> None:
+    block = bytearray(data[at:at + 512])
+    block[148:156] = b" " * 8
+    data[at + 148:at + 156] = b"%06o\0 " % sum(block)
+
+
+def _compress(data: bytes, compression) -> bytes:
+    if compression == "gz":
+        return gzip.compress(data, mtime=0)
+    if compression == "zst":
+        import zstandard
+
+        return zstandard.ZstdCompressor().compress(data)
+    return data
+
+
+FIELDS = {"name": (0, 100), "mode": (100, 108), "size": (124, 136), "chksum": (148, 156), "type": (156, 157),
+          "linkname": (157, 257), "magic": (257, 265), "anywhere": (0, 1024)}
+
+
+@pytest.mark.fuzz
+@given(compression=st.sampled_from([None, "gz", "zst"]), data=st.data())
+def test_fuzz_tar_bytes(fuzz_cache, arena, compression, data):
+    _, plain, _ = fuzz_cache
+    with tarfile.open(fileobj=io.BytesIO(plain)) as t:
+        offsets = [m.offset for m in t.getmembers()]
+    tar_bytes = bytearray(plain)
+    for _ in range(data.draw(st.integers(1, 3), "header edits")):
+        at = data.draw(st.sampled_from(offsets), "member")
+        field = data.draw(st.sampled_from(sorted(FIELDS)), "field")
+        lo, hi = FIELDS[field]
+        if field == "size" and data.draw(st.booleans(), "numeric size"):
+            value = b"%011o\0" % data.draw(st.sampled_from([0, 1, 7, 511, 512, 4096, 8**11 - 1]), "size")
+            tar_bytes[at + lo:at + hi] = value
+        elif field == "type":
+            tar_bytes[at + lo] = data.draw(st.sampled_from(b"0123456789SxgLK\0A"), "type")
+        elif field == "name":
+            name = data.draw(st.sampled_from([b"evil.py", b"../x", b"/etc/x", b"index.bin", b"col-0.bin", b"col-9.bin",
+                                              b"./", b"a/b", b"nbkit.json", b"manifest.json"]), "name")
+            tar_bytes[at:at + 100] = name.ljust(100, b"\0")
+        else:
+            pos = at + data.draw(st.integers(lo, hi - 1), "offset")
+            if pos < len(tar_bytes):
+                tar_bytes[pos] = data.draw(st.integers(0, 255), "byte")
+        if data.draw(st.booleans(), "fix checksum") and at + 512 <= len(tar_bytes):
+            _fix_checksum(tar_bytes, at)
+    raw = bytearray(_compress(bytes(tar_bytes), compression))
+    for _ in range(data.draw(st.integers(0, 2), "flips after compression")):
+        pos = data.draw(st.integers(0, len(raw) - 1), "flip at")
+        raw[pos] ^= 1 << data.draw(st.integers(0, 7), "bit")
+    cut = data.draw(st.one_of(st.none(), st.integers(0, len(raw))), "cut")
+    with open(arena.tar, "wb") as f:
+        f.write(bytes(raw[:cut]))
+    arena.check(lambda: nbkit.import_tar(arena.tar, arena.dest), arena.tar)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.sampled_from([0, 1, -1, 6, 2**50, 2**63, 10**30]) | st.integers()
+    | st.floats(allow_nan=True) | st.text(max_size=20) | st.sampled_from(["0" * 64, "evil.py", "col-7.bin", "../x"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def mutate_json(manifest: dict, data) -> dict:
+    """One hypothesis-chosen change to a manifest: a value replaced, a key removed or renamed."""
+    paths = []
+
+    def walk(node, path):
+        for k, v in node.items():
+            paths.append(path + (k,))
+            if isinstance(v, dict):
+                walk(v, path + (k,))
+
+    walk(manifest, ())
+    m = json.loads(json.dumps(manifest))
+    for _ in range(data.draw(st.integers(1, 2), "changes")):
+        path = data.draw(st.sampled_from(paths), "path")
+        node = m
+        try:
+            for k in path[:-1]:
+                node = node[k]
+            key = path[-1]
+            node[key]  # noqa: B018 - a previous change may have removed it
+        except (KeyError, TypeError):
+            continue
+        how = data.draw(st.sampled_from(["value", "delete", "rename"]), "how")
+        if how == "value":
+            node[key] = data.draw(JSON_VALUES, "value")
+        elif how == "delete":
+            del node[key]
+        else:
+            node[data.draw(st.sampled_from(["evil.py", "col-7.bin", "../x", "heap.bin", "", "nbkit.json"]) | st.text(max_size=12), "new key")] = node.pop(key)
+    return m
+
+
+@pytest.mark.fuzz
+@given(data=st.data())
+def test_fuzz_manifest_values_in_a_tar(fuzz_cache, arena, data):
+    root, _, files = fuzz_cache
+    from nbkit.manifest import build_manifest
+
+    manifest = mutate_json(build_manifest(root), data)
+    members = dict(files, **{MANIFEST: json.dumps(manifest).encode()})
+    first = data.draw(st.booleans(), "manifest first")
+    order = [MANIFEST] + sorted(files) if first else sorted(files) + [MANIFEST]
+    make_tar(pathlib.Path(arena.tar), members, manifest=False, order=order)
+    arena.check(lambda: nbkit.import_tar(arena.tar, arena.dest), arena.tar)
