@@ -542,7 +542,7 @@ class Arena:
     """A directory holding a good previous cache at ``dest``: each example imports into it and checks
     the outcome, then puts the good cache back."""
 
-    def __init__(self, base):
+    def __init__(self, base, src_files=("fuzz.tar",)):
         self.base = base
         self.pristine = os.path.join(base, "pristine")
         ds = nbkit.CachedDataset(TupleSource(n=3, shape=(2, 3)), self.pristine)
@@ -554,7 +554,7 @@ class Arena:
         self.src = os.path.join(base, "src")  # where the tar under test lies, alone
         os.makedirs(self.src)
         self.tar = os.path.join(self.src, "fuzz.tar")
-        self.listing = sorted(os.listdir(base)), sorted(os.listdir(self.parent)), ["fuzz.tar"]
+        self.listing = sorted(os.listdir(base)), sorted(os.listdir(self.parent)), list(src_files)
 
     def __repr__(self):
         return "<arena>"

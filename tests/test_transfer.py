@@ -421,3 +421,57 @@ def test_push_refuses_a_symlinked_file(tmp_path):
     os.symlink(outside, os.path.join(ds.root, "col-0.bin"))
     with pytest.raises(UnsafeArchiveError, match="symbolic link"):
         nbkit.push(ds.root, f"memory://nbkit-tests/{uuid.uuid4().hex}/c")
+
+
+# -- fuzzing: mutated manifest values under a memory:// prefix ---------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_archive import FUZZ_SOURCE, Arena, mutate_json  # noqa: E402
+
+
+class PushedPrefix:
+    """A small cache pushed once to memory://; each example replaces its manifest, then restores it."""
+
+    def __init__(self, base):
+        ds = nbkit.CachedDataset(FUZZ_SOURCE, os.path.join(base, "src-cache"))
+        ds.warmup()
+        self.url = f"memory://nbkit-tests/fuzz-{uuid.uuid4().hex}/cache"
+        nbkit.push(ds.root, self.url)
+        self.fs, self.rroot = url_to_fs(self.url)
+        self.manifest = json.loads(self.fs.cat_file(f"{self.rroot}/manifest.json"))
+        self.objects = {p: self.fs.cat_file(p) for p in self.fs.find(self.rroot)}
+
+    def restore(self):
+        for p in set(self.fs.find(self.rroot)) - set(self.objects):
+            self.fs.rm_file(p)
+        for p, data in self.objects.items():
+            self.fs.pipe_file(p, data)
+
+    def __repr__(self):
+        return "<pushed prefix>"
+
+
+@pytest.fixture(scope="module")
+def pull_arena(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pull-arena")
+    prefix = PushedPrefix(str(base))
+    yield Arena(str(base), src_files=()), prefix
+    prefix.fs.rm(prefix.rroot, recursive=True)
+
+
+@pytest.mark.fuzz
+@given(data=st.data())
+def test_fuzz_pull_with_a_mutated_manifest(pull_arena, data):
+    arena, prefix = pull_arena
+    manifest = mutate_json(prefix.manifest, data)
+    if data.draw(st.booleans(), "extra object"):
+        name = data.draw(st.sampled_from(["evil.py", "col-7.bin", "heap.bin", ".nbkit-publish-lease", "sub/x"]), "object")
+        prefix.fs.pipe_file(f"{prefix.rroot}/{name}", b"x" * data.draw(st.integers(0, 64), "size"))
+    prefix.fs.pipe_file(f"{prefix.rroot}/manifest.json", json.dumps(manifest).encode())
+    try:
+        arena.check(lambda: nbkit.pull(prefix.url, arena.dest), prefix.url)
+    finally:
+        prefix.restore()
