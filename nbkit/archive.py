@@ -36,8 +36,8 @@ from .cachedir import cache_root, check_replaceable, data_files, stored_count, s
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .extras import require
 from .files import CHUNK
-from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, manifest_bytes,
-                       parse_manifest, sha256_file)
+from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
+                       manifest_bytes, parse_manifest, sha256_file)
 from .progress import as_callback
 from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
 from .transfer import Stopped, TransferReport, check_whole, describe
@@ -393,6 +393,14 @@ def _extract(raw, tar_path, tmp: str, free: int, cb) -> list:
                 # nbkit.json makes a directory a cache: hold it under another name until all is checked.
                 target = os.path.join(tmp, f".{fmt.META}.pending" if name == fmt.META else name)
                 hashes[name] = _copy_member(tar, m, target, raw, cb)
+                if name == fmt.META and manifest is not None and names == [MANIFEST, fmt.META]:
+                    # Manifest and metadata first: check every size they claim against each other
+                    # before any data file is written.
+                    with open(target, "rb") as f:
+                        meta = fmt.parse_meta(f.read(), f"{tar_path}:{fmt.META}", _REEXPORT)
+                    sizes_claimed = {n: e["size"] for n, e in manifest["files"].items()}
+                    check_file_set(meta, sizes_claimed, str(tar_path), _REEXPORT)
+                    check_meta_sizes(meta, sizes_claimed, str(tar_path), _REEXPORT)
     except _Refused as e:
         raise UnsafeArchiveError(f"{tar_path} holds {e}; refusing to import it. {_REEXPORT}") from e
     except (_Damaged, tarfile.TarError) as e:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 
@@ -34,7 +35,7 @@ from .trust import MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_ca
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_manifest", "manifest_bytes",
            "parse_manifest", "read_remote_manifest", "trusted_remote_manifest", "read_local_manifest", "digest",
            "check_name", "check_entry", "check_bytes", "SPEC", "REPUSH", "meta_files", "check_file_set", "check_listing",
-           "check_free_disk", "read_bounded"]
+           "check_free_disk", "read_bounded", "check_meta_sizes"]
 
 #: The object (and archive member) listing every file's size and sha256.
 MANIFEST = "manifest.json"
@@ -260,3 +261,36 @@ def check_listing(fs, rroot: str, url: str, manifest: dict) -> dict:
             raise CorruptCacheError(f"{url}/{name} is {sizes[name]} bytes but its manifest says {entry['size']}: the "
                                     f"prefix was changed after the push, or the manifest is damaged. {REPUSH}")
     return sizes
+
+
+def check_meta_sizes(meta: dict, sizes: dict, where: str, fix: str = REPUSH) -> None:
+    """Raise :class:`CorruptCacheError` unless ``sizes`` (name -> bytes, from a manifest, a listing
+    or the disk) are what ``meta`` implies: ``index.bin`` holds ``length`` records and each column
+    file ``capacity`` rows. Checked before any of those files is opened or allocated, so a length
+    or shape in damaged metadata is bounded by real bytes."""
+    from .codec import Schema
+
+    length, capacity = meta.get("length"), meta.get("capacity")
+
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not count(length) or (capacity is not None and not (count(capacity) and capacity <= length)):
+        raise CorruptCacheError(f"{where}: {fmt.META} is damaged: length {length!r} and capacity {capacity!r} must be "
+                                f"integers with 0 <= capacity <= length. {fix}")
+    try:
+        schema = Schema.from_json(meta.get("schema"))
+    except (IndexError, AttributeError, RecursionError) as e:  # Schema.from_json names the others itself
+        raise CorruptCacheError(f"{where}: {fmt.META} has a malformed schema ({type(e).__name__}: {e}). {fix}") from e
+    columns = meta_files(meta, f"{where}: {fmt.META}", fix)
+    if len(columns) != len(schema.columns):
+        raise CorruptCacheError(f"{where}: {fmt.META} names {len(columns)} column files for {len(schema.columns)} "
+                                f"columns. {fix}")
+    rows = length if capacity is None else capacity
+    want = {fmt.INDEX: length * fmt.RECORD.itemsize}
+    for name, leaf in zip(columns, schema.columns):
+        want[name] = rows * math.prod(leaf.shape) * schema.column_dtype(leaf).itemsize
+    for name, n in want.items():
+        if sizes.get(name) != n:
+            raise CorruptCacheError(f"{where}/{name} is {sizes.get(name)} bytes, but {fmt.META} says it holds {n}: the "
+                                    f"metadata disagrees with the files. {fix}")

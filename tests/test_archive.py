@@ -693,3 +693,35 @@ def test_fuzz_manifest_values_in_a_tar(fuzz_cache, arena, data):
     order = [MANIFEST] + sorted(files) if first else sorted(files) + [MANIFEST]
     make_tar(pathlib.Path(arena.tar), members, manifest=False, order=order)
     arena.check(lambda: nbkit.import_tar(arena.tar, arena.dest), arena.tar)
+
+
+def test_metadata_claiming_a_huge_length_fails_before_anything_is_allocated(tmp_path, cache, good_dest):
+    # The index's real size bounds the length: nothing is sized by the metadata's word alone.
+    dest, good = good_dest
+    files = cache_files(cache)
+    for field, value in (("length", 10**15), ("capacity", 10**15), ("length", -1), ("length", "40")):
+        meta = json.loads(files[fmt.META])
+        meta[field] = value
+        bad = dict(files, **{fmt.META: json.dumps(meta).encode()})
+        assert_refused(make_tar(tmp_path / "huge.tar", bad), dest, good, CorruptCacheError, "nbkit.json")
+
+
+def test_partial_and_budgeted_caches_import_and_their_damage_is_found(tmp_path):
+    # The full check covers every stored sample, wherever its row is (gaps, a byte budget's slots).
+    src = TupleSource(n=300, shape=(1, 4, 4))
+    for name, kw, take in (("partial", {}, [0, 5, 7, 100, 101, 102, 299]), ("budget", {"max_bytes": 20000}, range(300))):
+        ds = nbkit.CachedDataset(src, tmp_path / name, **kw)
+        ds[list(take)]
+        tar = tmp_path / f"{name}.tar"
+        nbkit.export_tar(ds.root, tar)
+        nbkit.import_tar(tar, tmp_path / f"{name}-copy")
+        copy = nbkit.CachedDataset.open(tmp_path / f"{name}-copy")
+        assert len(copy.missing()) == len(ds.missing())
+        files = cache_files(ds.root)
+        col = bytearray(files["col-0.bin"])
+        row = 16 * 4
+        slot = 101 if name == "partial" else 3
+        col[slot * row + 1] ^= 0xFF
+        with pytest.raises(CorruptCacheError, match="fail their checksum"):
+            nbkit.import_tar(make_tar(tmp_path / f"{name}-bad.tar", dict(files, **{"col-0.bin": bytes(col)})),
+                             tmp_path / f"{name}-copy")
