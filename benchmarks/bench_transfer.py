@@ -54,6 +54,8 @@ from fixtures_gcs import GCSEmulator  # noqa: E402
 MiB = 1 << 20
 #: nbkit before issue 17's checks on tars and pulls (full sample CRCs, bounded sizes, manifest first).
 BEFORE = "8757006cbf1bd3ce469ba74f15bfb95dcacc64e7"
+#: Rounds of (before, after) in the before/after table, each timing every operation --repeat times.
+ROUNDS = 3
 
 
 def timed(fn):
@@ -130,7 +132,7 @@ def trust_costs(root: str, work: Path, repeat: int, n: int, size: int) -> str:
         return f"## Untrusted tars and buckets (issue 17)\n\nSkipped: nbkit at {BEFORE[:12]} is not in this checkout ({e}).\n"
     subprocess.run(["tar", "x", "-C", str(before)], input=archive, check=True)
     times = {"before": {}, "after": {}}
-    for _ in range(2):  # alternating, so both see the same machine
+    for _ in range(ROUNDS):  # alternating, so both see the same machine
         for who, path in (("before", before), ("after", HERE.parent)):
             env = dict(os.environ, PYTHONPATH=str(path), PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
             out = subprocess.run([sys.executable, "-c", TRUST_CHILD, root, str(work / f"child-{who}"), str(repeat)],
@@ -148,7 +150,7 @@ def trust_costs(root: str, work: Path, repeat: int, n: int, size: int) -> str:
         "## Untrusted tars and buckets (issue 17)\n\n"
         f"The same cache ({n:,} MNIST samples, {size / MiB:.0f} MiB) exported, imported, pushed and pulled "
         f"(`memory://`, in-process) by nbkit before issue 17 (commit {BEFORE[:7]}) and now, alternating in one run, "
-        f"best of {2 * repeat} each.\n\n"
+        f"best of {ROUNDS * repeat} each.\n\n"
         "| measure | before | after | after / before | target | met |\n|---|---|---|---|---|---|\n"
         + "\n".join(rows) + "\n" + TRUST_NOTES
     )
