@@ -509,7 +509,7 @@ def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, s
                     budget.release()
                 if len(data) != want:  # never write more (or less) than the manifest's size
                     raise CorruptCacheError(f"{url}: a ranged read of {rpath} returned {len(data)} bytes, expected {want}: "
-                                            f"the object changed while being read. {REPUSH}")
+                                            f"the object changed while being read (pull again; if it persists, the prefix is damaged: {REPUSH})")
                 request_more()
                 if stop.is_set():
                     raise Stopped()
