@@ -1,8 +1,11 @@
 """Pack a cache into one reproducible tar file and unpack it safely: :func:`export_tar` and :func:`import_tar`.
 
-The archive holds the cache's files, ``manifest.json``, then ``nbkit.json``; both functions stream
-to or from any fsspec URL, and an import checks every member and every sha256 before it swaps the
-cache into place (``docs/DESIGN.md``, "Transfer and archives").
+The archive holds ``manifest.json`` (every file's size and sha256), ``nbkit.json``, then the data
+files; both functions stream to or from any fsspec URL. A tar is untrusted input: an import takes
+only a cache's own file names, checks every size against the manifest and the free disk before
+writing, refuses links, devices and sparse members, and checks every sha256 and every stored
+sample's CRC before it swaps the cache into place (``docs/DESIGN.md``, "Transfer and archives";
+``docs/SECURITY.md``). Tars written by older versions (manifest last, or none) still import.
 
 Example:
     >>> import tempfile, torch, nbkit
@@ -26,16 +29,19 @@ import shutil
 import tarfile
 import tempfile
 import time
+import zlib
 
 from . import format as fmt
-from .cachedir import cache_root, check_replaceable, data_files, stored_count, swap_into_place, verify
+from .cachedir import cache_root, check_replaceable, data_files, stored_count, swap_into_place
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .extras import require
 from .files import CHUNK
-from .manifest import MANIFEST, check_entry, manifest_bytes, new_manifest, parse_manifest, sha256_file
+from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
+                       manifest_bytes, parse_manifest, sha256_file)
 from .progress import as_callback
 from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
-from .transfer import Stopped, TransferReport, describe
+from .transfer import Stopped, TransferReport, check_whole, describe
+from .trust import MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url
 
 __all__ = ["export_tar", "import_tar", "open_decompressed", "stale_tar_reason"]
 
@@ -45,6 +51,14 @@ COMPRESSIONS = (None, "gz", "zst")
 _HASHED_MAX = 4 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+#: Extended headers (pax, GNU long names) larger than this are refused before tarfile reads them.
+_MAX_EXTENDED_HEADER = 64 << 10
+#: Bytes a tar may hold besides its members' data: headers, padding, the end-of-archive blocks,
+#: and what the reader fetches ahead.
+_TAR_SLACK = 4 * CHUNK
+#: ``heap.lock``: nbkit's empty lock file, found in plain tars of a cache directory; skipped, never written.
+_SKIPPED = (fmt.LOCK,)
+_REEXPORT = "Ask whoever exported it to run nbkit.export_tar again from a good copy."
 
 
 def _zstandard():
@@ -99,18 +113,23 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
     """
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    tar_path = check_url(tar_path, "tar_path")
     start = time.perf_counter()
     cb = as_callback(callback)
-    root = cache_root(cache_path)
+    root = cache_root(check_path(cache_path, "cache_path"))
     zstd = _zstandard() if compression == "zst" else None
-    names = sorted(data_files(root))
-    sizes = {n: os.path.getsize(os.path.join(root, n)) for n in names + [fmt.META]}
-    stored, length = stored_count(root)
-    cb.set_size(sum(sizes.values()))
+    # The manifest goes first, so an import knows every size before it writes a byte: hash first,
+    # then write (and hash again: a file changed in between is refused, never exported wrongly).
+    describe(cb, "hashing")
+    manifest = build_manifest(root)  # only cache file names, no symbolic links (trust.cache_file_path)
+    files = manifest["files"]
+    names = sorted(n for n in files if n != fmt.META)
+    paths = {n: cache_file_path(root, n, os.path.join(root, fmt.META), error=UnsafeArchiveError) for n in names}
+    cb.set_size(sum(f["size"] for f in files.values()))
     cb.absolute_update(0)
     describe(cb, f"exporting to {tar_path}")
 
-    fs, path = url_to_fs(os.fspath(tar_path), storage_options)
+    fs, path = url_to_fs(tar_path, storage_options)
     local = is_local(fs)
     if local:
         fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -124,22 +143,21 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
             stream = zstd.ZstdCompressor(level=3).stream_writer(raw, closefd=False)
         else:
             stream = raw
-        files = {}
         # bufsize: tarfile's stream mode re-slices its buffer for every record it passes on, which
         # with the default 10 KiB records makes each 4 MiB chunk cost ~400 copies of itself.
         with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, copybufsize=CHUNK, bufsize=CHUNK) as tar:
-            for name in names:
-                with open(os.path.join(root, name), "rb") as f:
-                    reader = _HashingReader(f, cb)
-                    tar.addfile(_member(name, sizes[name]), reader)
-                files[name] = {"size": sizes[name], "sha256": reader.sha.hexdigest()}
+            head = manifest_bytes(manifest)
+            tar.addfile(_member(MANIFEST, len(head)), io.BytesIO(head))
             with open(os.path.join(root, fmt.META), "rb") as f:
                 meta = f.read()
-            files[fmt.META] = {"size": len(meta), "sha256": hashlib.sha256(meta).hexdigest()}
-            manifest = manifest_bytes(new_manifest(files, stored, length))
-            tar.addfile(_member(MANIFEST, len(manifest)), io.BytesIO(manifest))
+            _check_unchanged(root, fmt.META, files, len(meta), hashlib.sha256(meta).hexdigest())
             tar.addfile(_member(fmt.META, len(meta)), io.BytesIO(meta))
             cb.relative_update(len(meta))
+            for name in names:
+                with open(paths[name], "rb") as f:
+                    reader = _HashingReader(f, cb)
+                    tar.addfile(_member(name, files[name]["size"]), reader)
+                    _check_unchanged(root, name, files, files[name]["size"] + len(f.read(1)), reader.sha.hexdigest())
         if stream is not raw:
             stream.close()
     except Stopped:
@@ -153,7 +171,14 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
     if local:
         raw.commit()
     describe(cb, "exported")
-    return TransferReport(tuple(names) + (MANIFEST, fmt.META), (), sum(sizes.values()), time.perf_counter() - start)
+    return TransferReport(tuple(names) + (MANIFEST, fmt.META), (), sum(f["size"] for f in files.values()),
+                          time.perf_counter() - start)
+
+
+def _check_unchanged(root: str, name: str, files: dict, size: int, sha: str) -> None:
+    if size != files[name]["size"] or sha != files[name]["sha256"]:
+        raise RuntimeError(f"{os.path.join(root, name)} changed while it was being exported (warmup or writes are "
+                           "running on this cache); nothing was written. Export it again once they have finished.")
 
 
 def open_decompressed(raw):
@@ -167,8 +192,63 @@ def open_decompressed(raw):
     return raw
 
 
+class _Refused(Exception):
+    """Raised inside tarfile's reader (which knows no tar path); turned into :class:`UnsafeArchiveError`."""
+
+
+class _Damaged(Exception):
+    """A decompressor or tar reader failed on the bytes; turned into :class:`CorruptCacheError`."""
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """tarfile's header reader, refusing sparse members and oversized extended headers before
+    tarfile acts on them (it would read a pax or long-name header of any claimed size into memory,
+    and expand a sparse member's map)."""
+
+    def _proc_member(self, tarfile_):
+        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                         tarfile.SOLARIS_XHDTYPE) and self.size > _MAX_EXTENDED_HEADER:
+            raise _Refused(f"an extended header of {self.size} bytes (at most {_MAX_EXTENDED_HEADER} are allowed)")
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise _Refused(f"the sparse member {self.name!r}")
+        return super()._proc_member(tarfile_)
+
+    def _refuse_sparse(self, next, *args):
+        raise _Refused(f"the sparse member {next.name!r}")
+
+    _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _refuse_sparse
+
+
+class _GuardedReader:
+    """The decompressed tar stream: counts what it hands out and stops past ``limit`` bytes, and
+    turns a decompressor's failure on damaged bytes into :class:`_Damaged`."""
+
+    def __init__(self, stream, limit: int):
+        self.stream, self.limit, self.count = stream, limit, 0
+
+    def read(self, n=-1):
+        if n is None or n < 0:
+            n = CHUNK
+        try:
+            data = self.stream.read(min(n, self.limit - self.count + 1))
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise _Damaged(f"{type(e).__name__}: {e}") from e
+        except OSError as e:
+            if is_connection_error(e):
+                raise
+            raise _Damaged(f"{type(e).__name__}: {e}") from e
+        except Exception as e:
+            if type(e).__name__ == "ZstdError":  # zstandard's error type (imported only when used)
+                raise _Damaged(f"ZstdError: {e}") from e
+            raise
+        self.count += len(data)
+        if self.count > self.limit:
+            raise _Refused(f"more than the {self.limit:,} bytes its members may hold, given their sizes and the free disk")
+        return data
+
+
 def _check_member(m: tarfile.TarInfo, tar_path) -> str | None:
-    """The plain file name ``m`` extracts to, ``None`` for a harmless directory entry, or raise."""
+    """The cache file name ``m`` extracts to, ``None`` for a harmless entry (``./``, ``heap.lock``), or raise."""
     name = m.name
     kind = ("symlink" if m.issym() else "hard link" if m.islnk() else "device" if m.isdev() else
             "fifo" if m.isfifo() else None)
@@ -186,15 +266,24 @@ def _check_member(m: tarfile.TarInfo, tar_path) -> str | None:
         if parts:
             raise UnsafeArchiveError(f"{tar_path} holds the subdirectory {name!r}; an nbkit cache is one flat directory.")
         return None
-    if not m.isreg():
-        raise UnsafeArchiveError(f"{tar_path} holds {name!r} of tar type {m.type!r}; an nbkit archive holds regular files only.")
+    if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or m.sparse is not None or any(
+            k.startswith("GNU.sparse") for k in m.pax_headers):
+        raise UnsafeArchiveError(f"{tar_path} holds {name!r} of tar type {m.type!r} (sparse, or not a plain file); "
+                                 "an nbkit archive holds regular files only. Refusing to import it.")
     if len(parts) != 1 or "\x00" in parts[0]:
         raise UnsafeArchiveError(f"{tar_path} holds {name!r}, which is not a plain file name; an nbkit cache is one flat directory.")
-    return parts[0]
+    if parts[0] in _SKIPPED and m.size == 0:
+        return None
+    return check_cache_file(parts[0], str(tar_path), error=UnsafeArchiveError)
 
 
 def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | None = None) -> TransferReport:
     """Unpack a tar made by :func:`export_tar` (or plain ``tar`` of a cache directory) into ``cache_path``.
+
+    The tar is untrusted: only a cache's own files are taken, every size is checked (against the
+    manifest, the metadata and the free disk) before it is written, and the copy appears at
+    ``cache_path`` only once every sha256 and every stored sample's CRC holds. On any failure
+    ``cache_path`` is as it was.
 
     Args:
         tar_path: a local path or any fsspec URL; gzip and zstd are detected from the content.
@@ -203,9 +292,11 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
         storage_options: passed to fsspec for a remote ``tar_path``.
 
     Raises:
-        UnsafeArchiveError: a member is an absolute path, has ``..``, or is a link, device or fifo.
-        CorruptCacheError: a file fails its sha256 (or, in a tar without manifest, a sample its CRC),
-            or the tar holds no ``nbkit.json``.
+        UnsafeArchiveError: a member is not one of a cache's files (``evil.py``), is an absolute
+            path, has ``..``, is a link, device, fifo or sparse member.
+        CorruptCacheError: the tar is damaged, cut short or not a tar; a file fails its sha256 or
+            its size; a sample fails its CRC; ``nbkit.json`` disagrees with the files.
+        OSError: the destination's disk has not enough room for what the tar holds.
 
     Example:
         >>> import tempfile, torch, nbkit
@@ -214,16 +305,24 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
         >>> nbkit.import_tar(tar, tempfile.mkdtemp() + "/copy").transferred[-1]
         'nbkit.json'
     """
+    tar_path = check_url(tar_path, "tar_path")
+    dest = os.path.abspath(os.path.expanduser(check_path(cache_path, "cache_path")))
     start = time.perf_counter()
     cb = as_callback(callback)
-    dest = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
     check_replaceable(dest)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
+    free = shutil.disk_usage(parent).free
 
     import fsspec
 
-    with fsspec.open(os.fspath(tar_path), "rb", **(storage_options or {})) as raw:
+    try:
+        opened = fsspec.open(tar_path, "rb", **(storage_options or {}))
+        raw = opened.open()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"tar_path {tar_path} does not exist; export a cache there with "
+                                f"nbkit.export_tar(cache_dir, {tar_path!r}), or check the path.") from None
+    with raw:
         size = getattr(raw, "size", None)
         if size is None:
             size = os.fstat(raw.fileno()).st_size if hasattr(raw, "fileno") else None
@@ -232,76 +331,134 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
         describe(cb, f"importing {tar_path}")
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.import-", dir=parent)
         try:
-            hashes, sizes, names = {}, {}, []
-            stream = open_decompressed(raw)
-            # "r|" reads the tar as a stream: members are checked and written one at a time.
-            with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tar:
-                for m in tar:
-                    name = _check_member(m, tar_path)
-                    if name is None:
-                        continue
-                    if name in hashes:
-                        raise UnsafeArchiveError(f"{tar_path} holds {name!r} twice; refusing to import it (a later copy could replace a checked one).")
-                    # nbkit.json makes a directory a cache: hold it under another name until all is checked.
-                    target = os.path.join(tmp, f".{fmt.META}.pending" if name == fmt.META else name)
-                    h = hashlib.sha256()
-                    src = tar.extractfile(m)
-                    with open(target, "wb") as out:
-                        while chunk := src.read(CHUNK):
-                            if getattr(cb, "stop_requested", False) is True:
-                                raise Stopped()
-                            h.update(chunk)
-                            out.write(chunk)
-                            cb.absolute_update(raw.tell())  # compressed bytes read, like the size
-                    hashes[name], sizes[name] = h.hexdigest(), m.size
-                    names.append(name)
-            if fmt.META not in hashes:
-                raise CorruptCacheError(f"{tar_path} holds no {fmt.META}, so it is not an nbkit cache archive (or it was cut short).")
-            if MANIFEST in hashes:
-                with open(os.path.join(tmp, MANIFEST), "rb") as f:
-                    manifest = parse_manifest(f.read(), f"{tar_path}:{MANIFEST}")
-                os.unlink(os.path.join(tmp, MANIFEST))
-                listed = set(manifest["files"])
-                extracted = set(hashes) - {MANIFEST}
-                if listed != extracted:
-                    raise CorruptCacheError(
-                        f"{tar_path} does not hold the files its manifest lists (missing: {sorted(listed - extracted)}, "
-                        f"extra: {sorted(extracted - listed)}); export the cache again."
-                    )
-                for name, entry in manifest["files"].items():
-                    check_entry(str(tar_path), name, entry, hashes[name], sizes[name])
-            os.rename(os.path.join(tmp, f".{fmt.META}.pending"), os.path.join(tmp, fmt.META))
-            if MANIFEST not in hashes:
-                # A plain tar of a cache directory has no sha256 to check against: check every sample.
-                describe(cb, "verifying checksums")
-                verify(tmp, cb)
+            names = _extract(raw, tar_path, tmp, free, cb)
+            check_whole(tmp, tar_path, _REEXPORT, cb, describe_as="verifying checksums")
             swap_into_place(tmp, dest)
         except Stopped:
             shutil.rmtree(tmp, ignore_errors=True)
             describe(cb, "stopped")
             return TransferReport(seconds=time.perf_counter() - start, stopped=True)
-        except tarfile.TarError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CorruptCacheError(f"{tar_path} is not a readable tar archive ({e}); export the cache again.") from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     describe(cb, "imported")
     files = tuple(n for n in names if n not in (MANIFEST, fmt.META)) + (fmt.META,)
-    return TransferReport(files, (), sum(sizes.values()), time.perf_counter() - start)
+    return TransferReport(files, (), sum(os.path.getsize(os.path.join(dest, n)) for n in files), time.perf_counter() - start)
+
+
+def _extract(raw, tar_path, tmp: str, free: int, cb) -> list:
+    """Check and write the members of the tar ``raw`` into ``tmp``; return the names written.
+
+    Every member's size is checked before a byte of it is written: against the manifest's entry
+    when the manifest came first (tars from this version), against the free disk always. With the
+    manifest at the end (older tars) or no manifest, the sizes and sha256s are compared once it is
+    read. ``nbkit.json`` is held as ``.nbkit.json.pending`` until then.
+    """
+    hashes, sizes, names = {}, {}, []
+    manifest = None
+    written = 0
+    try:
+        stream = _GuardedReader(open_decompressed(raw), free + _TAR_SLACK)
+        # "r|" reads the tar as a stream: members are checked and written one at a time.
+        with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK, tarinfo=_BoundedTarInfo) as tar:
+            for m in tar:
+                name = _check_member(m, tar_path)
+                if name is None:
+                    continue
+                if name in hashes:
+                    raise UnsafeArchiveError(f"{tar_path} holds {name!r} twice; refusing to import it (a later copy could replace a checked one).")
+                if name in (MANIFEST, fmt.META) and m.size > MAX_JSON_BYTES:
+                    raise CorruptCacheError(f"{tar_path} holds a {name} of {m.size:,} bytes; a real one is a few KiB. {_REEXPORT}")
+                if manifest is not None:
+                    entry = manifest["files"].get(name)
+                    if entry is None or entry["size"] != m.size:
+                        raise CorruptCacheError(
+                            f"{tar_path} holds {name} of {m.size:,} bytes, but its {MANIFEST} "
+                            + ("does not list it" if entry is None else f"says {entry['size']:,}") + f". {_REEXPORT}")
+                written += m.size
+                if written > free:
+                    check_free_disk(written, tmp, f"importing {tar_path}")
+                sizes[name] = m.size
+                names.append(name)
+                if name == MANIFEST:  # read, never written (at most MAX_JSON_BYTES)
+                    raw_manifest = tar.extractfile(m).read(m.size)
+                    hashes[name] = hashlib.sha256(raw_manifest).hexdigest()
+                    manifest = parse_manifest(raw_manifest, f"{tar_path}:{MANIFEST}", _REEXPORT)
+                    if names == [MANIFEST]:
+                        # The manifest came first: every size is known before anything else is written.
+                        total = sum(e["size"] for e in manifest["files"].values())
+                        check_free_disk(total, tmp, f"importing {tar_path}")
+                        stream.limit = min(stream.limit, total + _TAR_SLACK + len(manifest["files"]) * 2 * _MAX_EXTENDED_HEADER)
+                    continue
+                # nbkit.json makes a directory a cache: hold it under another name until all is checked.
+                target = os.path.join(tmp, f".{fmt.META}.pending" if name == fmt.META else name)
+                hashes[name] = _copy_member(tar, m, target, raw, cb)
+                if name == fmt.META and manifest is not None and names == [MANIFEST, fmt.META]:
+                    # Manifest and metadata first: check every size they claim against each other
+                    # before any data file is written.
+                    with open(target, "rb") as f:
+                        meta = fmt.parse_meta(f.read(), f"{tar_path}:{fmt.META}", _REEXPORT)
+                    sizes_claimed = {n: e["size"] for n, e in manifest["files"].items()}
+                    check_file_set(meta, sizes_claimed, str(tar_path), _REEXPORT)
+                    check_meta_sizes(meta, sizes_claimed, str(tar_path), _REEXPORT)
+    except _Refused as e:
+        raise UnsafeArchiveError(f"{tar_path} holds {e}; refusing to import it. {_REEXPORT}") from e
+    except (_Damaged, tarfile.TarError) as e:
+        raise CorruptCacheError(f"{tar_path} is not a readable tar archive, or was cut short ({e}). {_REEXPORT}") from e
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # from the decompressor, inside tarfile's own reads
+        raise CorruptCacheError(f"{tar_path} is not a readable tar archive, or was cut short ({type(e).__name__}: {e}). "
+                                f"{_REEXPORT}") from e
+    if fmt.META not in hashes:
+        raise CorruptCacheError(f"{tar_path} holds no {fmt.META}, so it is not an nbkit cache archive (or it was cut short). {_REEXPORT}")
+    if manifest is not None:
+        listed, extracted = set(manifest["files"]), set(hashes) - {MANIFEST}
+        if listed != extracted:
+            raise CorruptCacheError(
+                f"{tar_path} does not hold the files its manifest lists (missing: {sorted(listed - extracted)}, "
+                f"extra: {sorted(extracted - listed)}): it was cut short or changed. {_REEXPORT}"
+            )
+        for name, entry in manifest["files"].items():
+            check_entry(str(tar_path), name, entry, hashes[name], sizes[name])
+    os.rename(os.path.join(tmp, f".{fmt.META}.pending"), os.path.join(tmp, fmt.META))
+    return names
+
+
+def _copy_member(tar, m: tarfile.TarInfo, target: str, raw, cb) -> str:
+    """Write member ``m`` to ``target`` (never more than its header's size); return its sha256."""
+    h = hashlib.sha256()
+    src = tar.extractfile(m)
+    left = m.size
+    with open(target, "xb") as out:
+        while left > 0:
+            chunk = src.read(min(CHUNK, left))
+            if not chunk:
+                raise CorruptCacheError(f"{m.name} ends early")  # tarfile raises ReadError first
+            if getattr(cb, "stop_requested", False) is True:
+                raise Stopped()
+            left -= len(chunk)
+            h.update(chunk)
+            out.write(chunk)
+            cb.absolute_update(raw.tell())  # compressed bytes read, like the size
+    return h.hexdigest()
 
 
 def _tar_manifest(tar_path, storage_options) -> dict | None:
-    """``manifest.json`` of the archive at ``tar_path``, or ``None`` when it holds none."""
+    """``manifest.json`` of the archive at ``tar_path``, or ``None`` when it holds none (a tar from
+    this version has it first, so only its head is read)."""
     import fsspec
 
-    with fsspec.open(os.fspath(tar_path), "rb", **(storage_options or {})) as raw:
+    with fsspec.open(tar_path, "rb", **(storage_options or {})) as raw:
         try:
-            with tarfile.open(fileobj=open_decompressed(raw), mode="r|", bufsize=CHUNK) as tar:
+            stream = _GuardedReader(open_decompressed(raw), 1 << 62)
+            with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK, tarinfo=_BoundedTarInfo) as tar:
                 for m in tar:
                     if m.name == MANIFEST and m.isreg():
-                        return parse_manifest(tar.extractfile(m).read(), f"{tar_path}:{MANIFEST}")
-        except (tarfile.TarError, EOFError, OSError) as e:
+                        if m.size > MAX_JSON_BYTES:
+                            raise CorruptCacheError(f"{tar_path} holds a {MANIFEST} of {m.size:,} bytes; a real one is a few KiB. {_REEXPORT}")
+                        return parse_manifest(tar.extractfile(m).read(), f"{tar_path}:{MANIFEST}", _REEXPORT)
+        except _Refused as e:
+            raise UnsafeArchiveError(f"{tar_path} holds {e}. {_REEXPORT}") from e
+        except (_Damaged, tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
             raise CorruptCacheError(f"{tar_path} is not a readable tar archive ({e}); export the cache again.") from e
     return None
 
@@ -322,13 +479,14 @@ def stale_tar_reason(tar_path, cache_path, *, storage_options: dict | None = Non
         >>> _ = ds.warmup(); stale_tar_reason(tar, ds.root)
         '... holds 0 of 4 samples; the cache now holds 4: export it again.'
     """
-    fs, path = url_to_fs(os.fspath(tar_path), storage_options)
+    tar_path = check_url(tar_path, "tar_path")
+    fs, path = url_to_fs(tar_path, storage_options)
     if not fs.exists(path):
         return f"{tar_path} does not exist yet."
     manifest = _tar_manifest(tar_path, storage_options)
     if manifest is None:
         return f"{tar_path} holds no {MANIFEST} (it was not written by nbkit.export_tar, or was cut short): export the cache again."
-    root = cache_root(cache_path)
+    root = cache_root(check_path(cache_path, "cache_path"))
     files = manifest["files"]
     with open(os.path.join(root, fmt.META), "rb") as f:
         meta_sha = hashlib.sha256(f.read()).hexdigest()

@@ -2,8 +2,10 @@
 
 :func:`nbkit.push` writes it next to the cache's files, :func:`nbkit.export_tar` into the archive,
 and every reader checks what it fetched against it (:func:`check_entry`): a file whose sha256
-matches is byte-identical to what was pushed. File names in a manifest are plain names inside one
-flat directory (:func:`check_name`).
+matches is byte-identical to what was pushed. A manifest is untrusted input: :func:`parse_manifest`
+checks it against :data:`SPEC` (file names from :data:`nbkit.trust.CACHE_FILE`, sizes ``>= 0``,
+sha256 as 64 hex digits) and :func:`check_listing` checks its sizes against the objects really
+there and the free disk before anything is fetched.
 
 Example:
     >>> import tempfile, torch, nbkit
@@ -17,22 +19,41 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
+import shutil
 
 from . import format as fmt
 from .cachedir import data_files, stored_count
-from .errors import CorruptCacheError
+from .errors import CorruptCacheError, UnsafeArchiveError
 from .files import CHUNK
+from .trust import MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_manifest", "manifest_bytes",
            "parse_manifest", "read_remote_manifest", "trusted_remote_manifest", "read_local_manifest", "digest",
-           "check_name", "check_entry", "check_bytes"]
+           "check_name", "check_entry", "check_bytes", "SPEC", "REPUSH", "meta_files", "check_file_set", "check_listing",
+           "check_free_disk", "read_bounded", "check_meta_sizes"]
 
 #: The object (and archive member) listing every file's size and sha256.
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "nbkit-manifest"
+#: The fix for a manifest or cache that arrived damaged: rerunning the same copy cannot help.
+REPUSH = "Ask whoever pushed or exported it to do so again from a good copy (nbkit.push / nbkit.export_tar)."
+#: The name a host's publish lease has under a pushed prefix (:mod:`nbkit.stores.mirror`); the one
+#: object besides the cache's files a prefix may hold. Never fetched.
+LEASE = ".nbkit-publish-lease"
+
+#: What a manifest must hold. Every size is checked again against the real files before use.
+SPEC = Obj({
+    "format": Str(choices={MANIFEST_FORMAT}),
+    "version": Int(min=1, max=1),
+    "stored": Int(min=0),
+    "length": Int(min=0),
+    "files": Map(Obj({"size": Int(min=0), "sha256": Str(pattern="[0-9a-f]{64}")}), max_len=4200),
+})
 
 
 def sha256_file(path: str, progress=None) -> str:
@@ -53,7 +74,7 @@ def build_manifest(root: str, progress=None) -> dict:
     stored, length = stored_count(root)
     files = {}
     for name in data_files(root) + [fmt.META]:
-        path = os.path.join(root, name)
+        path = cache_file_path(root, name, os.path.join(root, fmt.META), error=UnsafeArchiveError)
         files[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path, progress)}
     return new_manifest(files, stored, length)
 
@@ -73,31 +94,59 @@ def digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def parse_manifest(raw: bytes, where: str) -> dict:
-    """Parse and check a manifest read from ``where``; damage raises :class:`CorruptCacheError`."""
+def parse_manifest(raw: bytes, where: str, fix: str = REPUSH) -> dict:
+    """Parse ``raw`` read from ``where`` and check it against :data:`SPEC`.
+
+    Raises:
+        CorruptCacheError: not JSON, too large, or a field of the wrong kind, naming ``where`` and ``fix``.
+        UnsafeArchiveError: it lists a file that is not one of a cache's files.
+
+    Example:
+        >>> parse_manifest(b'{"format": "nbkit-manifest", "version": 1, "stored": 0, "length": 0,'
+        ...                b' "files": {"a.py": {"size": 1, "sha256": "%s"}}}' % (b"0" * 64), "t.tar")
+        Traceback (most recent call last):
+        ...
+        nbkit.errors.UnsafeArchiveError: t.tar names the file 'a.py', which is not one of an nbkit cache's files ...
+    """
+    if len(raw) > MAX_JSON_BYTES:
+        raise CorruptCacheError(f"{where} is {len(raw)} bytes, more than a manifest can be ({MAX_JSON_BYTES}). {fix}")
     try:
         manifest = json.loads(raw)
-    except ValueError as e:
-        raise CorruptCacheError(f"{where} is not valid JSON ({e}); push the cache again with nbkit.push") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), dict):
-        raise CorruptCacheError(f"{where} is not an nbkit manifest; push the cache again with nbkit.push")
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CorruptCacheError(f"{where} is not valid JSON ({e}). {fix}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise CorruptCacheError(f"{where} is not an nbkit manifest. {fix}")
+    manifest = check_json(manifest, SPEC, where, fix)
+    for name in manifest["files"]:
+        check_cache_file(name, where, error=UnsafeArchiveError)
+    if MANIFEST in manifest["files"]:
+        raise CorruptCacheError(f"{where} lists itself ({MANIFEST}). {fix}")
+    if manifest["stored"] > manifest["length"]:
+        raise CorruptCacheError(f"{where} says {manifest['stored']} of {manifest['length']} samples are stored. {fix}")
     return manifest
 
 
-def read_remote_manifest(fs, rroot: str) -> dict | None:
-    """The manifest at ``rroot`` of ``fs``, or ``None`` if there is none; ``CorruptCacheError`` if it is damaged."""
+def read_bounded(fs, path: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The object at ``path`` of ``fs``, read with one ranged request of at most ``limit + 1`` bytes
+    (a longer object comes back cut, and its parser refuses it); ``FileNotFoundError`` if absent."""
+    return fs.cat_file(path, start=0, end=limit + 1)
+
+
+def read_remote_manifest(fs, rroot: str, url: str | None = None) -> dict | None:
+    """The manifest at ``rroot`` of ``fs`` (errors name ``url``), or ``None`` if there is none;
+    ``CorruptCacheError`` if it is damaged."""
     try:
-        raw = fs.cat_file(f"{rroot}/{MANIFEST}")
+        raw = read_bounded(fs, f"{rroot}/{MANIFEST}")
     except FileNotFoundError:
         return None
-    return parse_manifest(raw, f"{rroot}/{MANIFEST}")
+    return parse_manifest(raw, f"{url or rroot}/{MANIFEST}")
 
 
 def trusted_remote_manifest(fs, rroot: str) -> dict | None:
     """The manifest at ``rroot``, or ``None`` if there is none or it is damaged (then nothing in it is trusted)."""
     try:
         return read_remote_manifest(fs, rroot)
-    except CorruptCacheError:
+    except (CorruptCacheError, UnsafeArchiveError):
         return None
 
 
@@ -124,18 +173,124 @@ def check_entry(url: str, name: str, entry: dict | None, sha: str, size: int) ->
         >>> check_entry("memory://c", "a", None, "00", 1)
         Traceback (most recent call last):
         ...
-        nbkit.errors.CorruptCacheError: memory://c/manifest.json does not list a; push the cache again with nbkit.push
+        nbkit.errors.CorruptCacheError: memory://c/manifest.json does not list a. Ask whoever pushed or exported it ...
     """
     if entry is None:
-        raise CorruptCacheError(f"{url}/{MANIFEST} does not list {name}; push the cache again with nbkit.push")
+        raise CorruptCacheError(f"{url}/{MANIFEST} does not list {name}. {REPUSH}")
     if size != entry["size"] or sha != entry["sha256"]:
         raise CorruptCacheError(
             f"{url}/{name} does not match its manifest entry (size {size} vs {entry['size']}, sha256 {sha[:12]}… vs "
-            f"{entry['sha256'][:12]}…): the remote copy is damaged or was changed while being read. Push the cache again "
-            "from a good copy with nbkit.push."
+            f"{entry['sha256'][:12]}…): the copy is damaged, or was changed while being read (then reading it again "
+            f"helps). {REPUSH}"
         )
 
 
 def check_bytes(url: str, name: str, manifest: dict, data: bytes) -> None:
     """:func:`check_entry` for the whole content ``data`` of ``name``, fetched from ``url``."""
     check_entry(url, name, manifest["files"].get(name), hashlib.sha256(data).hexdigest(), len(data))
+
+
+def meta_files(meta: dict, where: str, fix: str = REPUSH) -> list:
+    """The column file names ``meta`` (parsed ``nbkit.json``) names, each a cache file name, none twice."""
+    columns = meta.get("columns")
+    if not isinstance(columns, list) or not all(isinstance(c, dict) for c in columns):
+        raise CorruptCacheError(f"{where} is damaged: 'columns' must be a list of objects. {fix}")
+    names = []
+    for c in columns:
+        name = check_cache_file(c.get("file"), where, error=UnsafeArchiveError)
+        if not name.startswith("col-") or name in names:
+            raise CorruptCacheError(f"{where} is damaged: the column file {name!r} is not col-<k>.bin or is named twice. {fix}")
+        names.append(name)
+    return names
+
+
+def check_file_set(meta: dict, names, where: str, fix: str = REPUSH) -> None:
+    """Raise unless ``names`` (the data files that arrived, ``nbkit.json`` and ``manifest.json`` aside)
+    are exactly the index, the column files ``meta`` names, and optionally the heap."""
+    want = {fmt.INDEX, *meta_files(meta, f"{where}: {fmt.META}", fix)}
+    have = set(names) - {fmt.META, MANIFEST}
+    missing, extra = sorted(want - have), sorted(have - want - {fmt.HEAP})
+    if missing or extra:
+        raise CorruptCacheError(
+            f"{where} does not hold the files its {fmt.META} names (missing: {missing}, not named: {extra}). {fix}")
+
+
+def check_free_disk(nbytes: int, dest: str, where: str) -> None:
+    """Raise ``OSError`` unless the disk holding ``dest``'s parent has ``nbytes`` free."""
+    parent = os.path.dirname(os.path.abspath(dest)) or "."
+    free = shutil.disk_usage(parent).free
+    if nbytes > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"{where} needs {nbytes / 2**20:,.1f} MiB but {parent} has {free / 2**20:,.1f} MiB free; nothing was "
+            "written. Free some space or choose a destination on a larger disk (a size this large may also mean "
+            "the source is damaged).")
+
+
+def check_listing(fs, rroot: str, url: str, manifest: dict) -> dict:
+    """Check the objects really under ``rroot`` against ``manifest`` before anything is fetched.
+
+    Every object must be a cache file (or the publish lease), and every file the manifest lists must
+    be there with the size the manifest says (so a manifest claiming ``2**50`` bytes fails here,
+    with one listing request). Returns ``name -> size`` of the objects.
+
+    Raises:
+        UnsafeArchiveError: an object or subdirectory that is not one of a cache's files.
+        CorruptCacheError: a listed file missing or of another size.
+    """
+    try:
+        entries = fs.ls(rroot, detail=True)
+    except FileNotFoundError:
+        entries = []
+    sizes = {}
+    for e in entries:
+        name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+        if name == LEASE and e.get("type") != "directory":
+            continue
+        if e.get("type") == "directory":
+            raise UnsafeArchiveError(f"{url} holds the subdirectory {name!r}; an nbkit cache is one flat prefix of its own "
+                                     "files. Refusing to pull it: push the cache to a prefix of its own.")
+        check_cache_file(name, url, error=UnsafeArchiveError)
+        size = e.get("size")
+        sizes[name] = size if isinstance(size, int) and not isinstance(size, bool) else None
+    for name, entry in manifest["files"].items():
+        if name not in sizes:
+            raise CorruptCacheError(f"{url}/{MANIFEST} lists {name}, which is not there: the push was cut short, "
+                                    f"or the prefix was changed since. {REPUSH}")
+        if sizes[name] is not None and sizes[name] != entry["size"]:
+            raise CorruptCacheError(f"{url}/{name} is {sizes[name]} bytes but its manifest says {entry['size']}: the "
+                                    f"prefix was changed after the push, or the manifest is damaged. {REPUSH}")
+    return sizes
+
+
+def check_meta_sizes(meta: dict, sizes: dict, where: str, fix: str = REPUSH) -> None:
+    """Raise :class:`CorruptCacheError` unless ``sizes`` (name -> bytes, from a manifest, a listing
+    or the disk) are what ``meta`` implies: ``index.bin`` holds ``length`` records and each column
+    file ``capacity`` rows. Checked before any of those files is opened or allocated, so a length
+    or shape in damaged metadata is bounded by real bytes."""
+    from .codec import Schema
+
+    length, capacity = meta.get("length"), meta.get("capacity")
+
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not count(length) or (capacity is not None and not (count(capacity) and capacity <= length)):
+        raise CorruptCacheError(f"{where}: {fmt.META} is damaged: length {length!r} and capacity {capacity!r} must be "
+                                f"integers with 0 <= capacity <= length. {fix}")
+    try:
+        schema = Schema.from_json(meta.get("schema"))
+    except (IndexError, AttributeError, RecursionError) as e:  # Schema.from_json names the others itself
+        raise CorruptCacheError(f"{where}: {fmt.META} has a malformed schema ({type(e).__name__}: {e}). {fix}") from e
+    columns = meta_files(meta, f"{where}: {fmt.META}", fix)
+    if len(columns) != len(schema.columns):
+        raise CorruptCacheError(f"{where}: {fmt.META} names {len(columns)} column files for {len(schema.columns)} "
+                                f"columns. {fix}")
+    rows = length if capacity is None else capacity
+    want = {fmt.INDEX: length * fmt.RECORD.itemsize}
+    for name, leaf in zip(columns, schema.columns):
+        want[name] = rows * math.prod(leaf.shape) * schema.column_dtype(leaf).itemsize
+    for name, n in want.items():
+        if sizes.get(name) != n:
+            raise CorruptCacheError(f"{where}/{name} is {sizes.get(name)} bytes, but {fmt.META} says it holds {n}: the "
+                                    f"metadata disagrees with the files. {fix}")

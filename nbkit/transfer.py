@@ -1,9 +1,11 @@
 """Copy a cache directory to and from any fsspec URL (``gs://`` first): :func:`push` and :func:`pull`.
 
 A pushed cache is its files under the URL plus ``manifest.json`` (:mod:`nbkit.manifest`); a push is
-resumable and publishes ``nbkit.json`` last, a pull checks every sha256 before it swaps the copy
-into place, and an unreachable endpoint fails at once naming the fix (``docs/DESIGN.md``,
-"Transfer and archives").
+resumable and publishes ``nbkit.json`` last. A bucket prefix is untrusted input: a pull takes only
+a cache's own file names, checks the manifest's sizes against the objects and the free disk before
+fetching, and checks every sha256 and every stored sample's CRC (:func:`check_whole`) before it
+swaps the copy into place. An unreachable endpoint fails at once naming the fix (``docs/DESIGN.md``,
+"Transfer and archives"; ``docs/SECURITY.md``).
 
 Example:
     >>> import tempfile, torch, nbkit
@@ -30,17 +32,22 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import format as fmt
-from .cachedir import cache_root, check_replaceable, swap_into_place
-from .errors import CorruptCacheError
+from .cachedir import cache_root, check_replaceable, open_files, swap_into_place
+from .errors import CorruptCacheError, UnsafeArchiveError
 from .files import CHUNK
-from .manifest import (MANIFEST, build_manifest, check_entry, check_name, manifest_bytes, read_remote_manifest,
-                       sha256_file, trusted_remote_manifest)
+from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_listing,
+                       check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
+                       trusted_remote_manifest)
 from .progress import as_callback
 from .remote import (BLOCK, abandon, endpoint_of, is_connection_error, is_local, network_errors, remote_sizes,
                      unreachable, url_to_fs, write_bytes)
+from .text import format_list
+from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url
 
-__all__ = ["push", "pull", "TransferReport", "Stopped", "describe"]
+__all__ = ["push", "pull", "TransferReport", "Stopped", "describe", "check_whole"]
 
 # Downloads fetch a large file as ranged reads of PART bytes, at most PARTS_IN_FLIGHT of them
 # (over all files) fetched and not yet written: this bounds pull's memory to ~100 MiB. Against the
@@ -89,6 +96,69 @@ def describe(cb, text: str) -> None:
     set_description = getattr(cb, "set_description", None)
     if set_description is not None:
         set_description(text)
+
+
+def check_whole(tmp: str, where: str, fix: str, callback=None, describe_as: str | None = None) -> int:
+    """Check, before it is swapped into place, that the copy in ``tmp`` is a whole cache: ``nbkit.json``
+    names exactly the data files there, agrees with their sizes, and every stored sample's CRC holds.
+    Returns the samples checked.
+
+    Raises:
+        CorruptCacheError: naming ``where`` (the tar or URL it came from) and ``fix``.
+    """
+    cb = as_callback(callback)
+    meta_where = f"{where}: {fmt.META}"
+    with open(os.path.join(tmp, fmt.META), "rb") as f:
+        raw = f.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise CorruptCacheError(f"{meta_where} is more than {MAX_JSON_BYTES} bytes; a real one is a few KiB. {fix}")
+    meta = fmt.parse_meta(raw, meta_where, fix)
+    names = os.listdir(tmp)
+    check_file_set(meta, names, where, fix)
+    check_meta_sizes(meta, {n: os.path.getsize(os.path.join(tmp, n)) for n in names}, where, fix)
+    if describe_as:
+        describe(cb, describe_as)
+    try:
+        try:
+            files = open_files(tmp)
+        except (TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
+            # nbkit.json that parse_meta let through but the store cannot use: damaged all the same.
+            raise CorruptCacheError(f"{meta_where} is damaged ({type(e).__name__}: {e}). {fix}") from e
+        try:
+            return _verify_in_place(files, where, cb)
+        finally:
+            files.close()  # release the maps before the directory is renamed
+    except CorruptCacheError as e:
+        text = str(e).replace(tmp, where)
+        if where not in text:
+            text = f"{where}: {text}"
+        raise CorruptCacheError(f"{text} Nothing was replaced. {fix}") from e
+
+
+def _verify_in_place(files, where: str, callback, chunk: int = 8192) -> int:
+    """:func:`nbkit.format.verify_store` for a copy about to be swapped in: runs of consecutive rows
+    (every run, in a complete cache) are checked in the mapped files rather than gathered into a
+    copy first, and the checksums use two threads; together about 1.7x faster, which keeps an
+    import's full check within its budget (``benchmarks/results/trust.md``)."""
+    cb = as_callback(callback)
+    stored = np.flatnonzero(files.is_stored(np.arange(files.length)))
+    cb.set_size(len(stored))
+    cb.absolute_update(0)
+    bad = []
+    for start in range(0, len(stored), chunk):
+        part = stored[start:start + chunk]
+        rows = part if files.slot_of is None else files.slot_of[part]
+        if np.all(np.diff(rows) == 1):
+            columns = [c[int(rows[0]):int(rows[0]) + len(rows)] for c in files.columns]
+        else:
+            columns = files.gather(part)
+        ok = fmt.verify(files, part, columns=columns, threads=2)
+        bad.extend(int(i) for i in part[~ok])
+        cb.relative_update(len(part))
+    if bad:
+        raise CorruptCacheError(
+            f"{len(bad)} sample(s) in the cache at {where} fail their checksum (indices {format_list(bad)}).")
+    return len(stored)
 
 
 # -- parallel copy with progress on the calling thread --------------------------------------------
@@ -172,9 +242,11 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
         >>> sorted(r.transferred)
         ['col-0.bin', 'index.bin', 'nbkit.json']
     """
+    url = check_url(url, "url")
+    max_workers = check_int(max_workers, "max_workers", min=1, max=256)
     start = time.perf_counter()
     cb = as_callback(callback)
-    root = cache_root(cache_path)
+    root = cache_root(check_path(cache_path, "cache_path"))
     fs, rroot = url_to_fs(url, storage_options)
     fix = f"rerun nbkit.push({root!r}, {url!r}): it resumes, skipping the files already uploaded"
     with network_errors(fs, url, "pushing to", fix):
@@ -230,7 +302,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
 
     def upload(name):
         def job(report, stop):
-            with open(os.path.join(root, name), "rb") as src:
+            with open(cache_file_path(root, name, root, error=UnsafeArchiveError), "rb") as src:
                 dst = fs.open(f"{rroot}/{name}", "wb", block_size=BLOCK)
                 try:
                     while chunk := src.read(CHUNK):
@@ -273,6 +345,8 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     write_bytes(fs, f"{rroot}/{MANIFEST}", manifest_bytes(manifest))
     with open(os.path.join(root, fmt.META), "rb") as f:
         meta = f.read()
+    if hashlib.sha256(meta).hexdigest() != files[fmt.META]["sha256"]:
+        raise RuntimeError(f"{root}/{fmt.META} changed while the cache was being pushed; nothing was published. {fix}.")
     write_bytes(fs, f"{rroot}/{fmt.META}", meta)
     cb.relative_update(len(meta))
     describe(cb, "pushed")
@@ -311,10 +385,12 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
         >>> r.transferred[-1]
         'nbkit.json'
     """
+    url = check_url(url, "url")
+    dest = os.path.abspath(os.path.expanduser(check_path(cache_path, "cache_path")))
+    max_workers = check_int(max_workers, "max_workers", min=1, max=256)
     start = time.perf_counter()
     cb = as_callback(callback)
     fs, rroot = url_to_fs(url, storage_options)
-    dest = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
     fix = f"rerun nbkit.pull({url!r}, {dest!r}) ({dest} is unchanged)"
     with network_errors(fs, url, "pulling from", fix):
         return _pull(url, dest, fs, rroot, cb, max_workers, start, fix)
@@ -327,24 +403,35 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
             f"{url} holds no complete nbkit cache ({fmt.META} is missing): push one with "
             f"nbkit.push(cache_dir, {url!r}), or wait until the push in progress has finished."
         )
-    manifest = read_remote_manifest(fs, rroot)
+    manifest = read_remote_manifest(fs, rroot, url)
     if manifest is None:
-        raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by nbkit.push. Push it again with nbkit.push.")
+        raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by nbkit.push. {REPUSH}")
     files = manifest["files"]
     if fmt.META not in files:
-        raise CorruptCacheError(f"{url}/{MANIFEST} does not list {fmt.META}; push the cache again with nbkit.push.")
-    for name in files:
-        check_name(name, f"{url}/{MANIFEST}")
+        raise CorruptCacheError(f"{url}/{MANIFEST} does not list {fmt.META}. {REPUSH}")
+    # Every size is checked before anything is fetched: against the objects really there (one
+    # listing), the metadata's bound and the free disk.
+    check_listing(fs, rroot, url, manifest)
+    if files[fmt.META]["size"] > MAX_JSON_BYTES:
+        raise CorruptCacheError(f"{url}/{MANIFEST} says {fmt.META} is {files[fmt.META]['size']:,} bytes; a real one is a few KiB. {REPUSH}")
 
     check_replaceable(dest)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
+    check_free_disk(sum(e["size"] for e in files.values()), dest, f"pulling {url}")
+    # nbkit.json first (small, bounded): the files it names must be exactly those the manifest lists.
+    meta = read_bounded(fs, f"{rroot}/{fmt.META}")
+    check_entry(url, fmt.META, files[fmt.META], hashlib.sha256(meta).hexdigest(), len(meta))
+    parsed = fmt.parse_meta(meta, f"{url}/{fmt.META}", REPUSH)
+    check_file_set(parsed, files, url)
+    check_meta_sizes(parsed, {n: e["size"] for n, e in files.items()}, url)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.pull-", dir=parent)
     try:
         reused = []
         for name, entry in files.items():
             old = os.path.join(dest, name)
-            if name != fmt.META and os.path.isfile(old) and os.path.getsize(old) == entry["size"] and sha256_file(old) == entry["sha256"]:
+            if (name != fmt.META and os.path.isfile(old) and not os.path.islink(old) and os.path.getsize(old) == entry["size"]
+                    and sha256_file(old) == entry["sha256"]):
                 shutil.copyfile(old, os.path.join(tmp, name))
                 reused.append(name)
         todo = sorted((n for n in files if n not in reused and n != fmt.META), key=lambda n: -files[n]["size"])
@@ -358,7 +445,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
             def download(name):
                 def job(report, stop):
                     sha = _download(fs, f"{rroot}/{name}", os.path.join(tmp, name), files[name]["size"],
-                                    fetchers, budget, report, stop)
+                                    fetchers, budget, report, stop, url)
                     check_entry(url, name, files[name], sha, os.path.getsize(os.path.join(tmp, name)))
                 return job
 
@@ -374,12 +461,11 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         if stopped:
             describe(cb, "stopped")
             return TransferReport(tuple(done), tuple(reused), sum(files[n]["size"] for n in done), time.perf_counter() - start, stopped=True)
-        # nbkit.json last, and checked like the rest.
-        meta = fs.cat_file(f"{rroot}/{fmt.META}")
-        check_entry(url, fmt.META, files[fmt.META], hashlib.sha256(meta).hexdigest(), len(meta))
         with open(os.path.join(tmp, fmt.META), "wb") as f:
             f.write(meta)
         cb.relative_update(len(meta))
+        describe(cb, "verifying checksums")  # progress stays in bytes: the report's unit
+        check_whole(tmp, url, REPUSH)
         swap_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -388,7 +474,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     return TransferReport(tuple(todo) + (fmt.META,), tuple(reused), nbytes, time.perf_counter() - start)
 
 
-def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, stop) -> str:
+def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, stop, url: str = "") -> str:
     """Copy ``rpath`` to ``lpath`` as ranged reads fetched ahead in ``fetchers``; return its sha256.
 
     Parts are written and hashed in order while the next ones are in flight, so the file is read
@@ -408,7 +494,7 @@ def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, s
                 return
             begin = offsets[k]
             k += 1
-            ahead.append(fetchers.submit(fs.cat_file, rpath, start=begin, end=min(begin + PART, size)))
+            ahead.append((min(PART, size - begin), fetchers.submit(fs.cat_file, rpath, start=begin, end=min(begin + PART, size))))
 
     if stop.is_set():
         raise Stopped()
@@ -416,11 +502,14 @@ def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, s
         with open(lpath, "wb") as out:
             request_more()
             while ahead:
-                fut = ahead.popleft()
+                want, fut = ahead.popleft()
                 try:
                     data = fut.result()
                 finally:
                     budget.release()
+                if len(data) != want:  # never write more (or less) than the manifest's size
+                    raise CorruptCacheError(f"{url}: a ranged read of {rpath} returned {len(data)} bytes, expected {want}: "
+                                            f"the object changed while being read (pull again; if it persists, the prefix is damaged: {REPUSH})")
                 request_more()
                 if stop.is_set():
                     raise Stopped()
@@ -428,7 +517,7 @@ def _download(fs, rpath: str, lpath: str, size: int, fetchers, budget, report, s
                 out.write(data)
                 report(len(data))
     finally:
-        for fut in ahead:  # failed or stopped: drop the parts in flight and give their budget back
+        for _, fut in ahead:  # failed or stopped: drop the parts in flight and give their budget back
             fut.cancel()
             budget.release()
     return h.hexdigest()

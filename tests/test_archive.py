@@ -44,7 +44,8 @@ def test_round_trip_and_reproducible(tmp_path, cache, compression):
     with open(a, "rb") as raw, tarfile.open(fileobj=open_decompressed(raw), mode="r|") as tar:
         members = list(tar)
     names = [m.name for m in members]
-    assert names[-2:] == ["manifest.json", fmt.META] and names[:-2] == sorted(names[:-2])
+    # The manifest first (an import knows every size before it writes), then the metadata, then the data.
+    assert names[:2] == ["manifest.json", fmt.META] and names[2:] == sorted(names[2:])
     assert all(m.mtime == 0 and m.uid == 0 and m.gid == 0 and m.uname == "" and m.isreg() for m in members)
 
     report = nbkit.import_tar(a, tmp_path / "copy")
@@ -255,3 +256,478 @@ def test_stale_tar_reason_of_a_plain_tar_and_of_a_damaged_one(tmp_path, cache):
     url = "memory://nbkit-tests/stale/c.tar.gz"  # any fsspec URL, as export_tar writes them
     nbkit.export_tar(cache, url, compression="gz")
     assert stale_tar_reason(url, cache) is None
+
+
+# -- issue 17: a tar is untrusted input -------------------------------------------------------------
+
+import errno  # noqa: E402
+import gzip  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import shutil  # noqa: E402
+
+from nbkit.manifest import MANIFEST, manifest_bytes, new_manifest  # noqa: E402
+
+
+def tree_digest(path):
+    """name -> sha256 of every file under ``path`` (to show a cache is byte-for-byte unchanged)."""
+    out = {}
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def good_dest(tmp_path):
+    """A good cache at the destination (another one than ``cache``), and its digest."""
+    ds = nbkit.CachedDataset(TupleSource(n=10), tmp_path / "dest" / "copy")
+    ds.warmup()
+    return ds.root, tree_digest(ds.root)
+
+
+def cache_files(root):
+    return {n: open(os.path.join(root, n), "rb").read() for n in os.listdir(root) if n != fmt.LOCK}
+
+
+def make_tar(path, files, *, order=None, manifest=True, compression=None, stored_length=(40, 40)):
+    """A tar of ``files`` (name -> bytes) with a manifest consistent with them, first by default."""
+    members = dict(files)
+    if manifest:
+        entries = {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in files.items()}
+        members[MANIFEST] = manifest_bytes(new_manifest(entries, *stored_length))
+    order = order or ([MANIFEST] if manifest else []) + sorted(files)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in order:
+            ti = tarfile.TarInfo(name)
+            ti.size = len(members[name])
+            tar.addfile(ti, io.BytesIO(members[name]))
+    data = buf.getvalue()
+    if compression == "gz":
+        data = gzip.compress(data, mtime=0)
+    elif compression == "zst":
+        import zstandard
+
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+    return path
+
+
+def assert_refused(tar, dest, good, exc, match):
+    parent = os.path.dirname(dest)
+    before = sorted(os.listdir(parent))
+    with pytest.raises(exc, match=match) as info:
+        nbkit.import_tar(tar, dest)
+    assert str(tar) in str(info.value)
+    assert sorted(os.listdir(parent)) == before  # no temporary directory left, nothing else written
+    assert tree_digest(dest) == good  # the previous cache, byte for byte
+    return info.value
+
+
+def test_a_member_that_is_not_a_cache_file_is_refused(tmp_path, cache, good_dest):
+    # Problem 1: evil.py next to nbkit.json could be imported by a namedtuple's module name.
+    dest, good = good_dest
+    for order in ("first", "last"):
+        files = cache_files(cache)
+        files["evil.py"] = b"raise SystemExit('pwned')\n"
+        tar = make_tar(tmp_path / f"evil-{order}.tar", files, manifest=False,
+                       order=(["evil.py"] + sorted(cache_files(cache))) if order == "first" else None)
+        e = assert_refused(tar, dest, good, UnsafeArchiveError, "evil.py")
+        assert "not one of an nbkit cache's files" in str(e)
+    assert not any("evil" in n for _, _, ns in os.walk(tmp_path / "dest") for n in ns)
+
+
+def test_samples_failing_their_crc_keep_the_previous_cache(tmp_path, cache, good_dest):
+    # Problem 3: the manifest's sha256s agree with the damaged files; only the CRCs tell.
+    dest, good = good_dest
+    files = cache_files(cache)
+    col = bytearray(files["col-0.bin"])
+    col[len(col) // 3] ^= 0x10
+    files["col-0.bin"] = bytes(col)
+    tar = make_tar(tmp_path / "crc.tar", files)
+    assert_refused(tar, dest, good, CorruptCacheError, "fail their checksum")
+
+
+def test_metadata_must_agree_with_the_files(tmp_path, cache, good_dest):
+    dest, good = good_dest
+    files = cache_files(cache)
+    short = dict(files, **{"col-0.bin": files["col-0.bin"][:-8]})  # consistent manifest, wrong size for nbkit.json
+    assert_refused(make_tar(tmp_path / "short.tar", short), dest, good, CorruptCacheError, "col-0.bin")
+    extra = dict(files, **{"col-77.bin": b"x" * 16})  # a column file nbkit.json does not name
+    assert_refused(make_tar(tmp_path / "extra.tar", extra), dest, good, CorruptCacheError, "col-77.bin")
+    missing = {n: b for n, b in files.items() if n != "col-1.bin"}
+    assert_refused(make_tar(tmp_path / "missing.tar", missing), dest, good, CorruptCacheError, "col-1.bin")
+
+
+def test_a_tar_with_the_manifest_last_or_none_still_imports(tmp_path, cache):
+    files = cache_files(cache)
+    for manifest, order in ((True, sorted(files) + [MANIFEST]), (False, None)):
+        tar = make_tar(tmp_path / f"old-{manifest}.tar", files, manifest=manifest, order=order)
+        nbkit.import_tar(tar, tmp_path / f"copy-{manifest}")
+        assert_same_samples(tmp_path / f"copy-{manifest}")
+
+
+def _header(name, size, type=tarfile.REGTYPE, pax=None):
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.type = size, type
+    if pax:
+        ti.pax_headers = pax
+    return ti.tobuf(tarfile.PAX_FORMAT if pax else tarfile.GNU_FORMAT)
+
+
+@pytest.mark.parametrize("kind", ["gnu-type-S", "pax-0.0", "pax-0.1", "pax-1.0"])
+def test_sparse_members_are_refused(tmp_path, good_dest, kind):
+    # Problem 5: a small sparse member can claim far more than the disk holds.
+    dest, good = good_dest
+    big = str(1 << 50)
+    if kind == "gnu-type-S":
+        head = _header("col-0.bin", 512, tarfile.GNUTYPE_SPARSE)
+    else:
+        pax = {"pax-0.0": {"GNU.sparse.size": big, "GNU.sparse.numblocks": "1", "GNU.sparse.offset": "0",
+                           "GNU.sparse.numbytes": "512"},
+               "pax-0.1": {"GNU.sparse.size": big, "GNU.sparse.map": "0,512"},
+               "pax-1.0": {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.realsize": big,
+                           "GNU.sparse.name": "col-0.bin"}}[kind]
+        head = _header("col-0.bin", 512, pax=pax)
+    tar = tmp_path / "sparse.tar"
+    tar.write_bytes(head + b"1\n512\n".ljust(512, b"\0") + b"\0" * 512 + b"\0" * 1024)
+    assert_refused(tar, dest, good, UnsafeArchiveError, "sparse")
+
+
+def test_a_real_gnu_tar_sparse_file_is_refused(tmp_path, good_dest):
+    dest, good = good_dest
+    work = tmp_path / "work"
+    work.mkdir()
+    with open(work / "col-0.bin", "wb") as f:
+        f.truncate(1 << 30)  # 1 GiB of holes: a tar of a few KiB
+        f.write(b"x")
+    for fmt_ in ("gnu", "posix"):
+        tar = tmp_path / f"sparse-{fmt_}.tar"
+        subprocess.run(["tar", "--sparse", f"--format={fmt_}", "-cf", str(tar), "-C", str(work), "col-0.bin"], check=True)
+        assert os.path.getsize(tar) < 1 << 20
+        assert_refused(tar, dest, good, UnsafeArchiveError, "sparse")
+
+
+def test_a_gzip_bomb_is_refused_before_anything_is_written(tmp_path, good_dest, monkeypatch):
+    dest, good = good_dest
+    free = shutil.disk_usage(tmp_path).free
+    # A header claiming more than the disk holds, then zeros that compress 1000:1.
+    data = _header("col-0.bin", free + (1 << 30)) + b"\0" * (8 << 20)
+    tar = tmp_path / "bomb.tar.gz"
+    tar.write_bytes(gzip.compress(data, mtime=0))
+    written = []
+    real_open = open
+
+    def spy(file, mode="r", *a, **k):
+        if "w" in mode or "x" in mode:
+            written.append(file)
+        return real_open(file, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", spy)
+    e = assert_refused(tar, dest, good, OSError, "free")
+    assert e.errno == errno.ENOSPC
+    assert not written
+    # With a manifest first, a member larger than its entry is refused before it is written.
+    files = {"index.bin": b"\0" * 24}
+    entries = {"index.bin": {"size": 24, "sha256": "0" * 64}}
+    head = manifest_bytes(new_manifest(entries, 0, 1))
+    body = _header(MANIFEST, len(head)) + head.ljust(-(-len(head) // 512) * 512, b"\0") + _header("index.bin", 1 << 30)
+    tar2 = tmp_path / "bomb2.tar.gz"
+    tar2.write_bytes(gzip.compress(body + b"\0" * (4 << 20), mtime=0))
+    assert_refused(tar2, dest, good, CorruptCacheError, "says 24")
+    assert not written
+    del files
+
+
+@pytest.mark.parametrize("compression", [None, "gz", "zst"])
+def test_truncated_or_fake_compressed_tars_are_named(tmp_path, cache, good_dest, compression):
+    dest, good = good_dest
+    tar = tmp_path / f"c.tar{'.' + compression if compression else ''}"
+    nbkit.export_tar(cache, tar, compression=compression)
+    data = tar.read_bytes()
+    # (A plain tar cut in its end-of-archive padding still holds the whole cache.)
+    for cut in (len(data) // 2, 10) + ((len(data) - 7,) if compression else ()):
+        tar.write_bytes(data[:cut])
+        assert_refused(tar, dest, good, CorruptCacheError, "export_tar again")
+    magic = {None: b"", "gz": b"\x1f\x8b", "zst": b"\x28\xb5\x2f\xfd"}[compression]
+    tar.write_bytes(magic + b"this is not a tar at all" * 50)
+    assert_refused(tar, dest, good, CorruptCacheError, "not a readable tar")
+
+
+def test_a_damaged_manifest_is_named_with_the_fix(tmp_path, cache, good_dest):
+    dest, good = good_dest
+    files = cache_files(cache)
+    for bad, match in (({"size": "12", "sha256": "0" * 64}, "size"), ({"size": 1, "sha256": "xyz"}, "sha256"),
+                       ({"size": -1, "sha256": "0" * 64}, "size")):
+        manifest = json.loads(manifest_bytes(new_manifest(
+            {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in files.items()}, 40, 40)))
+        manifest["files"]["index.bin"] = bad
+        members = dict(files, **{MANIFEST: json.dumps(manifest).encode()})
+        tar = make_tar(tmp_path / "m.tar", members, manifest=False, order=[MANIFEST] + sorted(files))
+        e = assert_refused(tar, dest, good, CorruptCacheError, match)
+        assert "Ask whoever exported it" in str(e) and "rerun" not in str(e)
+
+
+def test_arguments_are_checked_naming_them(tmp_path, cache):
+    with pytest.raises(TypeError, match="tar_path"):
+        nbkit.import_tar(b"/tmp/x.tar", tmp_path / "c")
+    with pytest.raises(TypeError, match="cache_path"):
+        nbkit.import_tar(tmp_path / "x.tar", 3)
+    with pytest.raises(ValueError, match="tar_path 'gs:/bucket/c.tar' looks like a URL with one slash"):
+        nbkit.export_tar(cache, "gs:/bucket/c.tar")
+    with pytest.raises(FileNotFoundError, match="tar_path"):
+        nbkit.import_tar(tmp_path / "absent.tar", tmp_path / "c")
+    with pytest.raises(ValueError, match="compression"):
+        nbkit.export_tar(cache, tmp_path / "c.tar", compression=3)
+
+
+def test_export_sends_only_cache_files_and_refuses_a_symlink(tmp_path, cache):
+    work = tmp_path / "work"
+    shutil.copytree(cache, work)
+    (work / "notes.txt").write_text("private")
+    tar = tmp_path / "c.tar"
+    nbkit.export_tar(work, tar)
+    with tarfile.open(tar) as t:
+        assert "notes.txt" not in t.getnames()
+    outside = tmp_path / "outside.bin"
+    shutil.copyfile(work / "col-0.bin", outside)
+    os.unlink(work / "col-0.bin")
+    os.symlink(outside, work / "col-0.bin")
+    with pytest.raises(UnsafeArchiveError, match="symbolic link"):
+        nbkit.export_tar(work, tmp_path / "d.tar")
+    assert not (tmp_path / "d.tar").exists()
+
+
+def test_stale_tar_reason_reads_only_the_head(tmp_path, cache):
+    from nbkit.archive import stale_tar_reason
+
+    tar = tmp_path / "c.tar"
+    nbkit.export_tar(cache, tar)
+    with tarfile.open(tar) as t:
+        cut = t.getmember(fmt.META).offset  # the manifest is all that is left
+    tar.write_bytes(tar.read_bytes()[:cut])
+    assert stale_tar_reason(tar, cache) is None
+
+
+# -- fuzzing: mutated tar bytes and manifest values --------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ_SOURCE = TupleSource(n=6, shape=(2, 3))
+
+
+@pytest.fixture(scope="module")
+def fuzz_cache(tmp_path_factory):
+    """A small cache (a fixed-shape column, labels and a free-form heap would all be there in a
+    bigger one; this one has index, two columns and metadata), its plain tar, and its files."""
+    ds = nbkit.CachedDataset(FUZZ_SOURCE, tmp_path_factory.mktemp("fuzz") / "cache")
+    ds.warmup()
+    tar = tmp_path_factory.mktemp("fuzz-tar") / "c.tar"
+    nbkit.export_tar(ds.root, tar)
+    return Quiet((ds.root, tar.read_bytes(), cache_files(ds.root)))
+
+
+class Quiet(tuple):
+    def __repr__(self):  # hypothesis prints the arguments of a failing example
+        return "<fuzz cache>"
+
+
+class Arena:
+    """A directory holding a good previous cache at ``dest``: each example imports into it and checks
+    the outcome, then puts the good cache back."""
+
+    def __init__(self, base, src_files=("fuzz.tar",)):
+        self.base = base
+        self.pristine = os.path.join(base, "pristine")
+        ds = nbkit.CachedDataset(TupleSource(n=3, shape=(2, 3)), self.pristine)
+        ds.warmup()
+        self.good = tree_digest(self.pristine)
+        self.parent = os.path.join(base, "work")
+        self.dest = os.path.join(self.parent, "copy")
+        shutil.copytree(self.pristine, self.dest)
+        self.src = os.path.join(base, "src")  # where the tar under test lies, alone
+        os.makedirs(self.src)
+        self.tar = os.path.join(self.src, "fuzz.tar")
+        self.listing = sorted(os.listdir(base)), sorted(os.listdir(self.parent)), list(src_files)
+
+    def __repr__(self):
+        return "<arena>"
+
+    def check(self, run, source_name):
+        """``run()`` imports or pulls into ``dest``: correct samples, or an nbkit error naming the source."""
+        from hypothesis import event
+
+        try:
+            run()
+        except (CorruptCacheError, UnsafeArchiveError, FileNotFoundError) as e:
+            event(type(e).__name__)  # --hypothesis-show-statistics shows how the examples ended
+            assert source_name in str(e), str(e)
+            assert tree_digest(self.dest) == self.good
+        except OSError as e:  # a size past the free disk: refused before writing
+            assert e.errno == errno.ENOSPC and source_name in str(e), repr(e)
+            assert tree_digest(self.dest) == self.good
+        else:
+            event("imported")
+            copy = nbkit.CachedDataset.open(self.dest)
+            assert len(copy) == len(FUZZ_SOURCE) and len(copy.missing()) == 0
+            for i in range(len(FUZZ_SOURCE)):
+                assert_equal(copy[i], FUZZ_SOURCE[i], f"sample {i}")
+            shutil.rmtree(self.dest)
+            shutil.copytree(self.pristine, self.dest)
+        # Nothing written beside the destination or the source, no temporary directory left behind.
+        assert (sorted(os.listdir(self.base)), sorted(os.listdir(self.parent)), os.listdir(self.src)) == self.listing
+
+
+@pytest.fixture(scope="module")
+def arena(tmp_path_factory):
+    return Arena(str(tmp_path_factory.mktemp("arena")))
+
+
+def _fix_checksum(data: bytearray, at: int) -> None:
+    block = bytearray(data[at:at + 512])
+    block[148:156] = b" " * 8
+    data[at + 148:at + 156] = b"%06o\0 " % sum(block)
+
+
+def _compress(data: bytes, compression) -> bytes:
+    if compression == "gz":
+        return gzip.compress(data, mtime=0)
+    if compression == "zst":
+        import zstandard
+
+        return zstandard.ZstdCompressor().compress(data)
+    return data
+
+
+FIELDS = {"name": (0, 100), "mode": (100, 108), "size": (124, 136), "chksum": (148, 156), "type": (156, 157),
+          "linkname": (157, 257), "magic": (257, 265), "pad": (500, 512), "anywhere": (0, 1024)}
+
+
+@pytest.mark.fuzz
+@given(compression=st.sampled_from([None, "gz", "zst"]), data=st.data())
+def test_fuzz_tar_bytes(fuzz_cache, arena, compression, data):
+    _, plain, _ = fuzz_cache
+    with tarfile.open(fileobj=io.BytesIO(plain)) as t:
+        offsets = [m.offset for m in t.getmembers()]
+    tar_bytes = bytearray(plain)
+    for _ in range(data.draw(st.integers(1, 3), "header edits")):
+        at = data.draw(st.sampled_from(offsets), "member")
+        field = data.draw(st.sampled_from(sorted(FIELDS)), "field")
+        lo, hi = FIELDS[field]
+        if field == "size" and data.draw(st.booleans(), "numeric size"):
+            value = b"%011o\0" % data.draw(st.sampled_from([0, 1, 7, 511, 512, 4096, 8**11 - 1]), "size")
+            tar_bytes[at + lo:at + hi] = value
+        elif field == "type":
+            tar_bytes[at + lo] = data.draw(st.sampled_from(b"0123456789SxgLK\0A"), "type")
+        elif field == "name":
+            name = data.draw(st.sampled_from([b"evil.py", b"../x", b"/etc/x", b"index.bin", b"col-0.bin", b"col-9.bin",
+                                              b"./", b"a/b", b"nbkit.json", b"manifest.json"]), "name")
+            tar_bytes[at:at + 100] = name.ljust(100, b"\0")
+        else:
+            pos = at + data.draw(st.integers(lo, hi - 1), "offset")
+            if pos < len(tar_bytes):
+                tar_bytes[pos] = data.draw(st.integers(0, 255), "byte")
+        if data.draw(st.booleans(), "fix checksum") and at + 512 <= len(tar_bytes):
+            _fix_checksum(tar_bytes, at)
+    raw = bytearray(_compress(bytes(tar_bytes), compression))
+    for _ in range(data.draw(st.integers(0, 2), "flips after compression")):
+        pos = data.draw(st.integers(0, len(raw) - 1), "flip at")
+        raw[pos] ^= 1 << data.draw(st.integers(0, 7), "bit")
+    cut = data.draw(st.one_of(st.none(), st.integers(0, len(raw))), "cut")
+    with open(arena.tar, "wb") as f:
+        f.write(bytes(raw[:cut]))
+    arena.check(lambda: nbkit.import_tar(arena.tar, arena.dest), arena.tar)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.sampled_from([0, 1, -1, 6, 2**50, 2**63, 10**30]) | st.integers()
+    | st.floats(allow_nan=True) | st.text(max_size=20) | st.sampled_from(["0" * 64, "evil.py", "col-7.bin", "../x"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def mutate_json(manifest: dict, data) -> dict:
+    """One hypothesis-chosen change to a manifest: a value replaced, a key removed or renamed."""
+    paths = []
+
+    def walk(node, path):
+        for k, v in node.items():
+            paths.append(path + (k,))
+            if isinstance(v, dict):
+                walk(v, path + (k,))
+
+    walk(manifest, ())
+    m = json.loads(json.dumps(manifest))
+    for _ in range(data.draw(st.integers(1, 2), "changes")):
+        path = data.draw(st.sampled_from(paths), "path")
+        node = m
+        try:
+            for k in path[:-1]:
+                node = node[k]
+            key = path[-1]
+            node[key]  # noqa: B018 - a previous change may have removed it
+        except (KeyError, TypeError):
+            continue
+        how = data.draw(st.sampled_from(["value", "delete", "rename", "same"]), "how")
+        if how == "same":  # a manifest written differently (key order, spacing) but meaning the same
+            continue
+        if how == "value":
+            node[key] = data.draw(JSON_VALUES, "value")
+        elif how == "delete":
+            del node[key]
+        else:
+            node[data.draw(st.sampled_from(["evil.py", "col-7.bin", "../x", "heap.bin", "", "nbkit.json"]) | st.text(max_size=12), "new key")] = node.pop(key)
+    return m
+
+
+@pytest.mark.fuzz
+@given(data=st.data())
+def test_fuzz_manifest_values_in_a_tar(fuzz_cache, arena, data):
+    root, _, files = fuzz_cache
+    from nbkit.manifest import build_manifest
+
+    manifest = mutate_json(build_manifest(root), data)
+    members = dict(files, **{MANIFEST: json.dumps(manifest).encode()})
+    first = data.draw(st.booleans(), "manifest first")
+    order = [MANIFEST] + sorted(files) if first else sorted(files) + [MANIFEST]
+    make_tar(pathlib.Path(arena.tar), members, manifest=False, order=order)
+    arena.check(lambda: nbkit.import_tar(arena.tar, arena.dest), arena.tar)
+
+
+def test_metadata_claiming_a_huge_length_fails_before_anything_is_allocated(tmp_path, cache, good_dest):
+    # The index's real size bounds the length: nothing is sized by the metadata's word alone.
+    dest, good = good_dest
+    files = cache_files(cache)
+    for field, value in (("length", 10**15), ("capacity", 10**15), ("length", -1), ("length", "40")):
+        meta = json.loads(files[fmt.META])
+        meta[field] = value
+        bad = dict(files, **{fmt.META: json.dumps(meta).encode()})
+        assert_refused(make_tar(tmp_path / "huge.tar", bad), dest, good, CorruptCacheError, "nbkit.json")
+
+
+def test_partial_and_budgeted_caches_import_and_their_damage_is_found(tmp_path):
+    # The full check covers every stored sample, wherever its row is (gaps, a byte budget's slots).
+    src = TupleSource(n=300, shape=(1, 4, 4))
+    for name, kw, take in (("partial", {}, [0, 5, 7, 100, 101, 102, 299]), ("budget", {"max_bytes": 20000}, range(300))):
+        ds = nbkit.CachedDataset(src, tmp_path / name, **kw)
+        ds[list(take)]
+        tar = tmp_path / f"{name}.tar"
+        nbkit.export_tar(ds.root, tar)
+        nbkit.import_tar(tar, tmp_path / f"{name}-copy")
+        copy = nbkit.CachedDataset.open(tmp_path / f"{name}-copy")
+        assert len(copy.missing()) == len(ds.missing())
+        files = cache_files(ds.root)
+        col = bytearray(files["col-0.bin"])
+        row = 16 * 4
+        slot = 101 if name == "partial" else 3
+        col[slot * row + 1] ^= 0xFF
+        with pytest.raises(CorruptCacheError, match="fail their checksum"):
+            nbkit.import_tar(make_tar(tmp_path / f"{name}-bad.tar", dict(files, **{"col-0.bin": bytes(col)})),
+                             tmp_path / f"{name}-copy")

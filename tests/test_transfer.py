@@ -308,3 +308,170 @@ def test_a_plain_fsspec_callback_works(tmp_path):
     cb = fsspec.callbacks.Callback()
     assert nbkit.pull(url, tmp_path / "copy", callback=cb).bytes == cb.size == cb.value
     assert len(nbkit.CachedDataset.open(tmp_path / "copy").missing()) == 0
+
+
+# -- issue 17: a bucket prefix is untrusted input ---------------------------------------------------
+
+import hashlib  # noqa: E402
+
+from nbkit.errors import UnsafeArchiveError  # noqa: E402
+
+
+def tree_digest(path):
+    out = {}
+    for n in sorted(os.listdir(path)):
+        with open(os.path.join(path, n), "rb") as f:
+            out[n] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def pushed(tmp_path):
+    """(url, fs, rroot) of a cache pushed to memory://, and a good other cache at the destination."""
+    ds = make_cache(tmp_path / "src")
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/cache"
+    nbkit.push(ds.root, url)
+    fs, rroot = url_to_fs(url)
+    good = make_cache(tmp_path / "dest" / "copy", TupleSource(n=10))
+    yield url, fs, rroot, good.root, tree_digest(good.root)
+    fs.rm(rroot, recursive=True)
+
+
+def set_manifest(fs, rroot, edit):
+    m = json.loads(fs.cat_file(f"{rroot}/manifest.json"))
+    edit(m)
+    fs.pipe_file(f"{rroot}/manifest.json", json.dumps(m).encode())
+
+
+def assert_pull_refused(url, dest, good, exc, match):
+    parent = os.path.dirname(dest)
+    before = sorted(os.listdir(parent))
+    with pytest.raises(exc, match=match) as info:
+        nbkit.pull(url, dest)
+    assert url in str(info.value)
+    assert sorted(os.listdir(parent)) == before and tree_digest(dest) == good
+    return info.value
+
+
+def test_pull_refuses_an_object_that_is_not_a_cache_file(pushed):
+    url, fs, rroot, dest, good = pushed
+    fs.pipe_file(f"{rroot}/evil.py", b"raise SystemExit('pwned')\n")
+    assert_pull_refused(url, dest, good, UnsafeArchiveError, "evil.py")
+    fs.rm_file(f"{rroot}/evil.py")
+    # ... and one the manifest lists (with its right sha256) too.
+    fs.pipe_file(f"{rroot}/evil.py", b"x")
+    set_manifest(fs, rroot, lambda m: m["files"].update({"evil.py": {"size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}}))
+    assert_pull_refused(url, dest, good, UnsafeArchiveError, "evil.py")
+
+
+def test_a_manifest_size_of_2_to_the_50_fails_at_once(pushed, monkeypatch):
+    url, fs, rroot, dest, good = pushed
+    set_manifest(fs, rroot, lambda m: m["files"]["col-0.bin"].update(size=2**50))
+    reads = []
+    real = type(fs).cat_file
+    monkeypatch.setattr(type(fs), "cat_file", lambda self, path, *a, **k: reads.append(path) or real(self, path, *a, **k))
+    assert_pull_refused(url, dest, good, CorruptCacheError, "col-0.bin is .* bytes but its manifest says 1125899906842624")
+    assert all(p.endswith("manifest.json") for p in reads)  # no range read of any data file
+
+
+def test_pull_checks_every_samples_crc_and_keeps_the_previous_cache(pushed, tmp_path):
+    # The manifest's sha256s agree with the damaged file: only the CRCs tell.
+    url, fs, rroot, dest, good = pushed
+    col = bytearray(fs.cat_file(f"{rroot}/col-0.bin"))
+    col[len(col) // 3] ^= 0x10
+    fs.pipe_file(f"{rroot}/col-0.bin", bytes(col))
+    set_manifest(fs, rroot, lambda m: m["files"]["col-0.bin"].update(sha256=hashlib.sha256(bytes(col)).hexdigest()))
+    assert_pull_refused(url, dest, good, CorruptCacheError, "fail their checksum")
+
+
+def test_pull_checks_the_metadata_names_exactly_the_files(pushed):
+    url, fs, rroot, dest, good = pushed
+    fs.pipe_file(f"{rroot}/col-77.bin", b"x" * 8)
+    set_manifest(fs, rroot, lambda m: m["files"].update({"col-77.bin": {"size": 8, "sha256": hashlib.sha256(b"x" * 8).hexdigest()}}))
+    assert_pull_refused(url, dest, good, CorruptCacheError, "col-77.bin")
+
+
+@pytest.mark.parametrize("bad, field", [({"size": "12"}, "size"), ({"sha256": "xyz"}, "sha256"), ({"size": -1}, "size")])
+def test_a_malformed_manifest_entry_is_named_with_the_fix(pushed, bad, field):
+    url, fs, rroot, dest, good = pushed
+    set_manifest(fs, rroot, lambda m: m["files"]["index.bin"].update(bad))
+    e = assert_pull_refused(url, dest, good, CorruptCacheError, field)
+    assert "Ask whoever pushed" in str(e) and "rerun" not in str(e)
+
+
+def test_pull_and_push_check_their_arguments(tmp_path):
+    ds = make_cache(tmp_path / "c", warm=False)
+    with pytest.raises(TypeError, match="max_workers"):
+        nbkit.pull("memory://x/y", tmp_path / "d", max_workers=1.5)
+    with pytest.raises(TypeError, match="max_workers"):
+        nbkit.push(ds.root, "memory://x/y", max_workers="2")
+    with pytest.raises(TypeError, match="cache_path"):
+        nbkit.pull("memory://x/y", b"/tmp/d")
+    with pytest.raises(ValueError, match="url 'gs:/bucket/c' looks like a URL with one slash"):
+        nbkit.pull("gs:/bucket/c", tmp_path / "d")
+
+
+def test_push_refuses_a_symlinked_file(tmp_path):
+    import shutil
+
+    ds = make_cache(tmp_path / "c")
+    outside = tmp_path / "outside.bin"
+    shutil.copyfile(os.path.join(ds.root, "col-0.bin"), outside)
+    os.unlink(os.path.join(ds.root, "col-0.bin"))
+    os.symlink(outside, os.path.join(ds.root, "col-0.bin"))
+    with pytest.raises(UnsafeArchiveError, match="symbolic link"):
+        nbkit.push(ds.root, f"memory://nbkit-tests/{uuid.uuid4().hex}/c")
+
+
+# -- fuzzing: mutated manifest values under a memory:// prefix ---------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_archive import FUZZ_SOURCE, Arena, mutate_json  # noqa: E402
+
+
+class PushedPrefix:
+    """A small cache pushed once to memory://; each example replaces its manifest, then restores it."""
+
+    def __init__(self, base):
+        ds = nbkit.CachedDataset(FUZZ_SOURCE, os.path.join(base, "src-cache"))
+        ds.warmup()
+        self.url = f"memory://nbkit-tests/fuzz-{uuid.uuid4().hex}/cache"
+        nbkit.push(ds.root, self.url)
+        self.fs, self.rroot = url_to_fs(self.url)
+        self.manifest = json.loads(self.fs.cat_file(f"{self.rroot}/manifest.json"))
+        self.objects = {p: self.fs.cat_file(p) for p in self.fs.find(self.rroot)}
+
+    def restore(self):
+        for p in set(self.fs.find(self.rroot)) - set(self.objects):
+            self.fs.rm_file(p)
+        for p, data in self.objects.items():
+            self.fs.pipe_file(p, data)
+
+    def __repr__(self):
+        return "<pushed prefix>"
+
+
+@pytest.fixture(scope="module")
+def pull_arena(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pull-arena")
+    prefix = PushedPrefix(str(base))
+    yield Arena(str(base), src_files=()), prefix
+    prefix.fs.rm(prefix.rroot, recursive=True)
+
+
+@pytest.mark.fuzz
+@given(data=st.data())
+def test_fuzz_pull_with_a_mutated_manifest(pull_arena, data):
+    arena, prefix = pull_arena
+    manifest = mutate_json(prefix.manifest, data)
+    if data.draw(st.booleans(), "extra object"):
+        name = data.draw(st.sampled_from(["evil.py", "col-7.bin", "heap.bin", ".nbkit-publish-lease", "sub/x"]), "object")
+        prefix.fs.pipe_file(f"{prefix.rroot}/{name}", b"x" * data.draw(st.integers(0, 64), "size"))
+    prefix.fs.pipe_file(f"{prefix.rroot}/manifest.json", json.dumps(manifest).encode())
+    try:
+        arena.check(lambda: nbkit.pull(prefix.url, arena.dest), prefix.url)
+    finally:
+        prefix.restore()

@@ -29,15 +29,15 @@ from .. import format as fmt
 from ..cachedir import stored_count
 from ..errors import CorruptCacheError
 from ..files import file_lock
-from ..manifest import sha256_file, trusted_remote_manifest
+from ..manifest import LEASE, sha256_file, trusted_remote_manifest
 from ..remote import network_errors, url_to_fs
 from ..transfer import pull, push
 from .base import Location
 
 __all__ = ["MirrorLocation", "resolve", "working_copy_dir", "lease", "LEASE", "LEASE_SECONDS"]
 
-#: The object a host creates under a remote prefix while it publishes there.
-LEASE = ".nbkit-publish-lease"
+# LEASE (from nbkit.manifest): the object a host creates under a remote prefix while it publishes
+# there; the one object besides a cache's files that a pull accepts under the prefix.
 #: A lease older than this (seconds) is taken as abandoned.
 LEASE_SECONDS = 15 * 60
 

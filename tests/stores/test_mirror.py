@@ -250,3 +250,23 @@ def test_failed_publish_after_training_warns_and_training_goes_on(tmp_path, monk
     ds.sync()
     fs, root = url_to_fs(url, None)
     assert fs.exists(f"{root}/{fmt.META}")
+
+
+def test_working_copy_takes_only_cache_files_from_the_bucket(tmp_path, monkeypatch):
+    # issue 17: the prefix is untrusted; the publish lease is the one other object a pull accepts.
+    from nbkit.errors import UnsafeArchiveError
+
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/cache"
+    host(monkeypatch, tmp_path, "host-a")
+    nbkit.CachedDataset(TupleSource(n=16), url).warmup()
+    fs, root = url_to_fs(url)
+    fs.pipe_file(f"{root}/{mirror.LEASE}", json.dumps({"host": "other", "time": time.time(), "token": "x"}).encode())
+    host(monkeypatch, tmp_path, "host-b")
+    loc = resolve(url)
+    assert loc.prepare() is True  # pulled while another host holds the lease
+    fs.pipe_file(f"{root}/evil.py", b"raise SystemExit")
+    host(monkeypatch, tmp_path, "host-c")
+    with pytest.raises(UnsafeArchiveError, match=f"{url}.*evil.py"):
+        resolve(url).prepare()
+    assert not os.path.exists(resolve(url).root)  # nothing came in
+    fs.rm(root, recursive=True)

@@ -258,3 +258,33 @@ def test_a_cache_pushed_again_replaces_the_local_pieces(source, tmp_path, gcs):
     assert torch.equal(again[7][0], -images[7])
     pieces = list((tmp_path / "areas").glob("*.readthrough/pieces/*.bin"))
     assert pieces and not any(p.name.startswith(old_tag.split("-")[0]) for p in pieces)
+
+
+def test_a_bucket_with_foreign_objects_or_impossible_sizes_is_refused_at_open(tmp_path, monkeypatch):
+    # issue 17: the manifest's sizes are checked against the listing before any range read.
+    import json
+    import uuid
+
+    from nbkit.errors import UnsafeArchiveError
+    from nbkit.remote import url_to_fs
+
+    ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(64.0).reshape(16, 4)), tmp_path / "c")
+    ds.warmup()
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/rt"
+    nbkit.push(ds.root, url)
+    fs, rroot = url_to_fs(url)
+    good = fs.cat_file(f"{rroot}/manifest.json")
+    m = json.loads(good)
+    m["files"]["col-0.bin"]["size"] = 2**50
+    fs.pipe_file(f"{rroot}/manifest.json", json.dumps(m).encode())
+    reads = []
+    real = type(fs).cat_file
+    monkeypatch.setattr(type(fs), "cat_file", lambda self, p, *a, **k: reads.append(p) or real(self, p, *a, **k))
+    with pytest.raises(CorruptCacheError, match=f"{url}/col-0.bin is .* bytes but its manifest says 1125899906842624"):
+        nbkit.CachedDataset.open(url, local_max_bytes=1 << 20)
+    assert not any(p.endswith("col-0.bin") for p in reads)
+    fs.pipe_file(f"{rroot}/manifest.json", good)
+    fs.pipe_file(f"{rroot}/evil.py", b"x")
+    with pytest.raises(UnsafeArchiveError, match="evil.py"):
+        nbkit.CachedDataset.open(url, local_max_bytes=1 << 20)
+    fs.rm(rroot, recursive=True)

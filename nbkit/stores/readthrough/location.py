@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ... import format as fmt
 from ...errors import CorruptCacheError
-from ...manifest import MANIFEST, check_bytes, read_local_manifest, read_remote_manifest
+from ...manifest import MANIFEST, check_bytes, check_listing, read_bounded, read_local_manifest, read_remote_manifest
 from ...remote import network_errors, url_to_fs
 from ..base import Location
 from ..mirror import working_copy_dir
@@ -89,13 +89,14 @@ class ReadThroughLocation(Location):
         with network_errors(fs, self.url, "opening (read-through)", fix):
             fs.invalidate_cache()
             try:
-                meta_raw = fs.cat_file(f"{rroot}/{fmt.META}")
+                meta_raw = read_bounded(fs, f"{rroot}/{fmt.META}")  # a bigger one fails its manifest entry
             except FileNotFoundError:
                 raise FileNotFoundError(_absent(fs, self.url, rroot)) from None
-            manifest = read_remote_manifest(fs, rroot)
+            manifest = read_remote_manifest(fs, rroot, self.url)
             if manifest is None:
                 raise CorruptCacheError(f"{self.url} has {fmt.META} but no {MANIFEST}: it was not written by nbkit.push, "
                                         "and read-through needs the manifest. Push the cache with nbkit.push.")
+            check_listing(fs, rroot, self.url, manifest)  # the manifest's sizes are the objects' real sizes
             check_bytes(self.url, fmt.META, manifest, meta_raw)
             meta = fmt.parse_meta(meta_raw, f"{self.url}/{fmt.META}", "Push the cache again with nbkit.push.")
             Geometry.of(  # checks now that the limit can hold the index and two pieces
