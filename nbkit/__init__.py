@@ -11,7 +11,7 @@ Example:
 """
 
 from .cacheloader import CacheLoader
-from .codec import register_namedtuple  # reading a cache never imports: see docs/SECURITY.md (not in __all__: the cap of 16)
+from .codec import register_namedtuple
 from .collate import collate
 from .dataset import CachedDataset
 from .loader import DeviceLoader
@@ -28,6 +28,7 @@ __all__ = [
     "DeviceLoader",
     "collate",
     "fields",
+    "register_namedtuple",
     "Callback",
     "TextProgress",
     "StaleCacheError",
