@@ -41,7 +41,7 @@ from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file
 from .progress import as_callback
 from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
 from .transfer import Stopped, TransferReport, check_whole, describe
-from .trust import MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url
+from .trust import MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
 
 __all__ = ["export_tar", "import_tar", "open_decompressed", "stale_tar_reason"]
 
@@ -148,13 +148,13 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
         with tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT, copybufsize=CHUNK, bufsize=CHUNK) as tar:
             head = manifest_bytes(manifest)
             tar.addfile(_member(MANIFEST, len(head)), io.BytesIO(head))
-            with open(os.path.join(root, fmt.META), "rb") as f:
+            with open_readable(os.path.join(root, fmt.META)) as f:
                 meta = f.read()
             _check_unchanged(root, fmt.META, files, len(meta), hashlib.sha256(meta).hexdigest())
             tar.addfile(_member(fmt.META, len(meta)), io.BytesIO(meta))
             cb.relative_update(len(meta))
             for name in names:
-                with open(paths[name], "rb") as f:
+                with open_readable(paths[name]) as f:
                     reader = _HashingReader(f, cb)
                     tar.addfile(_member(name, files[name]["size"]), reader)
                     _check_unchanged(root, name, files, files[name]["size"] + len(f.read(1)), reader.sha.hexdigest())
@@ -488,7 +488,7 @@ def stale_tar_reason(tar_path, cache_path, *, storage_options: dict | None = Non
         return f"{tar_path} holds no {MANIFEST} (it was not written by nbkit.export_tar, or was cut short): export the cache again."
     root = cache_root(check_path(cache_path, "cache_path"))
     files = manifest["files"]
-    with open(os.path.join(root, fmt.META), "rb") as f:
+    with open_readable(os.path.join(root, fmt.META)) as f:
         meta_sha = hashlib.sha256(f.read()).hexdigest()
     if files.get(fmt.META, {}).get("sha256") != meta_sha:
         return f"{tar_path} was exported from another cache (its {fmt.META} differs from {root}'s): export this cache again."

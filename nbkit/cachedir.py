@@ -113,15 +113,14 @@ def remove_cache(root: str) -> None:
             pass
 
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def _map(path: str, size: int, writable: bool):
     """``(mmap, fd)`` of ``path`` holding exactly ``size`` bytes, creating/extending it if writable."""
     if writable:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
+        fd = trust.open_regular(path, os.O_RDWR | os.O_CREAT)
     else:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        fd = trust.open_regular(path, os.O_RDONLY)
     try:
         actual = os.fstat(fd).st_size
         if actual < size:
@@ -203,6 +202,14 @@ class CacheFiles(fmt.Store):
                 self.columns.append(np.frombuffer(cm, dtype=dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape))
         self._heap_fd = None
         self._heap_size = 0  # bytes of heap.bin known to exist (refreshed when a record points further)
+        if os.path.lexists(os.path.join(root, fmt.HEAP)):
+            # Opened now, so that a heap.bin that is no regular file fails the open, not each sample
+            # (which would look like damaged records).
+            try:
+                self._heap()
+            except BaseException:
+                self.close()
+                raise
 
     # -- the store interface the engine uses --------------------------------------------------
 
@@ -261,10 +268,10 @@ class CacheFiles(fmt.Store):
         if self._heap_fd is None:
             path = trust.cache_file_path(self.root, fmt.HEAP, self._where)
             if self.writable:
-                self._heap_fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
+                self._heap_fd = trust.open_regular(path, os.O_RDWR | os.O_CREAT)
             else:
                 try:
-                    self._heap_fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+                    self._heap_fd = trust.open_regular(path, os.O_RDONLY)
                 except FileNotFoundError:
                     raise CorruptCacheError(f"{path} is missing but the index points into it: the cache is incomplete. Re-import or re-create it.") from None
             self._fds.append(self._heap_fd)

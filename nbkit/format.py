@@ -73,8 +73,7 @@ def read_meta(root: str) -> dict:
     """Parse and check ``root/nbkit.json``; ``FileNotFoundError`` if ``root`` holds no cache."""
     path = trust.cache_file_path(root, META, root)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(trust.MAX_JSON_BYTES + 1)
+        raw = trust.read_small(path)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no nbkit cache at {root} (it has no {META}). Create one with nbkit.CachedDataset(source, "

@@ -30,7 +30,7 @@ from . import format as fmt
 from .cachedir import data_files, stored_count
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .files import CHUNK
-from .trust import MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json
+from .trust import MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, open_readable
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_manifest", "manifest_bytes",
            "parse_manifest", "read_remote_manifest", "trusted_remote_manifest", "read_local_manifest", "digest",
@@ -59,7 +59,7 @@ SPEC = Obj({
 def sha256_file(path: str, progress=None) -> str:
     """The sha256 of a local file, read in chunks; ``progress(n)`` is called after each chunk."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_readable(path) as f:
         while True:
             chunk = f.read(CHUNK)
             if not chunk:
@@ -153,7 +153,7 @@ def trusted_remote_manifest(fs, rroot: str) -> dict | None:
 def read_local_manifest(root: str) -> dict | None:
     """The manifest in the local directory ``root``, or ``None`` if it is missing or unreadable."""
     try:
-        with open(os.path.join(root, MANIFEST), "rb") as f:
+        with open_readable(os.path.join(root, MANIFEST)) as f:
             return json.loads(f.read())
     except (FileNotFoundError, ValueError):
         return None

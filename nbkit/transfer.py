@@ -45,7 +45,7 @@ from .progress import as_callback
 from .remote import (BLOCK, abandon, endpoint_of, is_connection_error, is_local, network_errors, remote_sizes,
                      unreachable, url_to_fs, write_bytes)
 from .text import format_list
-from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url
+from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, open_readable
 
 __all__ = ["push", "pull", "TransferReport", "Stopped", "describe", "check_whole"]
 
@@ -108,7 +108,7 @@ def check_whole(tmp: str, where: str, fix: str, callback=None, describe_as: str 
     """
     cb = as_callback(callback)
     meta_where = f"{where}: {fmt.META}"
-    with open(os.path.join(tmp, fmt.META), "rb") as f:
+    with open_readable(os.path.join(tmp, fmt.META)) as f:
         raw = f.read(MAX_JSON_BYTES + 1)
     if len(raw) > MAX_JSON_BYTES:
         raise CorruptCacheError(f"{meta_where} is more than {MAX_JSON_BYTES} bytes; a real one is a few KiB. {fix}")
@@ -302,7 +302,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
 
     def upload(name):
         def job(report, stop):
-            with open(cache_file_path(root, name, root, error=UnsafeArchiveError), "rb") as src:
+            with open_readable(cache_file_path(root, name, root, error=UnsafeArchiveError)) as src:
                 dst = fs.open(f"{rroot}/{name}", "wb", block_size=BLOCK)
                 try:
                     while chunk := src.read(CHUNK):
@@ -343,7 +343,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
 
     describe(cb, "publishing")
     write_bytes(fs, f"{rroot}/{MANIFEST}", manifest_bytes(manifest))
-    with open(os.path.join(root, fmt.META), "rb") as f:
+    with open_readable(os.path.join(root, fmt.META)) as f:
         meta = f.read()
     if hashlib.sha256(meta).hexdigest() != files[fmt.META]["sha256"]:
         raise RuntimeError(f"{root}/{fmt.META} changed while the cache was being pushed; nothing was published. {fix}.")

@@ -31,10 +31,12 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import math
 import numbers
 import os
 import re
+import stat
 
 import numpy as np
 
@@ -42,7 +44,7 @@ from .errors import CorruptCacheError, UnsafeArchiveError
 
 __all__ = ["check_int", "check_size", "check_bool", "check_path", "check_url", "CACHE_FILE", "is_cache_file",
            "check_cache_file", "cache_file_path", "check_json", "Int", "Str", "Bool", "Float", "List", "Obj", "Map",
-           "Optional", "AnyJSON", "MAX_COLUMNS", "MAX_JSON_BYTES"]
+           "Optional", "AnyJSON", "MAX_COLUMNS", "MAX_JSON_BYTES", "open_regular", "open_readable", "read_small"]
 
 #: The largest metadata or manifest file nbkit parses (a real one is a few KiB).
 MAX_JSON_BYTES = 16 << 20
@@ -333,3 +335,75 @@ def check_json(value, spec: _Spec, where: str, fix: str):
         raise CorruptCacheError(f"{where} is damaged: {field} must be {what}, but holds {shown}. {fix}")
 
     return spec.check(value, "", fail)
+
+
+# ---------------------------------------------------------------------------------------------
+# opening a cache file
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (fifo)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """``os.open(path, flags)`` for a cache file, refusing anything but a regular file.
+
+    A copied cache directory may hold a named pipe, a device or a directory under a cache file's
+    name: opening a fifo for reading would block forever, and a device could be read without end.
+    The file is opened without following a final symbolic link and without blocking, checked with
+    ``fstat``, then switched back to blocking mode. Anything else raises :class:`CorruptCacheError`
+    (``UnsafeArchiveError`` for a link) naming the path and the fix.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp(); os.mkfifo(d + "/index.bin")
+        >>> open_regular(d + "/index.bin")
+        Traceback (most recent call last):
+        ...
+        nbkit.errors.CorruptCacheError: .../index.bin is a named pipe (fifo), not a regular file: an nbkit cache holds regular files only. Remove it and get the cache again (nbkit.pull / nbkit.import_tar), or re-create it.
+    """
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeArchiveError(
+                f"{path} is a symbolic link; an nbkit cache holds regular files only. Refusing to follow it out of the "
+                "cache directory: replace it with the file, or re-create the cache."
+            ) from e
+        if e.errno in (errno.EISDIR, errno.ENXIO):  # a directory opened for writing; a fifo with no reader
+            raise CorruptCacheError(_not_regular(path, "a directory" if e.errno == errno.EISDIR else "a named pipe (fifo)")) from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+            raise CorruptCacheError(_not_regular(path, kind))
+        if _NONBLOCK and hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _not_regular(path: str, kind: str) -> str:
+    return (f"{path} is {kind}, not a regular file: an nbkit cache holds regular files only. Remove it and get the "
+            "cache again (nbkit.pull / nbkit.import_tar), or re-create it.")
+
+
+def read_small(path: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The content of the regular file ``path`` (metadata, a manifest), refusing one over ``limit`` bytes."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCacheError(f"{path} is larger than {limit:,} bytes, far more than any nbkit metadata; it is "
+                                "damaged or not nbkit's. Re-create the cache, or get it again.")
+    return data
+
+
+def open_readable(path: str):
+    """A binary file object reading the regular file ``path`` (see :func:`open_regular`)."""
+    return os.fdopen(open_regular(path), "rb")

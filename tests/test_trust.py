@@ -118,3 +118,67 @@ def test_check_json_accepts_or_raises_corrupt_cache_error(value):
         assert str(e).startswith("f.json is damaged")
     else:
         assert isinstance(out["n"], int) and 0 <= out["n"] <= 10
+
+
+def _var_cache(path):
+    """A warmed cache with a column, a heap (variable-length strings) and metadata."""
+    import torch
+    import nbkit
+
+    class Source(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return torch.full((3,), float(i)), "x" * i
+
+    ds = nbkit.CachedDataset(Source(), path)
+    ds.warmup()
+    return ds
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["nbkit.json", "index.bin", "col-0.bin", "heap.bin"])
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_cache_file_that_is_not_a_regular_file_is_refused_never_waited_on(tmp_path, name, kind):
+    """A copied cache directory holding a named pipe under a cache file's name must not hang open,
+    read, export or push (opening a fifo for reading blocks until a writer comes): it is refused."""
+    import nbkit
+
+    path = tmp_path / "c"
+    _var_cache(path)
+    os.unlink(path / name)
+    os.mkfifo(path / name) if kind == "fifo" else os.mkdir(path / name)
+    what = "a named pipe" if kind == "fifo" else "a directory"
+    with pytest.raises(CorruptCacheError, match=f"{name} is {what}.*, not a regular file"):
+        ds = nbkit.CachedDataset.open(path)
+        [ds[i] for i in range(len(ds))]
+    if name != "nbkit.json":
+        with pytest.raises(CorruptCacheError, match=f"{name} is {what}"):
+            nbkit.export_tar(path, tmp_path / "c.tar")
+        with pytest.raises(CorruptCacheError, match=f"{name} is {what}"):
+            nbkit.push(path, "memory://trust-fifo/c")
+    assert not (tmp_path / "c.tar").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["nbkit-keys.json", "keys.bin", "values.bin"])
+def test_a_cache_loader_file_that_is_a_fifo_is_refused(tmp_path, name):
+    import nbkit
+
+    loader = nbkit.CacheLoader(tmp_path / "kv")
+    loader.get(1, lambda k: k * 2)
+    loader.close()
+    os.unlink(tmp_path / "kv" / name)
+    os.mkfifo(tmp_path / "kv" / name)
+    with pytest.raises(CorruptCacheError, match=f"{name} is a named pipe"):
+        nbkit.CacheLoader(tmp_path / "kv").get(1)
+
+
+def test_read_small_refuses_large_files(tmp_path):
+    from nbkit.trust import read_small
+
+    (tmp_path / "nbkit.json").write_bytes(b" " * 101)
+    with pytest.raises(CorruptCacheError, match="larger than 100 bytes"):
+        read_small(str(tmp_path / "nbkit.json"), limit=100)
+    assert read_small(str(tmp_path / "nbkit.json"), limit=101) == b" " * 101

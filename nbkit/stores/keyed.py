@@ -50,7 +50,8 @@ MAGIC = b"NBKV"
 #: value CRC-32, and the CRC-32 of the record's first 28 bytes and the key.
 RECORD = struct.Struct("<4sIQQII")
 MAX_KEY = 1 << 16
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: keys.bin is read at most this many bytes at a time (a record is at most 28 bytes + MAX_KEY).
+_READ = 16 << 20
 
 
 def key_bytes(key, name: str = "key") -> bytes:
@@ -181,24 +182,31 @@ class LocalKeyed:
             if os.path.islink(os.path.join(root, name)):
                 raise UnsafeArchiveError(f"{os.path.join(root, name)} is a symbolic link; a CacheLoader's directory holds "
                                          "regular files only. Refusing to follow it: remove it.")
-        fd = os.open(meta_path, os.O_RDONLY | _NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            check_keyed_meta(f.read(trust.MAX_JSON_BYTES + 1), meta_path)
-        self._values = os.open(os.path.join(root, VALUES), os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
-        self._keys = os.open(os.path.join(root, KEYS), os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
+        check_keyed_meta(trust.read_small(meta_path), meta_path)
+        self._values = trust.open_regular(os.path.join(root, VALUES), os.O_RDWR | os.O_CREAT)
+        self._keys = trust.open_regular(os.path.join(root, KEYS), os.O_RDWR | os.O_CREAT)
         self._values_size = 0  # bytes of values.bin known to exist (refreshed when a record points further)
         self._lock = os.path.join(root, KEYS_LOCK)
         self._map: dict = {}  # key bytes -> (offset, length, crc)
         self._pos = 0  # end of the last whole record read from keys.bin
+        self._stuck = None  # (position, size of keys.bin) where no whole record could be read
         self._mutex = threading.Lock()  # threads of this process (a DataLoader's pin thread, a device loader) share _pos
 
     def refresh(self) -> int:
         """Read the records appended since the last call; return where the whole records end."""
         with self._mutex:
             size = os.fstat(self._keys).st_size
-            if size > self._pos:
-                data = os.pread(self._keys, size - self._pos, self._pos)
-                self._pos += self._parse(data)
+            # Read in bounded pieces: keys.bin's size is data (a copied or damaged file may be a huge
+            # sparse one), so it never decides how much is allocated at once.
+            while size > self._pos and (self._pos, size) != self._stuck:
+                data = os.pread(self._keys, min(size - self._pos, _READ), self._pos)
+                used = self._parse(data)
+                if used == 0:
+                    # No whole record in what is left (a record being written), or none in a whole
+                    # piece, far more than any torn record (damage): stop until keys.bin grows.
+                    self._stuck = (self._pos, size)
+                    break
+                self._pos += used
             return self._pos
 
     def _parse(self, data: bytes) -> int:

@@ -58,3 +58,21 @@ def test_damage_in_the_index_costs_only_the_records_it_hits(tmp_path):
     reader = nbkit.CacheLoader(path)
     assert sorted(reader.keys()) == [0, 2, 3, 4] and reader.verify() == 4
     assert reader.get(1, lambda k: "again") == "again" and nbkit.CacheLoader(path).get(1) == "again"
+
+
+def test_a_huge_sparse_index_is_read_in_bounded_pieces(tmp_path, monkeypatch):
+    """keys.bin's size is data: a copied directory may hold a sparse file of many GiB. Reading it
+    never allocates more than a bounded piece (it used to read it whole: MemoryError)."""
+    path = tmp_path / "kv"
+    loader = nbkit.CacheLoader(path)
+    loader.get("a", lambda k: "value a")
+    loader.close()
+    with open(path / keyed.KEYS, "r+b") as f:
+        f.truncate(64 << 30)  # 64 GiB of holes after the whole records
+    asked = []
+    real_pread = os.pread
+    monkeypatch.setattr(keyed.os, "pread", lambda fd, n, off: asked.append(n) or real_pread(fd, n, off))
+    reader = nbkit.CacheLoader(path)
+    assert reader.get("a") == "value a" and reader.get("b", lambda k: "value b") == "value b"
+    assert reader.get("c", lambda k: 3) == 3 and "zzz" not in reader
+    assert max(asked) <= 16 << 20
