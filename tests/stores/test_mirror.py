@@ -131,6 +131,21 @@ def test_publish_waits_for_another_hosts_lease(tmp_path, monkeypatch, remote):
     assert fs.exists(f"{root}/{fmt.META}") and not fs.exists(lease)
 
 
+@pytest.mark.parametrize("body", [b"[1, 2]", b'{"time": "soon", "token": 3}', b'{"time": 1e999}', b"\xff" * 10000,
+                                  b"[" * 100000])
+def test_a_malformed_lease_in_a_shared_bucket_is_taken_as_abandoned(tmp_path, monkeypatch, body):
+    """A bucket is shared: its lease object may be anything. It is read bounded, and one that is not
+    nbkit's is taken as abandoned (it used to raise AttributeError/RecursionError from inside publish)."""
+    url = "memory://lease-garbage/c"
+    host(monkeypatch, tmp_path, "host-a")
+    ds = nbkit.CachedDataset(TupleSource(n=8), url)
+    fs, root = url_to_fs(url, None)
+    fs.pipe_file(f"{root}/{mirror.LEASE}", body)
+    ds.warmup()
+    assert fs.exists(f"{root}/{fmt.META}") and not fs.exists(f"{root}/{mirror.LEASE}")
+    fs.rm(root, recursive=True)
+
+
 def test_remote_without_cache_leaves_working_copy_alone(tmp_path, monkeypatch, remote):
     url, so = remote
     host(monkeypatch, tmp_path, "host-a")
