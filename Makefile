@@ -16,9 +16,11 @@ BIN    := $(VENV)/bin
 # dist and notebooks need no venv: the venv's python if there is one, else $(PYTHON).
 PYTHON_RUN = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 TORCH_STACK  := torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0
-# torchvision 0.29 is the newest the registry serves and needs torch 2.14 (its CUDA build needs the
-# matching CUDA torch build, which pip picks); torch 2.15 has no torchvision to pair with yet.
-NEWEST_STACK := torch==2.14.1 torchvision==0.29.1
+# The newest pair that installs and imports together on Python 3.13 here (checked 2026-11-23: the
+# registry's torchvision 0.29.2 is built against torch 2.15.0, both CUDA 13.2 builds that run on the
+# CPU). A machine-wide pip constraint may cap torch below it (/etc/xdg/pip on our build machines):
+# PIP_CONSTRAINT=/dev/null lifts it for this venv's installs only.
+NEWEST_STACK := torch==2.15.0 torchvision==0.29.2
 VENV_NEWEST  ?= .venv-newest
 export PJRT_DEVICE ?= CPU
 
@@ -34,14 +36,14 @@ setup: python-check $(VENV)/.installed
 pyver = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 stale = $(if $(wildcard $(1)/bin/python),$(if $(filter-out $(call pyver,$(PYTHON)),$(call pyver,$(1)/bin/python)),FORCE))
 
-# $(1): venv, $(2): torch stack.
+# $(1): venv, $(2): torch stack, $(3): environment for pip.
 define venv_recipe
 	@if [ -x $(1)/bin/python ] && [ "$$($(1)/bin/python -c 'import sys; print(sys.version_info[:2])')" != "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])')" ]; then \
 	  echo "make: $(1) was built with another Python than $(PYTHON): rebuilding it" >&2; rm -rf $(1); fi
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install --upgrade pip
-	$(1)/bin/python -m pip install $(2)
-	$(1)/bin/python -m pip install -e '.[dev]' $(2)
+	$(3) $(1)/bin/python -m pip install $(2)
+	$(3) $(1)/bin/python -m pip install -e '.[dev]' $(2)
 	sh scripts/install-system-deps.sh
 	$(1)/bin/python -c 'import sys, torch, torchvision; print("$(1):", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__)'
 	touch $(1)/.installed
@@ -53,7 +55,7 @@ $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$
 setup-newest: python-check $(VENV_NEWEST)/.installed
 
 $(VENV_NEWEST)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$(VENV_NEWEST))
-	$(call venv_recipe,$(VENV_NEWEST),$(NEWEST_STACK))
+	$(call venv_recipe,$(VENV_NEWEST),$(NEWEST_STACK),PIP_CONSTRAINT=/dev/null)
 
 test: setup
 	$(BIN)/python -m pytest
