@@ -190,7 +190,7 @@ def setup(
 
     if dry_run:
         messages.append("dry run: device check skipped")
-    elif info.torch_tpu and dist_version("torch_xla") is None:
+    elif info.torch_tpu and not need_xla:
         _verify(report, env, messages, code=_VERIFY_CODE_TORCH_TPU)
     elif not need_xla:
         messages.append(f"device check skipped: no torch_xla for torch {info.torch} (its last release is 2.9) and none "
