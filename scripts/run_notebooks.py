@@ -44,7 +44,7 @@ FULL = {
 SMALL = {
     "01_tpu_setup": {"install_torch_xla": False},
     "02_cache_mnist": {"download": False, "offline_samples": 3000, "train_steps": 20, "batch_size": 64},
-    "03_benchmark": {"download": False, "offline_samples": 6000, "epochs": 2, "batch_size": 256},
+    "03_benchmark": {"download": False, "offline_samples": 6000, "epochs": 2, "batch_size": 256, "train_seconds": 2},
 }
 
 

@@ -28,7 +28,7 @@ import torch
 from nbkit.extras import xla_runtime_started
 from nbkit.text import Table
 
-__all__ = ["RuntimeInfo", "describe", "KINDS", "XLA_LAST"]
+__all__ = ["RuntimeInfo", "describe", "drive_path", "KINDS", "XLA_LAST"]
 
 KINDS = ("colab-tpu", "kaggle-tpu", "tpu-vm", "gpu", "cpu")
 
@@ -217,6 +217,41 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
         torch_tpu=tpu_version,
         notes=tuple(notes),
     )
+
+
+def drive_path(path, *, mount_point: str = "/content/drive", folder: str = "nbkit") -> tuple:
+    """Where to keep ``path`` so that it outlives the runtime: Google Drive on Colab.
+
+    A Colab runtime's disk disappears with the runtime. On Colab this mounts Google Drive at
+    ``mount_point`` (Colab asks for permission the first time) and returns
+    ``<mount_point>/MyDrive/<folder>/<file name>``, creating the folder. Anywhere else it does
+    nothing and returns ``path`` unchanged, with a message saying so.
+
+    Args:
+        path: the local path, e.g. the tar to export (only its file name is kept on Drive).
+        mount_point: where Colab mounts Drive.
+        folder: the folder under ``MyDrive``.
+
+    Returns:
+        ``(path to use, message for a person)``.
+
+    Example:
+        >>> drive_path("export/cache.tar")[0]  # not on Colab: unchanged
+        'export/cache.tar'
+    """
+    path = os.fspath(path)
+    colab = sys.modules.get("google.colab")
+    if colab is None:
+        return path, (f"drive: Google Drive is mounted only on Colab, and this is not Colab: nothing mounted, "
+                      f"the file stays at {path}")
+    from google.colab import drive  # the real one on Colab; tests put a fake in sys.modules
+
+    drive.mount(mount_point)
+    target_dir = os.path.join(mount_point, "MyDrive", folder)
+    os.makedirs(target_dir, exist_ok=True)
+    target = os.path.join(target_dir, os.path.basename(path))
+    return target, (f"drive: Google Drive mounted at {mount_point}; the file goes to {target}, "
+                    "which outlives this runtime")
 
 
 def _read(path: Path) -> str:

@@ -116,5 +116,5 @@ def test_version_mismatch_warning_names_the_fix():
 
 
 def test_the_package_keeps_its_public_names():
-    assert tpu.__all__ == ["RuntimeInfo", "SetupReport", "describe", "setup", "spawn", "warmup_shared", "device_loader"]
+    assert tpu.__all__ == ["RuntimeInfo", "SetupReport", "describe", "drive_path", "setup", "spawn", "warmup_shared", "device_loader"]
     assert callable(tpu.setup) and tpu.describe is runtime.describe and tpu.RuntimeInfo is runtime.RuntimeInfo
