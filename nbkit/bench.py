@@ -516,16 +516,9 @@ def _resolve_device(device):
 
 
 def _sync(device) -> None:
-    import torch
+    from .tpu import xla
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xla":
-        import torch_xla
-        import torch_xla.core.xla_model as xm
-
-        torch_xla.sync()
-        xm.wait_device_ops()
+    xla.wait(device)
 
 
 class _OnDevice:
@@ -708,10 +701,9 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 2, steps:
 
 
 def _step_done(device) -> None:
-    if device.type == "xla":
-        import torch_xla
+    from .tpu import xla
 
-        torch_xla.sync()
+    xla.step_done(device)
 
 
 def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transform=None,
