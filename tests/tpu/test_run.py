@@ -141,6 +141,29 @@ def test_spawn_shared_warmup_and_training(devices, mnist_root, tmp_path):
 
 @pytest.mark.slow
 @needs_xla
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])  # fork: the tests above (spawn()'s default)
+def test_spawn_under_every_start_method(method, mnist_root, tmp_path):
+    """tpu.spawn with start_method="spawn" (macOS's default) and "forkserver" (Python 3.14's on Linux):
+    run as a file, so the replica process can re-import the training function (a notebook cannot:
+    test_spawn_explains_notebook_mistakes). One replica process, two CPU devices as its threads."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(SCRIPTS / "spawn_train.py"), str(mnist_root), str(tmp_path / "cache"),
+                           str(out_dir), "3", method], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(out_dir.glob("result-*.json"))]
+    assert sorted(r["ordinal"] for r in results) == [0, 1] and {r["world"] for r in results} == {2}
+    assert {r["shapes"][0][1] for r in results} == {"xla:0", "xla:1"}
+    assert all(len(r["losses"]) == 3 and all(np.isfinite(r["losses"])) for r in results)
+    calls = [int(x) for p in out_dir.glob("calls-*.txt") for x in p.read_text().split()]
+    assert sorted(calls) == list(range(2000))  # each sample computed once, by its shard's replica
+    assert len(nbkit.CachedDataset.open(tmp_path / "cache").missing()) == 0
+
+
+@pytest.mark.slow
+@needs_xla
 def test_setup_then_spawn_in_a_jupyter_kernel(mnist_root, tmp_path, monkeypatch):
     """The Colab flow in a real kernel: setup() (device check), then spawn() of a cell's function.
 
