@@ -116,11 +116,15 @@ def setup(
     2. Computes the requirements: the torch_xla matching the installed torch (``torch_xla[tpu]`` on a
        TPU; plain ``torch_xla``, which runs on the CPU, elsewhere), pinned to the installed torch so
        pip cannot swap torch, plus the packages of nbkit's ``extras``. Only unsatisfied ones go
-       into ``pip_command``, which runs when ``install=True`` and not ``dry_run``.
+       into ``pip_command``, which runs when ``install=True`` and not ``dry_run``. torch_xla
+       stopped at 2.9: with a newer torch it is required only on a TPU without TorchTPU
+       (``torch_tpu``), and then with torch 2.9 (said in the messages); never a newer torch.
     3. Sets ``PJRT_DEVICE``: ``TPU`` on a TPU, otherwise ``CPU`` (torch_xla then runs on the CPU,
        so the tutorial keeps working, slowly). A value already set is kept when it can work.
     4. Unless ``dry_run``, runs a tiny computation on the XLA device **in a subprocess**, so this
-       process never initialises the XLA runtime and :func:`spawn` still works afterwards.
+       process never initialises the XLA runtime and :func:`spawn` still works afterwards (on
+       TorchTPU's ``"tpu"`` device instead when that is what this runtime uses; untested on real
+       hardware).
 
     Args:
         install: run the pip command (needs network; on Colab and Kaggle, torch_xla is preinstalled).
