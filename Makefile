@@ -1,35 +1,68 @@
 # nbkit — `make setup` once, then `make test`, `make demo`, `make bench`; `make dist` builds the wheel.
-PYTHON ?= python3
+#
+# Two stacks, each in its own venv (README, "Tested with"):
+#   make setup / make test                 .venv: Colab's TPU runtime: Python 3.13, torch 2.9.0,
+#                                          torchvision 0.24.0, torch_xla 2.9.0 (the whole suite)
+#   make setup-newest / make test-newest   .venv-newest: Python 3.13 with the newest torch and
+#                                          torchvision that install and import together, no torch_xla
+#                                          (the tests that need torch_xla skip)
+# torch_xla runs on the CPU with PJRT_DEVICE=CPU.
+
+# Colab's TPU runtime runs Python 3.13: use it (on PATH or under pyenv); python3 only when there is none.
+PY313 ?= $(shell for p in $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.13*/bin/python3.13 $$(command -v python3.13); do "$$p" -c "" 2>/dev/null && { echo "$$p"; break; }; done)
+PYTHON ?= $(or $(PY313),python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # dist and notebooks need no venv: the venv's python if there is one, else $(PYTHON).
 PYTHON_RUN = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
-# The Colab TPU runtime's stack; torch_xla runs on the CPU with PJRT_DEVICE=CPU.
-TORCH_STACK := torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0
+TORCH_STACK  := torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0
+# The newest pair that installs and imports together on Python 3.13 here (checked 2026-11-23: the
+# registry's torchvision 0.29.2 is built against torch 2.15.0, both CUDA 13.2 builds that run on the
+# CPU). A machine-wide pip constraint may cap torch below it (/etc/xdg/pip on our build machines):
+# PIP_CONSTRAINT=/dev/null lifts it for this venv's installs only.
+NEWEST_STACK := torch==2.15.0 torchvision==0.29.2
+VENV_NEWEST  ?= .venv-newest
 export PJRT_DEVICE ?= CPU
 
-# A second interpreter the suite also runs under in CI (`make test-py313`); Colab runs 3.12.
-PY313 ?= $(shell for p in $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.13*/bin/python3.13 $$(command -v python3.13); do "$$p" -c "" 2>/dev/null && { echo "$$p"; break; }; done)
+.PHONY: FORCE setup setup-newest test test-newest demo bench notebooks dist clean python-check
 
-.PHONY: setup test test-py313 demo bench notebooks dist clean
+# Warn (not fail) when no Python 3.13 exists: the suite runs on 3.10+, but Colab's TPU runtime is 3.13.
+python-check:
+	@test -n "$(PY313)" || [ "$(origin PYTHON)" != file ] || echo "make: no python3.13 found (on PATH or under pyenv): using $$(python3 -V 2>&1), not Colab's Python 3.13; install 3.13 or run make PYTHON=/path/to/python3.13" >&2
 
-setup: $(VENV)/.installed
+setup: python-check $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install $(TORCH_STACK)
-	$(BIN)/python -m pip install -e '.[dev]' $(TORCH_STACK)
+# A venv built by another Python (e.g. an older .venv on 3.11) is rebuilt with $(PYTHON).
+pyver = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+stale = $(if $(wildcard $(1)/bin/python),$(if $(filter-out $(call pyver,$(PYTHON)),$(call pyver,$(1)/bin/python)),FORCE))
+
+# $(1): venv, $(2): torch stack, $(3): environment for pip.
+define venv_recipe
+	@if [ -x $(1)/bin/python ] && [ "$$($(1)/bin/python -c 'import sys; print(sys.version_info[:2])')" != "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])')" ]; then \
+	  echo "make: $(1) was built with another Python than $(PYTHON): rebuilding it" >&2; rm -rf $(1); fi
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --upgrade pip
+	$(3) $(1)/bin/python -m pip install $(2)
+	$(3) $(1)/bin/python -m pip install -e '.[dev]' $(2)
 	sh scripts/install-system-deps.sh
-	touch $@
+	$(1)/bin/python -c 'import sys, torch, torchvision; print("$(1):", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__)'
+	touch $(1)/.installed
+endef
+
+$(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$(VENV))
+	$(call venv_recipe,$(VENV),$(TORCH_STACK))
+
+setup-newest: python-check $(VENV_NEWEST)/.installed
+
+$(VENV_NEWEST)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$(VENV_NEWEST))
+	$(call venv_recipe,$(VENV_NEWEST),$(NEWEST_STACK),PIP_CONSTRAINT=/dev/null)
 
 test: setup
 	$(BIN)/python -m pytest
 
-# The same suite in a second venv (.venv-3.13) built with Python 3.13.
-test-py313:
-	@test -n "$(PY313)" || { echo "test-py313: no python3.13 found (on PATH or under pyenv); install it, or run: make test-py313 PY313=/path/to/python3.13" >&2; exit 2; }
-	$(MAKE) test PYTHON=$(PY313) VENV=.venv-3.13
+# The same suite on the newest torch, without torch_xla: what needs torch_xla skips and says why.
+test-newest: setup-newest
+	$(VENV_NEWEST)/bin/python -m pytest
 
 demo: setup
 	$(BIN)/python -m nbkit.demo

@@ -403,9 +403,9 @@ class TrainingRow:
 
     Attributes:
         loader: what fed the model (``"raw DataLoader"``, ``"nbkit ds.loader"``, ``"on-device limit"``).
-        seconds: the best training epoch.
-        epochs: every timed epoch, in order.
-        samples: samples an epoch.
+        seconds: the best timed pass (a whole epoch, or the ``steps`` batches of a step budget).
+        epochs: every timed pass, in order.
+        samples: samples a timed pass.
     """
 
     loader: str
@@ -429,10 +429,13 @@ class TrainingComparison:
 
     LIMIT = "on-device limit"
 
-    def __init__(self, rows, *, device: str, batch_size: int | None = None):
+    def __init__(self, rows, *, device: str, batch_size: int | None = None, measured: str = "",
+                 unit: str = "training epoch"):
         self.rows = list(rows)
         self.device = device
         self.batch_size = batch_size
+        self.measured = measured or (f"{self.rows[0].samples:,} samples an epoch" if self.rows else "")
+        self._unit = unit
 
     @property
     def limit_seconds(self) -> float:
@@ -445,13 +448,13 @@ class TrainingComparison:
     def summary(self) -> str:
         parts = [f"{r.loader} {format_seconds(r.seconds, digits=2)} ({r.seconds / self.limit_seconds:.2f}x the limit, "
                  f"data wait {format_percent(self.wait_share(r), digits=0)})" for r in self.rows if r.loader != self.LIMIT]
-        return f"training epochs on {self.device}: " + "; ".join(parts) + \
+        return f"training on {self.device} ({self.measured}): " + "; ".join(parts) + \
             f"; on-device limit {format_seconds(self.limit_seconds, digits=2)}"
 
     def _table(self) -> Table:
         cells = [(r.loader, format_seconds(r.seconds, digits=2), f"{r.seconds / self.limit_seconds:.2f}x",
                   format_percent(self.wait_share(r), digits=0), format_count(r.samples / r.seconds)) for r in self.rows]
-        return Table(cells, ("loader", "training epoch", "x on-device limit", "data wait", "samples/s"))
+        return Table(cells, ("loader", self._unit, "x on-device limit", "data wait", "samples/s"))
 
     def table(self, fmt: str = "markdown") -> str:
         """The table as ``"markdown"`` (default) or aligned plain ``"text"``."""
@@ -490,12 +493,12 @@ class TrainingComparison:
                     fontsize=10)
         ax.set_yticks(ys, [r.loader for r in self.rows], fontsize=10.5)
         ax.tick_params(axis="x", labelsize=10)
-        ax.set_xlabel("seconds per training epoch (shorter is better)", fontsize=10.5)
+        ax.set_xlabel(f"seconds per {self._unit} (shorter is better)", fontsize=10.5)
         ax.spines[["top", "right"]].set_visible(False)
         ax.grid(axis="x", alpha=0.3)
         ax.set_axisbelow(True)
         fig.legend(loc="outside lower center", ncols=2, fontsize=10, frameon=False)
-        details = [f"{self.rows[0].samples:,} samples an epoch on {self.device}" if self.rows else self.device]
+        details = [f"{self.measured} on {self.device}" if self.rows else self.device]
         if self.batch_size:
             details.append(f"batch size {self.batch_size}")
         ax.set_title((f"{title}\n" if title else "") + " · ".join(details), fontsize=10, color="#444444")
@@ -513,16 +516,9 @@ def _resolve_device(device):
 
 
 def _sync(device) -> None:
-    import torch
+    from .tpu import xla
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xla":
-        import torch_xla
-        import torch_xla.core.xla_model as xm
-
-        torch_xla.sync()
-        xm.wait_device_ops()
+    xla.wait(device)
 
 
 class _OnDevice:
@@ -546,32 +542,63 @@ class _OnDevice:
         self._map = map_tensors
         self._torch = torch
 
+        self.order = None  # set per pass: the indices, in the order every feed reads them
+
     def __iter__(self):
-        perm = self._torch.randperm(self.n, device=self.device)
-        for a in range(0, self.n, self.batch_size):
+        perm = self._torch.as_tensor(self.order, device=self.device)
+        for a in range(0, len(perm), self.batch_size):
             idx = perm[a:a + self.batch_size]
             yield self._map(self.data, lambda t: t[idx])
 
 
-def compare_training(raw, cached, model, *, device=None, epochs: int = 2, batch_size: int = 256, num_workers: int = 0,
-                     lr: float = 0.01, loss_fn=None, callback=None) -> TrainingComparison:
-    """Time training epochs fed three ways: the raw dataset through a ``DataLoader``, the cache
-    through ``cached.loader(...)``, and the **on-device limit** (the whole preprocessed dataset
-    already in device memory). The gap to the limit is what the device spends waiting for data.
+class _Order:
+    """The same shuffled indices for every feed: pass ``k`` reads ``EpochSampler(seed).indices(k)``,
+    which is also the order of ``cached.loader(seed=seed)``'s ``k``-th pass."""
 
-    Samples must be ``(input, target)``. One model is trained through all three (SGD, ``lr``):
-    the numbers are timings, not a training run. Each loader gets one untimed epoch (compilation,
-    cache filling: the cache is warmed up first if it is not complete), then ``epochs`` timed
-    ones; the best counts.
+    def __init__(self, n: int, seed: int):
+        from .samplers import EpochSampler
+
+        self.sampler = EpochSampler(n, seed=seed, rank=0, world_size=1)
+        self.epoch = 0
+
+    def __iter__(self):
+        return iter(self.sampler.indices(self.epoch).tolist())
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def compare_training(raw, cached, model, *, device=None, epochs: int = 2, steps: int | None = None,
+                     seconds: float | None = None, batch_size: int = 256, num_workers: int = 0, lr: float = 0.01,
+                     loss_fn=None, seed: int = 0, callback=None) -> TrainingComparison:
+    """Time training fed three ways: the raw dataset through a ``DataLoader``, the cache through
+    ``cached.loader(...)``, and the **on-device limit** (the whole preprocessed dataset already in
+    device memory). The gap to the limit is what the device spends waiting for data.
+
+    Every feed trains on the same batches (the same shuffled order, from ``seed``), so the times
+    compare like for like. Samples must be ``(input, target)``. One model is trained through all
+    three (SGD, ``lr``): the numbers are timings, not a training run.
+
+    Three ways to size the work, for the device at hand:
+
+    * full epochs (the default; for an accelerator): one untimed epoch (compilation, thread
+      start), then ``epochs`` timed ones; the best counts.
+    * ``steps=n``: two untimed batches, then ``n`` timed batches per feed (at most an epoch).
+    * ``seconds=s`` (for a CPU, where an epoch of a CNN takes minutes): the raw feed trains until
+      ``s`` seconds have passed; the batches it managed set ``steps`` for the other feeds.
+
+    The cache is warmed up first if it is not complete (the limit needs every sample).
 
     Args:
         raw: the source dataset.
         cached: an :class:`nbkit.CachedDataset` over ``raw``.
         model: a ``torch.nn.Module``; moved to ``device``.
         device: ``"cuda"``, an XLA device, ``"cpu"`` …; default CUDA when there is a GPU, else the CPU.
-        epochs: timed epochs per loader.
+        epochs: timed epochs per feed (full-epoch mode).
+        steps: timed batches per feed instead of epochs.
+        seconds: a time budget for the raw feed's timed batches instead of epochs.
         batch_size: samples per batch; num_workers: the raw ``DataLoader``'s workers.
-        lr: the SGD learning rate; loss_fn: default ``cross_entropy``.
+        lr: the SGD learning rate; loss_fn: default ``cross_entropy``; seed: the shuffle seed.
         callback: told of every batch (``nbkit.TextProgress()`` for a progress line).
 
     Example:
@@ -581,13 +608,21 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 2, batch_
         >>> r = compare_training(raw, cached, torch.nn.Linear(8, 2), epochs=1, batch_size=64)
         >>> [row.loader for row in r.rows]
         ['raw DataLoader', 'nbkit ds.loader', 'on-device limit']
+        >>> compare_training(raw, cached, torch.nn.Linear(8, 2), steps=1, batch_size=64).measured
+        '1 batch of 64 per feed (25% of an epoch), after 2 untimed, the same batches for every feed'
     """
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
-    if epochs < 1:
+    if steps is None and seconds is None and epochs < 1:
         raise ValueError(f"compare_training(epochs={epochs}): expected at least 1 epoch")
+    if steps is not None and seconds is not None:
+        raise ValueError("compare_training: give steps= or seconds=, not both")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ValueError(f"compare_training(steps={steps!r}): expected a positive int (timed batches per feed)")
+    if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
+        raise ValueError(f"compare_training(seconds={seconds!r}): expected a positive number of seconds")
     if not hasattr(cached, "loader"):
         raise TypeError(f"compare_training: cached is a {type(cached).__name__}; pass an nbkit.CachedDataset over raw")
     device = _resolve_device(device)
@@ -597,37 +632,78 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 2, batch_
         cached.warmup()
     model = model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    xla = device.type == "xla"
+    n = len(raw)
+    per_epoch = math.ceil(n / batch_size)
+    budgeted = steps is not None or seconds is not None
+    warm = min(2, per_epoch - 1) if budgeted else 0
+    if steps is not None:
+        steps = min(steps, per_epoch - warm)
+    order = _Order(n, seed)
+    on_device = _OnDevice(cached, device, batch_size)
     feeds = (
-        ("raw DataLoader", lambda: DataLoader(raw, batch_size=batch_size, shuffle=True, num_workers=num_workers,
+        ("raw DataLoader", lambda: DataLoader(raw, batch_size=batch_size, sampler=order, num_workers=num_workers,
                                               pin_memory=device.type == "cuda")),
-        ("nbkit ds.loader", lambda: cached.loader(batch_size, device=device)),
-        (TrainingComparison.LIMIT, lambda: _OnDevice(cached, device, batch_size)),
+        ("nbkit ds.loader", lambda: cached.loader(batch_size, device=device, seed=seed, rank=0, world_size=1)),
+        (TrainingComparison.LIMIT, lambda: on_device),
     )
-    callback.set_size(len(feeds) * (epochs + 1) * math.ceil(len(raw) / batch_size))
+    passes = 1 if budgeted else epochs + 1
+    callback.set_size(len(feeds) * (warm + (steps or per_epoch - warm) if budgeted else passes * per_epoch))
+
+    def step(x, y):
+        loss = loss_fn(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        _step_done(device)
+        callback.relative_update(1)
+
     rows = []
     for name, make in feeds:
         batches = make()
         times = []
-        for epoch in range(epochs + 1):
-            callback.set_description(f"{name}, epoch {epoch}/{epochs}" + (" (untimed)" if epoch == 0 else ""))
+        for epoch in range(passes):
+            order.epoch = epoch
+            on_device.order = order.sampler.indices(epoch)
+            timed = epoch > 0 or budgeted
+            callback.set_description(f"{name}, " + ("timed batches" if budgeted else f"epoch {epoch}/{epochs}")
+                                     + ("" if timed else " (untimed)"))
+            it = iter(batches)
+            done, start = 0, None
+            for k, (x, y, *_) in enumerate(it):
+                if k == warm:
+                    _sync(device)
+                    start = time.perf_counter()
+                step(x, y)
+                done = k + 1 - warm
+                if steps is not None and done >= steps:
+                    break
+                if seconds is not None and steps is None and start is not None and time.perf_counter() - start >= seconds:
+                    break
+            if hasattr(it, "close"):
+                it.close()  # ds.loader's pass: stops its thread when we break early
             _sync(device)
-            start = time.perf_counter()
-            for x, y, *_ in batches:
-                loss = loss_fn(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                if xla:
-                    import torch_xla
-
-                    torch_xla.sync()
-                callback.relative_update(1)
-            _sync(device)
-            if epoch:
+            if timed:
                 times.append(time.perf_counter() - start)
-        rows.append(TrainingRow(name, min(times), tuple(times), len(raw)))
-    return TrainingComparison(rows, device=str(device), batch_size=batch_size)
+        if budgeted and steps is None:
+            steps = max(1, done)  # the raw feed's count under the budget: the others train as many batches
+        timed_samples = n if not budgeted else min(n - warm * batch_size, steps * batch_size)
+        rows.append(TrainingRow(name, min(times), tuple(times), timed_samples))
+    if budgeted:
+        budget = f"; a {seconds:g} s budget for the raw feed set the count" if seconds is not None else ""
+        measured = (f"{steps} batch{'es' if steps != 1 else ''} of {batch_size} per feed "
+                    f"({format_percent(steps / per_epoch, digits=0)} of an epoch), after {warm} untimed, "
+                    f"the same batches for every feed{budget}")
+    else:
+        measured = (f"best of {epochs} epoch{'s' if epochs != 1 else ''} of {n:,} samples after one untimed epoch, "
+                    "the same batches for every feed")
+    unit = f"{steps} training batch{'es' if steps != 1 else ''}" if budgeted else "training epoch"
+    return TrainingComparison(rows, device=str(device), batch_size=batch_size, measured=measured, unit=unit)
+
+
+def _step_done(device) -> None:
+    from .tpu import xla
+
+    xla.step_done(device)
 
 
 def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transform=None,

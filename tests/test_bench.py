@@ -342,7 +342,9 @@ def test_compare_training_against_the_on_device_limit(tmp_path):
     assert result.wait_share(result.rows[-1]) == 0.0
     assert 0.0 <= result.wait_share(result.rows[0]) < 1.0
     text = str(result)
-    assert "on-device limit" in text and "data wait" in text and f"training epochs on {result.device}" in text
+    assert "on-device limit" in text and "data wait" in text and f"training on {result.device} (" in text
+    assert result.measured == "best of 2 epochs of 96 samples after one untimed epoch, the same batches for every feed"
+    assert result.measured in text and text.splitlines()[0].split()[:3] == ["loader", "training", "epoch"]
     assert "<table" in result._repr_html_()
     fig = result.plot(path=tmp_path / "training.png", title="TupleSource")
     assert (tmp_path / "training.png").stat().st_size > 0
@@ -359,3 +361,92 @@ def test_compare_training_errors_name_the_fix(tmp_path):
         compare_training(raw, nbkit.CachedDataset(raw, tmp_path / "c"), torch.nn.Linear(64, 10), epochs=0)
     with pytest.raises(TypeError, match="pass an nbkit.CachedDataset"):
         compare_training(raw, raw, torch.nn.Linear(64, 10))
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """(image, its own index): the labels a loss function sees say which samples a batch held."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((1, 8, 8), float(i % 7)), i
+
+
+def _recording_loss(seen):
+    def loss(out, y):
+        seen.append(y.tolist())
+        return torch.nn.functional.cross_entropy(out, y % 10)
+    return loss
+
+
+def test_compare_training_feeds_every_loader_the_same_batches(tmp_path):
+    from nbkit.bench import compare_training
+
+    raw = _Indexed(100)
+    cached = nbkit.CachedDataset(raw, tmp_path / "t")
+    seen = []
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    result = compare_training(raw, cached, model, epochs=2, batch_size=32, loss_fn=_recording_loss(seen))
+    per_feed = len(seen) // 3
+    raw_b, loader_b, limit_b = seen[:per_feed], seen[per_feed:2 * per_feed], seen[2 * per_feed:]
+    assert raw_b == loader_b == limit_b and per_feed == 3 * 4  # (1 untimed + 2 timed) epochs x 4 batches
+    assert raw_b[:4] != raw_b[4:8]  # reshuffled every epoch, the same way for every feed
+    assert sorted(sum(raw_b[:4], [])) == list(range(100))
+    assert all(len(r.epochs) == 2 for r in result.rows)
+
+
+def test_compare_training_with_a_step_budget_times_the_same_batches(tmp_path):
+    from nbkit.bench import compare_training
+
+    raw = _Indexed(320)
+    cached = nbkit.CachedDataset(raw, tmp_path / "t")
+    seen = []
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    result = compare_training(raw, cached, model, steps=3, batch_size=32, loss_fn=_recording_loss(seen))
+    assert len(seen) == 3 * (2 + 3)  # 2 untimed + 3 timed batches per feed, not 3 epochs of 10
+    assert seen[:5] == seen[5:10] == seen[10:15]
+    assert all(len(r.epochs) == 1 and r.samples == 3 * 32 for r in result.rows)
+    assert result.measured == ("3 batches of 32 per feed (30% of an epoch), after 2 untimed, "
+                               "the same batches for every feed")
+    assert "3 training batches" in str(result).splitlines()[0]
+    assert result.measured in result.summary()
+
+
+def test_compare_training_with_a_time_budget_lets_the_raw_feed_set_the_count(tmp_path):
+    from nbkit.bench import compare_training
+
+    class Slow(_Indexed):
+        def __getitem__(self, i):
+            time.sleep(0.002)
+            return super().__getitem__(i)
+
+    raw = Slow(2000)
+    cached = nbkit.CachedDataset(raw, tmp_path / "t")
+    cached.warmup()
+    seen = []
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    start = time.perf_counter()
+    result = compare_training(raw, cached, model, seconds=0.3, batch_size=50, loss_fn=_recording_loss(seen))
+    assert time.perf_counter() - start < 20
+    steps = len(seen) // 3 - 2
+    assert 1 <= steps < 38  # a 50-sample raw batch takes >= 0.1 s: the budget stopped it well before the epoch
+    assert seen[:steps + 2] == seen[steps + 2:2 * steps + 4] == seen[2 * steps + 4:]
+    assert result.rows[0].seconds >= 0.3
+    assert "a 0.3 s budget for the raw feed set the count" in result.measured
+
+
+def test_compare_training_budget_arguments_are_checked(tmp_path):
+    from nbkit.bench import compare_training
+
+    raw = TupleSource(8)
+    cached = nbkit.CachedDataset(raw, tmp_path / "c")
+    with pytest.raises(ValueError, match="steps= or seconds=, not both"):
+        compare_training(raw, cached, torch.nn.Linear(64, 10), steps=1, seconds=1)
+    with pytest.raises(ValueError, match="steps=0"):
+        compare_training(raw, cached, torch.nn.Linear(64, 10), steps=0)
+    with pytest.raises(ValueError, match="seconds=-1"):
+        compare_training(raw, cached, torch.nn.Linear(64, 10), seconds=-1)

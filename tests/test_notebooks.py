@@ -31,6 +31,8 @@ stamp_notebooks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(stamp_notebooks)
 
 pytestmark = pytest.mark.slow
+# torch_xla stopped at 2.9: `make test-newest` runs these notebooks without it.
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
 
 def execute(name, out_dir, **parameters):
@@ -94,6 +96,10 @@ def test_01_tpu_setup_on_a_cpu_runtime(tmp_path, monkeypatch):
     monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
     path, out = execute("01_tpu_setup", tmp_path)
     assert "This is a CPU runtime" in out
+    if not HAS_XLA:  # a torch newer than torch_xla's last release: the XLA cells say they are skipped
+        assert "has no torch_xla (its last release, 2.9, needs torch 2.9)" in out
+        assert "spawn demo skipped: torch_xla is not ready here" in out
+        return
     # PJRT_DEVICE was unset: setup() chose CPU and checked the device in a subprocess; the table
     # says so, and what the check computed.
     nb = nbformat.read(str(path), as_version=4)
@@ -123,7 +129,7 @@ def _check_02(out, work):
     assert any(n.endswith("nbkit.json") for n in names) and any(n.endswith("index.bin") for n in names)
     assert re.search(r"3,000 samples, source: None, complete: True", out), out
     assert "sample 0: (1, 28, 28) torch.float32" in out
-    assert "training on xla:0 (xla; runtime: cpu)" in out
+    assert ("training on xla:0 (xla; runtime: cpu)" if HAS_XLA else "training on cpu (cpu; runtime: cpu)") in out
     first = number(r"mean loss of the first \d+ steps ([\d.]+)", out)
     last = number(r"of the last \d+ steps ([\d.]+)", out)
     assert last < first  # it learned: the cached samples are the real, normalised images
@@ -131,7 +137,10 @@ def _check_02(out, work):
 
 
 def test_02_cache_mnist_tar_path(tmp_path):
-    _, out = execute("02_cache_mnist", tmp_path)
+    _, out = execute("02_cache_mnist", tmp_path, drive=True, drive_mount=str(tmp_path / "drive"))
+    # Outside Colab the Drive option does nothing and says so (tests/tpu/test_drive.py: on a fake Colab).
+    assert "drive: Google Drive is mounted only on Colab, and this is not Colab: nothing mounted" in out
+    assert not (tmp_path / "drive").exists()
     _check_02(out, tmp_path / "work")
     assert "reopened from export/mnist-cache.tar: 3,000 samples" in out
     # The reopened copy is a complete cache of its own, unpacked from the tar.
@@ -161,7 +170,12 @@ def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
     plot = tmp_path / "work" / "benchmark.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The training comparison: raw vs cached vs the on-device limit, with the data-wait share.
-    assert "training epochs on cpu: raw DataLoader" in out and "nbkit ds.loader" in out, out
+    assert "training on cpu (" in out and "raw DataLoader" in out and "nbkit ds.loader" in out, out
+    # On the CPU the comparison runs under a time budget (train_seconds=2), not whole epochs, with
+    # the same batches for every feed, and says so.
+    measured = re.search(r"measured on cpu: (\d+) batch(?:es)? of 256 per feed \((\d+)% of an epoch\), after 2 "
+                         r"untimed, the same batches for every feed; a 2 s budget for the raw feed set the count", out)
+    assert measured, out
     assert "on-device limit" in out and "data wait" in out
     assert (tmp_path / "work" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     nb = nbformat.read(str(path), as_version=4)

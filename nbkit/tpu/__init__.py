@@ -16,7 +16,7 @@ Example:
     True
 """
 
-from .runtime import KINDS, RuntimeInfo, describe
+from .runtime import KINDS, RuntimeInfo, describe, drive_path
 from .run import device_loader, spawn, warmup_shared
 from .setup import SetupReport, setup  # the function shadows its module's name; import_module("nbkit.tpu.setup") gets the module
 
@@ -24,6 +24,7 @@ __all__ = [
     "RuntimeInfo",
     "SetupReport",
     "describe",
+    "drive_path",
     "setup",
     "spawn",
     "warmup_shared",

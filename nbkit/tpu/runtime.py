@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import html
 import importlib.metadata
 import importlib.util
 import math
@@ -27,9 +28,20 @@ import torch
 from nbkit.extras import xla_runtime_started
 from nbkit.text import Table
 
-__all__ = ["RuntimeInfo", "describe", "KINDS"]
+__all__ = ["RuntimeInfo", "describe", "drive_path", "KINDS", "XLA_LAST"]
 
 KINDS = ("colab-tpu", "kaggle-tpu", "tpu-vm", "gpu", "cpu")
+
+# torch_xla's last release: it stopped at 2.9.0 (2025-11), and each release needs the torch of the
+# same major.minor. A newer torch has no torch_xla: on a TPU the XLA path needs torch 2.9, and
+# TorchTPU (the `torch_tpu` package, a native "tpu" device) is its announced successor.
+XLA_LAST = (2, 9)
+XLA_LAST_STACK = ("torch==2.9.0", "torchvision==0.24.0")
+TORCH_TPU_NOTE = (
+    "TorchTPU (torch_tpu {version}) is installed: nbkit feeds it as any torch device, "
+    "ds.loader(batch_size, device='tpu') delivers batches there (untested on real TPU hardware: nbkit's "
+    "tests use a fake 'tpu' device); nbkit.tpu.spawn, warmup_shared and device_loader still need torch_xla"
+)
 
 # PCI ids of TPU chips (vendor 0x1ae0 is Google), as torch_xla and JAX read them.
 _GOOGLE_PCI_VENDOR = "0x1ae0"
@@ -56,10 +68,12 @@ class RuntimeInfo:
         platform: ``"colab"``, ``"kaggle"``, ``"gce"`` (a Google Compute Engine VM) or ``"local"``.
         accelerator: e.g. ``"v5litepod-1"``, ``"TPU v5e"``, ``"Tesla T4"``; ``None`` when unknown.
         accelerator_count: chips (TPU) or GPUs on this host, when knowable.
-        python, torch, torch_xla, libtpu: installed versions (``None`` when not installed).
+        python, torch, torch_xla, libtpu, torch_tpu: installed versions (``None`` when not installed;
+            ``torch_tpu`` is TorchTPU, torch_xla's successor).
         pjrt_device: the current ``PJRT_DEVICE``, if set.
         runtime_initialized: this process already started the XLA runtime (spawning will fail).
         warnings: known-bad states, each naming its fix.
+        notes: what to know that is not wrong (e.g. TorchTPU is installed and how nbkit uses it).
 
     Example:
         >>> info = describe(environ={"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_SKIP_MDS_QUERY": "1"}, root="/nonexistent")
@@ -78,6 +92,8 @@ class RuntimeInfo:
     pjrt_device: Optional[str]
     runtime_initialized: bool
     warnings: tuple = ()
+    torch_tpu: Optional[str] = None
+    notes: tuple = ()
 
     @property
     def is_tpu(self) -> bool:
@@ -96,16 +112,21 @@ class RuntimeInfo:
             ("torch", self.torch),
             ("torch_xla", self.torch_xla or "not installed"),
             ("libtpu", self.libtpu or "not installed"),
+            ("torch_tpu (TorchTPU)", self.torch_tpu or "not installed"),
             ("PJRT_DEVICE", self.pjrt_device or "unset"),
             ("XLA runtime started here", "yes" if self.runtime_initialized else "no"),
         ]
 
     def __str__(self) -> str:
-        return Table(self.rows(), align="ll", notes=self.warnings, note_prefix="warning: ").text()
+        lines = [f"note: {n}" for n in self.notes] + [f"warning: {w}" for w in self.warnings]
+        return Table(self.rows(), align="ll", notes=lines).text()
 
     def _repr_html_(self) -> str:
-        return Table(self.rows(), align="ll", notes=self.warnings).html(
+        out = Table(self.rows(), align="ll", notes=self.warnings).html(
             css_class="nbkit-runtime", row_headers=True, note_style="color:#b45309")
+        if self.notes:
+            out += "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in self.notes) + "</ul>"
+        return out
 
 
 def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> RuntimeInfo:
@@ -158,6 +179,8 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
     torch_version = torch.__version__
     xla_version = dist_version("torch_xla")  # importlib.metadata normalises "-" and "_"
     libtpu = libtpu_version(env)
+    tpu_version = torch_tpu_version()
+    notes = [TORCH_TPU_NOTE.format(version=tpu_version)] if tpu_version else []
     mismatch = _version_mismatch(torch_version, xla_version)
     if mismatch:
         warnings.append(mismatch)
@@ -171,9 +194,13 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
     pjrt = env.get("PJRT_DEVICE") or None
     if pjrt == "TPU" and not is_tpu:
         warnings.append("PJRT_DEVICE=TPU but no TPU was found; run nbkit.tpu.setup() to fall back to PJRT_DEVICE=CPU")
-    if is_tpu and (xla_version is None or libtpu is None):
+    if is_tpu and not tpu_version and (xla_version is None or libtpu is None):
         what = "torch_xla is not installed" if xla_version is None else "libtpu (torch_xla's TPU runtime) is not installed"
-        warnings.append(f"{what}; run nbkit.tpu.setup(install=True) or: {pip_display(xla_requirements(torch_version, True))}")
+        warnings.append(f"{what}; run nbkit.tpu.setup(install=True) or: {pip_display(xla_requirements(torch_version, True))}"
+                        + (_past_xla(torch_version) if past_xla(torch_version) else ""))
+    elif not is_tpu and xla_version is None and past_xla(torch_version):
+        notes.append(f"torch {torch_version} has no torch_xla (its last release, 2.9, needs torch 2.9), so the XLA "
+                     "path is off here; nothing else needs it: train on 'cuda' or the CPU, e.g. ds.loader(256, device='cuda')")
 
     return RuntimeInfo(
         kind=kind,
@@ -187,7 +214,44 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
         pjrt_device=pjrt,
         runtime_initialized=initialized,
         warnings=tuple(warnings),
+        torch_tpu=tpu_version,
+        notes=tuple(notes),
     )
+
+
+def drive_path(path, *, mount_point: str = "/content/drive", folder: str = "nbkit") -> tuple:
+    """Where to keep ``path`` so that it outlives the runtime: Google Drive on Colab.
+
+    A Colab runtime's disk disappears with the runtime. On Colab this mounts Google Drive at
+    ``mount_point`` (Colab asks for permission the first time) and returns
+    ``<mount_point>/MyDrive/<folder>/<file name>``, creating the folder. Anywhere else it does
+    nothing and returns ``path`` unchanged, with a message saying so.
+
+    Args:
+        path: the local path, e.g. the tar to export (only its file name is kept on Drive).
+        mount_point: where Colab mounts Drive.
+        folder: the folder under ``MyDrive``.
+
+    Returns:
+        ``(path to use, message for a person)``.
+
+    Example:
+        >>> drive_path("export/cache.tar")[0]  # not on Colab: unchanged
+        'export/cache.tar'
+    """
+    path = os.fspath(path)
+    colab = sys.modules.get("google.colab")
+    if colab is None:
+        return path, (f"drive: Google Drive is mounted only on Colab, and this is not Colab: nothing mounted, "
+                      f"the file stays at {path}")
+    from google.colab import drive  # the real one on Colab; tests put a fake in sys.modules
+
+    drive.mount(mount_point)
+    target_dir = os.path.join(mount_point, "MyDrive", folder)
+    os.makedirs(target_dir, exist_ok=True)
+    target = os.path.join(target_dir, os.path.basename(path))
+    return target, (f"drive: Google Drive mounted at {mount_point}; the file goes to {target}, "
+                    "which outlives this runtime")
 
 
 def _read(path: Path) -> str:
@@ -294,6 +358,28 @@ def libtpu_version(environ: Optional[Mapping[str, str]] = None) -> Optional[str]
     return None
 
 
+def torch_tpu_version() -> Optional[str]:
+    """TorchTPU's version when the ``torch_tpu`` package is installed (found without importing it)."""
+    version = dist_version("torch_tpu") or dist_version("torch-tpu")
+    if version:
+        return version
+    try:
+        return "installed" if importlib.util.find_spec("torch_tpu") is not None else None
+    except (ImportError, ValueError):
+        return None
+
+
+def past_xla(torch_version: str) -> bool:
+    """True when ``torch_version`` is newer than any torch_xla release (2.9 is the last)."""
+    return major_minor(torch_version) > XLA_LAST
+
+
+def _past_xla(torch_version: str) -> str:
+    return (f" (torch_xla's last release, 2.9, needs torch 2.9, so this installs torch 2.9 in place of "
+            f"{torch_version}; restart the runtime afterwards. Colab's TPU runtime ships torch 2.9 with torch_xla 2.9: "
+            "do not upgrade torch there)")
+
+
 def major_minor(version: str) -> tuple:
     parts = version.split("+")[0].split(".")
     try:
@@ -307,6 +393,12 @@ def _version_mismatch(torch_version: str, xla_version: Optional[str]) -> Optiona
         return None
     if major_minor(torch_version) == major_minor(xla_version):
         return None
+    if past_xla(torch_version):
+        return (
+            f"torch {torch_version} is newer than torch_xla {xla_version} supports: torch_xla stopped at 2.9, which "
+            f"needs torch 2.9; run: {pip_display(xla_requirements(torch_version, True))} and restart the runtime "
+            "(on Colab's TPU runtime, do not upgrade torch past 2.9)"
+        )
     return (
         f"torch {torch_version} and torch_xla {xla_version} do not match (torch_xla must have the same "
         f"major.minor as torch); run: {pip_display(xla_requirements(torch_version, True))} "
@@ -319,11 +411,26 @@ def runtime_initialized() -> bool:
 
 
 def xla_requirements(torch_version: str, tpu: bool) -> tuple:
+    """The torch_xla matching ``torch_version``, with that torch pinned.
+
+    Past torch_xla's last release (2.9) the only torch_xla is 2.9, and it needs torch 2.9 and
+    torchvision 0.24: never a torch newer than torch_xla supports.
+
+    Example:
+        >>> xla_requirements("2.9.0+cpu", True)
+        ('torch_xla[tpu]~=2.9.0', 'torch==2.9.0')
+        >>> xla_requirements("2.14.1", False)
+        ('torch_xla~=2.9.0', 'torch==2.9.0', 'torchvision==0.24.0')
+    """
     base = torch_version.split("+")[0]
-    major, minor = major_minor(base)
+    if past_xla(base):
+        major, minor = XLA_LAST
+        torch_pins = XLA_LAST_STACK
+    else:
+        major, minor = major_minor(base)
+        torch_pins = (f"torch=={base}",)  # the torch that is there: pip must fail loudly rather than replace it
     xla = f"torch_xla[tpu]~={major}.{minor}.0" if tpu else f"torch_xla~={major}.{minor}.0"
-    # Pin the torch that is already there: pip must fail loudly rather than replace it.
-    return (xla, f"torch=={base}")
+    return (xla, *torch_pins)
 
 
 

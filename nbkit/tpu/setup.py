@@ -23,9 +23,16 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 
 from nbkit.text import Table
 
-from .runtime import RuntimeInfo, describe, dist_version, libtpu_version, pip_display, xla_requirements
+from .runtime import RuntimeInfo, describe, dist_version, libtpu_version, past_xla, pip_display, xla_requirements
 
 __all__ = ["SetupReport", "setup"]
+
+# What Colab's TPU runtime ships (its published package list, 2026-08).
+COLAB_TPU_FACTS = (
+    "Colab's TPU runtime (a v5e-1 on the free tier) ships Python 3.13, torch 2.9 with torch_xla 2.9 (keep them: "
+    "torch_xla has no release for a newer torch), jax, grain and ipywidgets 7.7.1, but not gcsfs "
+    "(setup(install=True) adds it, and only what is missing)"
+)
 
 # Generous: the first TPU initialisation of a fresh VM can take a minute.
 _VERIFY_TIMEOUT = 300.0
@@ -109,11 +116,15 @@ def setup(
     2. Computes the requirements: the torch_xla matching the installed torch (``torch_xla[tpu]`` on a
        TPU; plain ``torch_xla``, which runs on the CPU, elsewhere), pinned to the installed torch so
        pip cannot swap torch, plus the packages of nbkit's ``extras``. Only unsatisfied ones go
-       into ``pip_command``, which runs when ``install=True`` and not ``dry_run``.
+       into ``pip_command``, which runs when ``install=True`` and not ``dry_run``. torch_xla
+       stopped at 2.9: with a newer torch it is required only on a TPU without TorchTPU
+       (``torch_tpu``), and then with torch 2.9 (said in the messages); never a newer torch.
     3. Sets ``PJRT_DEVICE``: ``TPU`` on a TPU, otherwise ``CPU`` (torch_xla then runs on the CPU,
        so the tutorial keeps working, slowly). A value already set is kept when it can work.
     4. Unless ``dry_run``, runs a tiny computation on the XLA device **in a subprocess**, so this
-       process never initialises the XLA runtime and :func:`spawn` still works afterwards.
+       process never initialises the XLA runtime and :func:`spawn` still works afterwards (on
+       TorchTPU's ``"tpu"`` device instead when that is what this runtime uses; untested on real
+       hardware).
 
     Args:
         install: run the pip command (needs network; on Colab and Kaggle, torch_xla is preinstalled).
@@ -135,24 +146,36 @@ def setup(
     info = describe(environ=env, root=root)
     messages: list = []
 
-    requirements = xla_requirements(info.torch, info.is_tpu) + _extra_requirements(extras)
+    # torch_xla stopped at 2.9: with a newer torch it is required only on a TPU without TorchTPU, and
+    # there it means torch 2.9 (the message says so); a GPU or CPU runtime simply goes without it.
+    need_xla = not past_xla(info.torch) or (info.is_tpu and not info.torch_tpu)
+    requirements = (xla_requirements(info.torch, info.is_tpu) if need_xla else ()) + _extra_requirements(extras)
     missing = tuple(r for r in requirements if not _satisfied(r, env))
     pip_command = _pip_command(missing, requirements)
     report = SetupReport(info=info, requirements=requirements, missing=missing, pip_command=pip_command)
 
     if info.is_tpu:
         messages.append(f"TPU runtime: {info.kind}, {info.accelerator or 'TPU'}" + (f" × {info.accelerator_count}" if info.accelerator_count else ""))
+        if info.kind == "colab-tpu":
+            messages.append(COLAB_TPU_FACTS)
     elif info.kind == "gpu":
         messages.append(
-            f"no TPU here, but a GPU ({info.accelerator}): the XLA path runs on the CPU (PJRT_DEVICE=CPU); "
-            "for speed, train on torch.device('cuda') directly"
+            f"no TPU here, but a GPU ({info.accelerator}): "
+            + ("the XLA path runs on the CPU (PJRT_DEVICE=CPU); " if need_xla else "")
+            + "for speed, train on torch.device('cuda') directly"
         )
     else:
         messages.append(
-            "no TPU here: the XLA path runs on the CPU (PJRT_DEVICE=CPU), so the tutorial works, slowly; "
-            "for a TPU on Colab choose Runtime > Change runtime type > TPU"
+            ("no TPU here: the XLA path runs on the CPU (PJRT_DEVICE=CPU), so the tutorial works, slowly; " if need_xla
+             else "no TPU here: train on the CPU; ")
+            + "for a TPU on Colab choose Runtime > Change runtime type > TPU"
         )
+    messages.extend(info.notes)
     messages.extend(info.warnings)
+    if need_xla and past_xla(info.torch):
+        messages.append(f"torch {info.torch} is newer than torch_xla's last release (2.9): the XLA path on this TPU needs "
+                        "torch 2.9 (Colab's TPU runtime ships torch 2.9 + torch_xla 2.9: keep them), or TorchTPU (torch_tpu) "
+                        "once installed")
 
     if not missing:
         messages.append("all requirements are already installed")
@@ -171,6 +194,11 @@ def setup(
 
     if dry_run:
         messages.append("dry run: device check skipped")
+    elif info.torch_tpu and not need_xla:
+        _verify(report, env, messages, code=_VERIFY_CODE_TORCH_TPU)
+    elif not need_xla:
+        messages.append(f"device check skipped: no torch_xla for torch {info.torch} (its last release is 2.9) and none "
+                        "needed here; batches go to 'cuda' or stay on the CPU (ds.loader(..., device=...))")
     elif dist_version("torch_xla") is None:
         report.verified = False
         messages.append(f"device check not possible: torch_xla is not installed; run {pip_display(xla_requirements(info.torch, info.is_tpu))}")
@@ -259,13 +287,21 @@ x = torch.arange(6.0).reshape(2, 3).to(device)
 result = (x @ x.T).sum().item()
 print("NBKIT-VERIFY " + json.dumps({"device": str(device), "device_type": xr.device_type(), "result": result}))
 """
+# TorchTPU's native "tpu" device (untested on real hardware: written from its announced design).
+_VERIFY_CODE_TORCH_TPU = r"""
+import json, torch, torch_tpu
+device = torch.device("tpu")
+x = torch.arange(6.0).reshape(2, 3).to(device)
+result = (x @ x.T).sum().item()
+print("NBKIT-VERIFY " + json.dumps({"device": str(device), "device_type": "TPU (torch_tpu)", "result": result}))
+"""
 _VERIFY_EXPECTED = 83.0  # [[0,1,2],[3,4,5]] @ its transpose = [[5,14],[14,50]]
 
 
-def _verify(report: SetupReport, env: Mapping[str, str], messages: list) -> None:
+def _verify(report: SetupReport, env: Mapping[str, str], messages: list, code: str = _VERIFY_CODE) -> None:
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _VERIFY_CODE],
+            [sys.executable, "-c", code],
             env=dict(env),
             capture_output=True,
             text=True,

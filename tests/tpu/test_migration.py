@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import nbkit
-from tpu_fakes import run_script
+from tpu_fakes import run_script, needs_xla
 
 
+@needs_xla
 @pytest.mark.slow
 def test_torch_xla_tutorial_flow_in_xmp_spawn_then_tar_czf(mnist_root, tmp_path):
     out_dir = tmp_path / "out"

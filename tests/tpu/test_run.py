@@ -19,16 +19,18 @@ import torch
 import nbkit
 from nbkit import tpu
 from nbkit.tpu import run
-from tpu_fakes import REPO, SCRIPTS, TORCH_BASE, TORCH_MM, run_script
+from nbkit.tpu.runtime import pip_display, xla_requirements
+from tpu_fakes import REPO, SCRIPTS, needs_xla, run_script
 
 
 def test_missing_torch_xla_names_the_pip_command():
     out = run_script("without_torch_xla.py", timeout=120)
     assert out["kind"] in tpu.KINDS
-    assert f"pip install 'torch_xla[tpu]~={TORCH_MM}.0' 'torch=={TORCH_BASE}'" in out["device_loader"]
+    assert pip_display(xla_requirements(torch.__version__, True)) in out["device_loader"]  # torch 2.9 past 2.9
     assert "nbkit[tpu]" in out["device_loader"]
 
 
+@needs_xla
 def test_spawn_explains_notebook_mistakes():
     out = run_script("notebook_errors.py", timeout=180)
     assert out["spawn_method"].startswith("ValueError: 'work' is defined in a notebook")
@@ -51,6 +53,7 @@ def _spawn_lines(tmp_path, *args, devices=2):
 
 
 @pytest.mark.slow
+@needs_xla
 def test_spawn_delivers_each_replicas_output_as_whole_prefixed_lines(tmp_path):
     out, err = _spawn_lines(tmp_path)
     assert out[0] == "parent before" and out[-1] == "parent after"
@@ -70,6 +73,7 @@ def test_spawn_delivers_each_replicas_output_as_whole_prefixed_lines(tmp_path):
 
 
 @pytest.mark.slow
+@needs_xla
 def test_without_lines_the_replicas_output_runs_together(tmp_path):
     """The same script with spawn(lines=False): the interleaving the relay exists for really happens."""
     out, _ = _spawn_lines(tmp_path, "all", "raw")
@@ -77,6 +81,7 @@ def test_without_lines_the_replicas_output_runs_together(tmp_path):
 
 
 @pytest.mark.slow
+@needs_xla
 def test_spawn_lines_with_one_replica_in_this_process(tmp_path):
     out, err = _spawn_lines(tmp_path, "1", devices=1)
     assert out[:2] == ["parent before", "[0] replica 0 starts a line and ends it: computed 8"]
@@ -87,6 +92,7 @@ def test_spawn_lines_with_one_replica_in_this_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 4])  # 1 device: test_setup_then_spawn_in_a_jupyter_kernel
+@needs_xla
 def test_spawn_shared_warmup_and_training(devices, mnist_root, tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -134,6 +140,30 @@ def test_spawn_shared_warmup_and_training(devices, mnist_root, tmp_path):
 
 
 @pytest.mark.slow
+@needs_xla
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])  # fork: the tests above (spawn()'s default)
+def test_spawn_under_every_start_method(method, mnist_root, tmp_path):
+    """tpu.spawn with start_method="spawn" (macOS's default) and "forkserver" (Python 3.14's on Linux):
+    run as a file, so the replica process can re-import the training function (a notebook cannot:
+    test_spawn_explains_notebook_mistakes). One replica process, two CPU devices as its threads."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(SCRIPTS / "spawn_train.py"), str(mnist_root), str(tmp_path / "cache"),
+                           str(out_dir), "3", method], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(out_dir.glob("result-*.json"))]
+    assert sorted(r["ordinal"] for r in results) == [0, 1] and {r["world"] for r in results} == {2}
+    assert {r["shapes"][0][1] for r in results} == {"xla:0", "xla:1"}
+    assert all(len(r["losses"]) == 3 and all(np.isfinite(r["losses"])) for r in results)
+    calls = [int(x) for p in out_dir.glob("calls-*.txt") for x in p.read_text().split()]
+    assert sorted(calls) == list(range(2000))  # each sample computed once, by its shard's replica
+    assert len(nbkit.CachedDataset.open(tmp_path / "cache").missing()) == 0
+
+
+@pytest.mark.slow
+@needs_xla
 def test_setup_then_spawn_in_a_jupyter_kernel(mnist_root, tmp_path, monkeypatch):
     """The Colab flow in a real kernel: setup() (device check), then spawn() of a cell's function.
 

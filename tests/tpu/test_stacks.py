@@ -1,0 +1,127 @@
+"""describe() and setup() on the stacks people have (2026): Colab's TPU runtime (torch 2.9 + torch_xla
+2.9, no gcsfs), a torch newer than torch_xla's last release (2.9), Colab's GPU runtime (torch 2.11, no
+torch_xla), and TorchTPU (``torch_tpu``, torch_xla's successor). Installed versions are faked, so these
+run on any stack, with or without torch_xla."""
+
+import importlib
+import re
+
+import pytest
+
+from nbkit import tpu
+from nbkit.tpu import runtime
+from tpu_fakes import COLAB, fake_root
+
+setup_py = importlib.import_module("nbkit.tpu.setup")  # nbkit.tpu.setup is the function
+
+
+@pytest.fixture
+def stack(monkeypatch, tmp_path):
+    """``stack(torch=..., **{"torch_xla": "2.9.0", "gcsfs": None, ...})`` makes describe()/setup() see
+    those versions (a name left out keeps its real version; None: not installed)."""
+
+    def install(torch_version, **versions):
+        real = runtime.dist_version
+        versions.setdefault("torch", torch_version.split("+")[0])
+
+        def fake(name):
+            key = name.replace("-", "_")
+            return versions[key] if key in versions else real(name)
+
+        monkeypatch.setattr(runtime.torch, "__version__", torch_version)
+        monkeypatch.setattr(runtime, "dist_version", fake)
+        monkeypatch.setattr(setup_py, "dist_version", fake)
+        if "torch_tpu" not in versions:  # a real torch_tpu never is installed here; find_spec must not see one
+            monkeypatch.setattr(runtime, "torch_tpu_version", lambda: None)
+        else:
+            monkeypatch.setattr(runtime, "torch_tpu_version", lambda: versions["torch_tpu"])
+        libtpu = tmp_path / "libtpu.so"
+        libtpu.write_bytes(b"\x7fELF")
+        return {"TPU_LIBRARY_PATH": str(libtpu)}
+
+    return install
+
+
+def colab_tpu_root(tmp_path):
+    return fake_root(tmp_path, tpu_pci=["0x0063"], dirs=["content"])
+
+
+def everything(report) -> str:
+    return "\n".join([str(report), str(report.info), " ".join(report.pip_command or [])])
+
+
+def test_colab_tpu_runtime_installs_only_gcsfs(stack, tmp_path):
+    """Colab's TPU runtime: torch 2.9.0+cpu, torch_xla 2.9.0 with its libtpu, ipywidgets 7.7.1, no gcsfs."""
+    env = {**COLAB, "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+           **stack("2.9.0+cpu", torch_xla="2.9.0", gcsfs=None, ipywidgets="7.7.1", matplotlib="3.10.0")}
+    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path))
+    assert report.info.kind == "colab-tpu" and not report.info.warnings
+    assert report.missing == ("gcsfs>=2023.1",)
+    assert report.pip_command[-1:] == ["gcsfs>=2023.1"] and not any("torch" in a for a in report.pip_command[4:])
+    facts = next(m for m in report.messages if m.startswith("Colab's TPU runtime"))
+    assert "Python 3.13" in facts and "torch 2.9 with torch_xla 2.9" in facts and "ipywidgets 7.7.1" in facts
+    assert "not gcsfs" in facts
+    assert "3.12" not in everything(report)
+
+
+def test_colab_tpu_with_gcsfs_installs_nothing(stack, tmp_path):
+    env = {**COLAB, **stack("2.9.0+cpu", torch_xla="2.9.0", gcsfs="2026.10.1", ipywidgets="7.7.1", matplotlib="3.10.0")}
+    report = tpu.setup(dry_run=True, install=True, environ=env, root=colab_tpu_root(tmp_path))
+    assert (report.missing, report.pip_command, report.installed) == ((), None, False)
+
+
+def test_torch_past_xla_on_a_tpu_never_asks_for_a_newer_torch_xla(stack, tmp_path):
+    """Someone upgraded torch on the TPU runtime: torch_xla 2.9 is the last; the fix is torch 2.9, never torch_xla 2.14."""
+    env = {**COLAB, **stack("2.14.1+cpu", torch_xla="2.9.0", gcsfs="2026.10.1")}
+    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path))
+    text = everything(report)
+    assert not re.search(r"torch_xla(\[tpu\])?~=2\.1[0-9]", text) and "torch==2.14" not in text
+    warning = next(w for w in report.info.warnings if "newer than torch_xla" in w)
+    assert "pip install 'torch_xla[tpu]~=2.9.0' 'torch==2.9.0' 'torchvision==0.24.0'" in warning
+    assert "do not upgrade torch past 2.9" in warning
+    assert "torch==2.9.0" in report.requirements and "torch_xla[tpu]~=2.9.0" in report.requirements
+
+
+def test_torch_past_xla_on_a_tpu_without_torch_xla_says_it_installs_torch_2_9(stack, tmp_path):
+    env = {**COLAB, **stack("2.15.0", torch_xla=None, torchvision="0.29.2", gcsfs="2026.10.1")}
+    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path))
+    assert report.missing[:3] == ("torch_xla[tpu]~=2.9.0", "torch==2.9.0", "torchvision==0.24.0")
+    warning = next(w for w in report.info.warnings if w.startswith("torch_xla is not installed"))
+    assert "installs torch 2.9 in place of 2.15.0" in warning and "do not upgrade torch there" in warning
+    assert any("newer than torch_xla's last release (2.9)" in m for m in report.messages)
+
+
+def test_colab_gpu_runtime_with_torch_2_11_needs_no_torch_xla(stack, tmp_path):
+    """Colab's GPU and CPU runtimes run torch 2.11: no torch_xla exists for it, and nothing asks for one."""
+    env = {**COLAB, "COLAB_GPU": "1", **stack("2.11.0+cu128", torch_xla=None, gcsfs="2026.10.1")}
+    report = tpu.setup(environ=env, root=fake_root(tmp_path, gpus=["Tesla T4"]))
+    assert report.info.kind == "gpu"
+    assert not any(r.startswith(("torch_xla", "torch==")) for r in report.requirements)
+    assert report.missing == () and report.verified is None and report.ok
+    assert any("train on torch.device('cuda')" in m for m in report.messages)
+    assert any(m.startswith("device check skipped: no torch_xla for torch 2.11.0") for m in report.messages)
+    assert any("has no torch_xla" in n for n in report.info.notes)
+    assert "2.11" not in " ".join(report.pip_command or [])
+
+
+def test_torch_tpu_installed_is_described_with_its_device_and_untested_status(stack, tmp_path):
+    env = {**COLAB, **stack("2.15.0", torch_xla=None, torch_tpu="0.1.0", gcsfs="2026.10.1")}
+    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path))
+    info = report.info
+    assert info.torch_tpu == "0.1.0" and ("torch_tpu (TorchTPU)", "0.1.0") in info.rows()
+    note = next(n for n in info.notes if n.startswith("TorchTPU (torch_tpu 0.1.0) is installed"))
+    assert "ds.loader(batch_size, device='tpu')" in note and "untested on real TPU hardware" in note
+    assert note in str(info) and "TorchTPU" in info._repr_html_()
+    # TorchTPU runs on the new torch: setup() must not pull torch back to 2.9 for torch_xla.
+    assert not any(r.startswith(("torch_xla", "torch==")) for r in report.requirements)
+    assert note in report.messages and not info.warnings
+
+
+def test_no_document_says_colab_runs_python_3_12():
+    from tpu_fakes import REPO
+
+    docs = [REPO / "README.md", REPO / "Makefile", REPO / ".ci" / "run", *sorted((REPO / "notebooks").glob("*.ipynb")),
+            *sorted((REPO / "nbkit" / "tpu").glob("*.py"))]
+    for path in docs:
+        text = path.read_text()
+        assert not re.search(r"Colab[^.\n]{0,40}(Python )?3\.12", text), path
