@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["require", "xla_runtime_started", "EXTRAS", "moved"]
+__all__ = ["require", "EXTRAS", "moved"]
 
 # pip extra -> what it installs (kept in step with pyproject.toml's optional-dependencies)
 EXTRAS = {
@@ -71,22 +71,3 @@ def moved(alias: str, table: dict):
         return getattr(importlib.import_module(table[name]), name)
 
     return __getattr__
-
-
-def xla_runtime_started() -> bool:
-    """Whether this process has started torch_xla's runtime (never imports torch_xla: only a process
-    that imported it can have started it, and asking the runtime anything would start it).
-
-    Example:
-        >>> xla_runtime_started() in (True, False)
-        True
-    """
-    import sys
-
-    xla = sys.modules.get("torch_xla")
-    if xla is None:
-        return False
-    try:
-        return bool(xla._XLAC._xla_runtime_is_initialized())
-    except AttributeError:
-        return False

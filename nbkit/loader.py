@@ -314,9 +314,9 @@ class _Pipeline:
                 event.record(self.stream)
             return moved, event
         if self.kind == "xla":
-            import torch_xla.core.xla_model as xm
+            from .tpu import xla  # every torch_xla call goes through nbkit.tpu's adapter
 
-            return xm.send_cpu_data_to_device(batch, self.device), None
+            return xla.send(batch, self.device), None
         return map_tensors(batch, lambda t: t.to(self.device)), None
 
     # -- consumer ------------------------------------------------------------------------------
@@ -376,9 +376,9 @@ class _Epoch:
         if self._pipeline is None:
             raise StopIteration
         if self._xla:
-            import torch_xla
+            from .tpu import xla
 
-            torch_xla.sync()  # cut the graph of the step that used the previous batch (as MpDeviceLoader)
+            xla.step_done(self._loader.device)  # cut the graph of the step that used the previous batch (as MpDeviceLoader)
         t0 = time.perf_counter()
         try:
             got = self._pipeline.get()

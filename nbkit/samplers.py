@@ -26,11 +26,12 @@ Example:
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .extras import xla_runtime_started
 from .trust import check_bool, check_int, check_size
 from .stores.readthrough import store_of
 
@@ -45,10 +46,11 @@ def default_rank_world() -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     # Ask torch_xla only when its runtime is already running here: asking would start it (and a
     # process that started it can no longer spawn one process per TPU chip).
-    if xla_runtime_started():
-        import torch_xla.runtime as xr  # already imported by whoever started the runtime
+    if "torch_xla" in sys.modules:
+        from .tpu import xla  # every torch_xla call goes through nbkit.tpu's adapter
 
-        return int(xr.global_ordinal()), int(xr.world_size())
+        if xla.runtime_started():
+            return xla.rank_world()
     return 0, 1
 
 

@@ -22,7 +22,8 @@ BELOW_DATASET = ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats"
 # The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
 # Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
 LAYERS = {
-    0: ("nbkit.errors", "nbkit.trust", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.gather"),
+    # nbkit.tpu.xla, the torch_xla adapter, imports only torch: the engine calls it (lazily) on XLA.
+    0: ("nbkit.errors", "nbkit.trust", "nbkit.tpu.xla", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.gather"),
     1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms"),
     2: ("nbkit.format",),
     3: ("nbkit.cachedir",),
@@ -187,3 +188,17 @@ def test_aliases_import_nothing_directly(graph):
     _, edges = graph
     for alias in ALIASES:
         assert {dst for dst, _, _ in edges[alias]} == {"nbkit.extras"}, f"{alias} should forward lazily (extras.moved)"
+
+
+def test_torch_xla_is_called_only_behind_nbkit_tpu():
+    """torch_xla stopped at 2.9 and TorchTPU replaces it: every torch_xla import lives in nbkit/tpu/,
+    so the successor changes one package (issue 18)."""
+    outside = []
+    for name, (path, _) in modules().items():
+        if name == "nbkit.tpu" or name.startswith("nbkit.tpu."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            outside += [f"{name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "torch_xla"]
+    assert not outside, "\n".join(outside)

@@ -25,7 +25,6 @@ from typing import Mapping, Optional
 
 import torch
 
-from nbkit.extras import xla_runtime_started
 from nbkit.text import Table
 
 __all__ = ["RuntimeInfo", "describe", "drive_path", "KINDS", "XLA_LAST"]
@@ -407,7 +406,9 @@ def _version_mismatch(torch_version: str, xla_version: Optional[str]) -> Optiona
 
 
 def runtime_initialized() -> bool:
-    return xla_runtime_started()
+    from .xla import runtime_started
+
+    return runtime_started()
 
 
 def xla_requirements(torch_version: str, tpu: bool) -> tuple:

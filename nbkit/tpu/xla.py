@@ -1,5 +1,6 @@
 """The adapter between nbkit and torch_xla: the torch_xla calls made outside :mod:`nbkit.tpu.run`
-go through here, so that torch_xla's successor (TorchTPU, a native ``"tpu"`` torch device that
+(the device loader's transfer and step cut, the sampler's rank and world size, the notebooks'
+device and wait) go through here, so that torch_xla's successor (TorchTPU, a native ``"tpu"`` torch device that
 needs none of them) changes one module. torch_xla is imported when a function is called.
 
 Example:
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["device", "step_done", "wait"]
+__all__ = ["device", "step_done", "wait", "send", "runtime_started", "rank_world"]
 
 
 def device() -> torch.device:
@@ -46,3 +47,36 @@ def wait(dev: torch.device) -> None:
         synchronize = getattr(module, "synchronize", None)
         if dev.type not in ("cpu", "meta") and callable(synchronize):
             synchronize()
+
+
+def send(batch, dev: torch.device):
+    """``batch`` (any nesting of host tensors) sent to the XLA device ``dev`` as ``MpDeviceLoader`` sends it."""
+    import torch_xla.core.xla_model as xm
+
+    return xm.send_cpu_data_to_device(batch, dev)
+
+
+def runtime_started() -> bool:
+    """Whether this process has started torch_xla's runtime (never imports torch_xla: only a process
+    that imported it can have started it, and asking the runtime anything would start it).
+
+    Example:
+        >>> runtime_started() in (True, False)
+        True
+    """
+    import sys
+
+    module = sys.modules.get("torch_xla")
+    if module is None:
+        return False
+    try:
+        return bool(module._XLAC._xla_runtime_is_initialized())
+    except AttributeError:
+        return False
+
+
+def rank_world() -> tuple[int, int]:
+    """``(rank, world size)`` from torch_xla's runtime; call only when :func:`runtime_started`."""
+    import torch_xla.runtime as xr  # already imported by whoever started the runtime
+
+    return int(xr.global_ordinal()), int(xr.world_size())
