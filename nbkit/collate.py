@@ -225,25 +225,27 @@ def register_gatherer(token: str, method) -> None:
         >>> gather_on_arrival("t", [1, 2])
         [1, 2]
     """
+    # A weak reference to the object and its plain function, not a WeakMethod: WeakMethod's own
+    # callback fails noisily when the interpreter exits ("'NoneType' object has no attribute '_alive'").
     refs = _gatherers.setdefault(token, [])
-    refs.append(weakref.WeakMethod(method, lambda ref, token=token: _unregister(token, ref)))
+    refs.append((weakref.ref(method.__self__, lambda ref, token=token: _unregister(token, ref)), method.__func__))
 
 
 def _unregister(token: str, ref) -> None:
     refs = _gatherers.get(token)
     if refs is None:
         return
-    refs[:] = [r for r in refs if r is not ref]
+    refs[:] = [r for r in refs if r[0] is not ref]
     if not refs:
         _gatherers.pop(token, None)
 
 
 def gather_on_arrival(token: str, indices):
     """Unpickling a :class:`BatchHandle`: gather its batch from this process's dataset."""
-    for ref in list(_gatherers.get(token, ())):
-        fn = ref()
-        if fn is not None:
-            return fn(np.asarray(indices))
+    for ref, func in list(_gatherers.get(token, ())):
+        obj = ref()
+        if obj is not None:
+            return func(obj, np.asarray(indices))
     raise RuntimeError(
         "nbkit: a DataLoader worker sent a batch of a CachedDataset that this process does not hold. "
         "Iterate the DataLoader in the process that created it, or pass collate_fn=None-safe settings "

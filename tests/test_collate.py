@@ -146,3 +146,19 @@ def test_namedtuple_and_pil_batches_cross_workers_as_handles(tmp_path, context):
         assert_equal(got[0][1], default_collate(reference))
         plain = next(iter(DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=context)))
         assert_equal(plain, default_collate(reference))
+
+
+def test_a_script_that_opens_a_cache_exits_without_noise(tmp_path):
+    """The batch-handle registry must not print "Exception ignored … '_alive'" when the interpreter
+    exits (WeakMethod's callback did, on Python 3.11)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, nbkit\n"
+        f"ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), {str(tmp_path / 'c')!r})\n"
+        "ds.warmup(); copy = nbkit.CachedDataset.open(ds.root); print(int(copy[1][0]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
+    assert "Exception ignored" not in out.stderr, out.stderr
