@@ -39,10 +39,21 @@ def execute(name, out_dir, **parameters):
     """Run one notebook small; on failure, show the traceback papermill saved in the notebook."""
     import papermill
 
-    try:
-        path = run_notebooks.run(name, out_dir, parameters, small=True)
-    except papermill.PapermillExecutionError as e:
-        pytest.fail(f"{name}.ipynb failed in cell {e.exec_count}: {e.ename}: {e.evalue}\n"
+    failure = None
+    for attempt in (1, 2):
+        try:
+            path = run_notebooks.run(name, out_dir, parameters, small=True)
+            failure = None
+            break
+        except papermill.PapermillExecutionError as e:
+            failure = e
+            # torch_xla's CPU spawn forks the (multi-threaded) kernel; once in a full CI run on 2
+            # loaded cores its replica process died abruptly (BrokenProcessPool), and never in
+            # isolated reruns. Run the notebook once more on exactly that; anything else fails.
+            if e.ename != "BrokenProcessPool":
+                break
+    if failure is not None:
+        pytest.fail(f"{name}.ipynb failed in cell {failure.exec_count}: {failure.ename}: {failure.evalue}\n"
                     f"{run_notebooks.text_output(Path(out_dir) / f'{name}.ipynb')[-3000:]}")
     return path, run_notebooks.text_output(path)
 
