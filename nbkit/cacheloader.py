@@ -189,9 +189,9 @@ def intact(found) -> bool:
 
 def _check_url(url) -> str:
     """``url`` as ``str``, refusing a wrong type or a URL typo (``gs:/x``, an unknown scheme) with the fix."""
-    from fsspec.registry import known_implementations, registry
+    from .stores.registry import check_cache_url
 
-    return trust.check_url(url, "path_or_url", set(known_implementations) | set(registry) | {"redis", "rediss"})
+    return check_cache_url(url, "path_or_url")
 
 
 def resolve(url: str, storage_options: dict | None = None):

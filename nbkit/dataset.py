@@ -32,7 +32,7 @@ from torch.utils.data import Dataset, get_worker_info
 from . import format as fmt
 from .stores import registry
 from .stores.base import new_generation
-from .trust import check_bool, check_int, check_size, check_url
+from .trust import check_bool, check_int, check_size
 from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
@@ -82,7 +82,6 @@ class CachedDataset(Dataset):
                  local_max_bytes: int | None = None, max_files_per_folder: int | None = None,
                  compress: bool | None = None):
         _warn_torch_xla_options(max_files_per_folder=max_files_per_folder, compress=compress)
-        path = check_url(path, "path", known_schemes=_known_schemes())
         overwrite, allow_pickle = check_bool(overwrite, "overwrite"), check_bool(allow_pickle, "allow_pickle")
         fingerprint_samples = check_int(fingerprint_samples, "fingerprint_samples", min=0)
         if max_bytes is not None:
@@ -701,14 +700,6 @@ class CachedDataset(Dataset):
     @property
     def is_complete(self) -> bool:
         return len(self.store.missing()) == 0
-
-
-def _known_schemes() -> set:
-    """The URL schemes a cache path may have: fsspec's and nbkit's own store backends (``redis://``)."""
-    from fsspec.registry import known_implementations
-    from fsspec.registry import registry as fsspec_registry
-
-    return set(known_implementations) | set(fsspec_registry) | set(registry.SCHEMES)
 
 
 #: Reads check the cache's generation at most this often (seconds); writes check every time.

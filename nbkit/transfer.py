@@ -44,8 +44,7 @@ from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file
 from .progress import as_callback
 from .remote import (BLOCK, abandon, endpoint_of, is_connection_error, is_local, network_errors, remote_sizes,
                      unreachable, url_to_fs, write_bytes)
-from .text import format_list
-from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, open_readable
+from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, open_readable, read_small
 
 __all__ = ["push", "pull", "TransferReport", "Stopped", "describe", "check_whole"]
 
@@ -108,11 +107,7 @@ def check_whole(tmp: str, where: str, fix: str, callback=None, describe_as: str 
     """
     cb = as_callback(callback)
     meta_where = f"{where}: {fmt.META}"
-    with open_readable(os.path.join(tmp, fmt.META)) as f:
-        raw = f.read(MAX_JSON_BYTES + 1)
-    if len(raw) > MAX_JSON_BYTES:
-        raise CorruptCacheError(f"{meta_where} is more than {MAX_JSON_BYTES} bytes; a real one is a few KiB. {fix}")
-    meta = fmt.parse_meta(raw, meta_where, fix)
+    meta = fmt.parse_meta(read_small(os.path.join(tmp, fmt.META)), meta_where, fix)
     names = os.listdir(tmp)
     check_file_set(meta, names, where, fix)
     check_meta_sizes(meta, {n: os.path.getsize(os.path.join(tmp, n)) for n in names}, where, fix)
@@ -125,7 +120,9 @@ def check_whole(tmp: str, where: str, fix: str, callback=None, describe_as: str 
             # nbkit.json that parse_meta let through but the store cannot use: damaged all the same.
             raise CorruptCacheError(f"{meta_where} is damaged ({type(e).__name__}: {e}). {fix}") from e
         try:
-            return _verify_in_place(files, where, cb)
+            # Rows checked where they lie, checksums on two threads: keeps an import's full check
+            # within its budget (benchmarks/results/trust.md).
+            return fmt.verify_store(files, where=where, callback=cb, chunk=8192, threads=2, fix="")
         finally:
             files.close()  # release the maps before the directory is renamed
     except CorruptCacheError as e:
@@ -133,32 +130,6 @@ def check_whole(tmp: str, where: str, fix: str, callback=None, describe_as: str 
         if where not in text:
             text = f"{where}: {text}"
         raise CorruptCacheError(f"{text} Nothing was replaced. {fix}") from e
-
-
-def _verify_in_place(files, where: str, callback, chunk: int = 8192) -> int:
-    """:func:`nbkit.format.verify_store` for a copy about to be swapped in: runs of consecutive rows
-    (every run, in a complete cache) are checked in the mapped files rather than gathered into a
-    copy first, and the checksums use two threads; together about 1.7x faster, which keeps an
-    import's full check within its budget (``benchmarks/results/trust.md``)."""
-    cb = as_callback(callback)
-    stored = np.flatnonzero(files.is_stored(np.arange(files.length)))
-    cb.set_size(len(stored))
-    cb.absolute_update(0)
-    bad = []
-    for start in range(0, len(stored), chunk):
-        part = stored[start:start + chunk]
-        rows = part if files.slot_of is None else files.slot_of[part]
-        if np.all(np.diff(rows) == 1):
-            columns = [c[int(rows[0]):int(rows[0]) + len(rows)] for c in files.columns]
-        else:
-            columns = files.gather(part)
-        ok = fmt.verify(files, part, columns=columns, threads=2)
-        bad.extend(int(i) for i in part[~ok])
-        cb.relative_update(len(part))
-    if bad:
-        raise CorruptCacheError(
-            f"{len(bad)} sample(s) in the cache at {where} fail their checksum (indices {format_list(bad)}).")
-    return len(stored)
 
 
 # -- parallel copy with progress on the calling thread --------------------------------------------
