@@ -22,7 +22,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import math
 import os
 import shutil
 
@@ -190,24 +189,16 @@ def check_bytes(url: str, name: str, manifest: dict, data: bytes) -> None:
     check_entry(url, name, manifest["files"].get(name), hashlib.sha256(data).hexdigest(), len(data))
 
 
-def meta_files(meta: dict, where: str, fix: str = REPUSH) -> list:
-    """The column file names ``meta`` (parsed ``nbkit.json``) names, each a cache file name, none twice."""
-    columns = meta.get("columns")
-    if not isinstance(columns, list) or not all(isinstance(c, dict) for c in columns):
-        raise CorruptCacheError(f"{where} is damaged: 'columns' must be a list of objects. {fix}")
-    names = []
-    for c in columns:
-        name = check_cache_file(c.get("file"), where, error=UnsafeArchiveError)
-        if not name.startswith("col-") or name in names:
-            raise CorruptCacheError(f"{where} is damaged: the column file {name!r} is not col-<k>.bin or is named twice. {fix}")
-        names.append(name)
-    return names
+def meta_files(meta: dict) -> list:
+    """The column file names of ``meta`` (``nbkit.json`` already checked by :func:`nbkit.format.parse_meta`,
+    which holds each entry to ``col-<k>.bin`` in order)."""
+    return [fmt.column_file(k) for k in range(len(meta["columns"]))]
 
 
 def check_file_set(meta: dict, names, where: str, fix: str = REPUSH) -> None:
     """Raise unless ``names`` (the data files that arrived, ``nbkit.json`` and ``manifest.json`` aside)
     are exactly the index, the column files ``meta`` names, and optionally the heap."""
-    want = {fmt.INDEX, *meta_files(meta, f"{where}: {fmt.META}", fix)}
+    want = {fmt.INDEX, *meta_files(meta)}
     have = set(names) - {fmt.META, MANIFEST}
     missing, extra = sorted(want - have), sorted(have - want - {fmt.HEAP})
     if missing or extra:
@@ -265,31 +256,18 @@ def check_listing(fs, rroot: str, url: str, manifest: dict) -> dict:
 
 def check_meta_sizes(meta: dict, sizes: dict, where: str, fix: str = REPUSH) -> None:
     """Raise :class:`CorruptCacheError` unless ``sizes`` (name -> bytes, from a manifest, a listing
-    or the disk) are what ``meta`` implies: ``index.bin`` holds ``length`` records and each column
-    file ``capacity`` rows. Checked before any of those files is opened or allocated, so a length
-    or shape in damaged metadata is bounded by real bytes."""
+    or the disk) are what ``meta`` (checked by :func:`nbkit.format.parse_meta`) implies: ``index.bin``
+    holds ``length`` records and each column file ``capacity`` rows. Checked before any of those
+    files is opened or allocated, so a length or shape in the metadata is bounded by real bytes."""
     from .codec import Schema
 
-    length, capacity = meta.get("length"), meta.get("capacity")
-
-    def count(v):
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-    if not count(length) or (capacity is not None and not (count(capacity) and capacity <= length)):
-        raise CorruptCacheError(f"{where}: {fmt.META} is damaged: length {length!r} and capacity {capacity!r} must be "
-                                f"integers with 0 <= capacity <= length. {fix}")
-    try:
-        schema = Schema.from_json(meta.get("schema"))
-    except (IndexError, AttributeError, RecursionError) as e:  # Schema.from_json names the others itself
-        raise CorruptCacheError(f"{where}: {fmt.META} has a malformed schema ({type(e).__name__}: {e}). {fix}") from e
-    columns = meta_files(meta, f"{where}: {fmt.META}", fix)
-    if len(columns) != len(schema.columns):
-        raise CorruptCacheError(f"{where}: {fmt.META} names {len(columns)} column files for {len(schema.columns)} "
-                                f"columns. {fix}")
+    length, capacity = meta["length"], meta.get("capacity")
+    schema = Schema.from_json(meta["schema"])
+    columns = meta_files(meta)
     rows = length if capacity is None else capacity
     want = {fmt.INDEX: length * fmt.RECORD.itemsize}
     for name, leaf in zip(columns, schema.columns):
-        want[name] = rows * math.prod(leaf.shape) * schema.column_dtype(leaf).itemsize
+        want[name] = rows * schema.row_bytes(leaf)
     for name, n in want.items():
         if sizes.get(name) != n:
             raise CorruptCacheError(f"{where}/{name} is {sizes.get(name)} bytes, but {fmt.META} says it holds {n}: the "
