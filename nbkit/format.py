@@ -124,26 +124,12 @@ def parse_meta(raw: bytes, where: str, fix: str) -> dict:
         ...
         nbkit.errors.CorruptCacheError: nbkit.json is damaged: the field 'length' must be an integer >= 1 and <= 1099511627776, but holds '3'. Re-create it.
     """
-    if len(raw) > trust.MAX_JSON_BYTES:
-        raise CorruptCacheError(f"{where} is larger than {trust.MAX_JSON_BYTES} bytes; it is not nbkit cache metadata. {fix}")
-    try:
-        meta = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCacheError(f"{where} is not valid JSON ({e}); the cache metadata is damaged. {fix}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise CorruptCacheError(f"{where} is not nbkit cache metadata (format field is {_shown(found)}). {fix}")
-    version = meta.get("version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
-        raise CorruptCacheError(
-            f"{where} has format version {version!r}; this nbkit reads version {VERSION}. Upgrade nbkit "
-            "(pip install -U nbkit) to open it."
-        )
+    meta = trust.load_json(raw, where, fix, format_name=FORMAT_NAME, what="nbkit cache metadata", version=VERSION)
     meta = trust.check_json(meta, META_SPEC, where, fix)
     schema = Schema.from_json(meta["schema"], where, fix)
 
     def bad(field, what, got):
-        raise CorruptCacheError(f"{where} is damaged: the field {field!r} must be {what}, but holds {_shown(got)}. {fix}")
+        raise CorruptCacheError(f"{where} is damaged: the field {field!r} must be {what}, but holds {trust.shown(got)}. {fix}")
 
     length, capacity = meta["length"], meta.get("capacity")
     if capacity is not None and capacity > length:
@@ -169,10 +155,6 @@ def parse_meta(raw: bytes, where: str, fix: str) -> dict:
         bad("columns", f"columns of at most {MAX_CACHE_BYTES} bytes in all", "rows of " + str(row_bytes) + " bytes")
     return meta
 
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def publish_meta(root: str, meta: dict) -> dict:

@@ -29,7 +29,7 @@ from . import format as fmt
 from .cachedir import data_files, stored_count
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .files import CHUNK
-from .trust import MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, open_readable
+from .trust import MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, load_json, open_readable
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_manifest", "manifest_bytes",
            "parse_manifest", "read_remote_manifest", "trusted_remote_manifest", "read_local_manifest", "digest",
@@ -107,14 +107,7 @@ def parse_manifest(raw: bytes, where: str, fix: str = REPUSH) -> dict:
         ...
         nbkit.errors.UnsafeArchiveError: t.tar names the file 'a.py', which is not one of an nbkit cache's files ...
     """
-    if len(raw) > MAX_JSON_BYTES:
-        raise CorruptCacheError(f"{where} is {len(raw)} bytes, more than a manifest can be ({MAX_JSON_BYTES}). {fix}")
-    try:
-        manifest = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise CorruptCacheError(f"{where} is not valid JSON ({e}). {fix}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise CorruptCacheError(f"{where} is not an nbkit manifest. {fix}")
+    manifest = load_json(raw, where, fix, format_name=MANIFEST_FORMAT, what="an nbkit manifest")
     manifest = check_json(manifest, SPEC, where, fix)
     for name in manifest["files"]:
         check_cache_file(name, where, error=UnsafeArchiveError)

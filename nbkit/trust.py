@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import errno
+import json
 import math
 import numbers
 import os
@@ -44,7 +45,7 @@ from .errors import CorruptCacheError, UnsafeArchiveError
 
 __all__ = ["check_int", "check_size", "check_bool", "check_path", "check_url", "CACHE_FILE", "is_cache_file",
            "check_cache_file", "cache_file_path", "check_json", "Int", "Str", "Bool", "Float", "List", "Obj", "Map",
-           "Optional", "AnyJSON", "MAX_COLUMNS", "MAX_JSON_BYTES", "open_regular", "open_readable", "read_small"]
+           "Optional", "AnyJSON", "MAX_COLUMNS", "MAX_JSON_BYTES", "open_regular", "open_readable", "read_small", "shown", "load_json"]
 
 #: The largest metadata or manifest file nbkit parses (a real one is a few KiB).
 MAX_JSON_BYTES = 16 << 20
@@ -56,10 +57,7 @@ MAX_COLUMNS = 4096
 
 
 def _got(value) -> str:
-    text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{text} ({type(value).__name__})"
+    return f"{shown(value)} ({type(value).__name__})"
 
 
 def check_int(value, name: str, *, min: int | None = None, max: int | None = None) -> int:
@@ -328,11 +326,8 @@ def check_json(value, spec: _Spec, where: str, fix: str):
     naming ``where``, the field, what it holds, what was expected, and ``fix``."""
 
     def fail(path, what, got):
-        shown = repr(got)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
         field = f"the field {path!r}" if path else "its content"
-        raise CorruptCacheError(f"{where} is damaged: {field} must be {what}, but holds {shown}. {fix}")
+        raise CorruptCacheError(f"{where} is damaged: {field} must be {what}, but holds {shown(got)}. {fix}")
 
     return spec.check(value, "", fail)
 
@@ -407,3 +402,36 @@ def read_small(path: str, limit: int = MAX_JSON_BYTES) -> bytes:
 def open_readable(path: str):
     """A binary file object reading the regular file ``path`` (see :func:`open_regular`)."""
     return os.fdopen(open_regular(path), "rb")
+
+
+def shown(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for an error message about untrusted data."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def load_json(raw: bytes, where: str, fix: str, *, format_name: str, what: str, version: int | None = None) -> dict:
+    """The JSON object of one of nbkit's own files (``nbkit.json``, ``manifest.json``, CacheLoader
+    metadata) read from ``where``: at most :data:`MAX_JSON_BYTES`, valid JSON, an object whose
+    ``format`` is ``format_name``, and, when ``version`` is given, no newer than that. Its fields are
+    then checked by the caller's spec (:func:`check_json`). Anything else raises
+    :class:`CorruptCacheError` naming ``where`` and ending with ``fix``.
+
+    Example:
+        >>> load_json(b'{"format": "x", "version": 1}', "f.json", "", format_name="x", what="x data", version=1)
+        {'format': 'x', 'version': 1}
+    """
+    if len(raw) > MAX_JSON_BYTES:
+        raise CorruptCacheError(f"{where} is larger than {MAX_JSON_BYTES} bytes; it is not {what}. {fix}")
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CorruptCacheError(f"{where} is not valid JSON ({e}); the {what} is damaged. {fix}") from e
+    if not isinstance(value, dict) or value.get("format") != format_name:
+        found = value.get("format") if isinstance(value, dict) else None
+        raise CorruptCacheError(f"{where} is not {what} (format field is {shown(found)}). {fix}")
+    got = value.get("version")
+    if version is not None and isinstance(got, int) and not isinstance(got, bool) and got > version:
+        raise CorruptCacheError(f"{where} has format version {got!r}; this nbkit reads version {version}. Upgrade "
+                                "nbkit (pip install -U nbkit) to open it.")
+    return value

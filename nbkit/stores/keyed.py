@@ -80,7 +80,7 @@ def key_bytes(key, name: str = "key") -> bytes:
         out = _int_key(int(key.item()), name)  # a 0-d integer tensor (a DataLoader's index)
     else:
         raise TypeError(
-            f"{name} must be a str, an int (numpy and 0-d integer tensors too) or bytes, got {_shown(key)} "
+            f"{name} must be a str, an int (numpy and 0-d integer tensors too) or bytes, got {trust.shown(key, 60)} "
             f"({type(key).__name__}); convert it (e.g. str(key)) in your dataset"
         )
     if len(out) > MAX_KEY:
@@ -93,10 +93,6 @@ def _int_key(value: int, name: str) -> bytes:
         raise ValueError(f"{name} is too large for an int key (at most {MAX_INT_DIGITS} digits); use a str key (str(key)) or bytes")
     return b"i%d" % value
 
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 MAX_INT_DIGITS = 1000
@@ -145,17 +141,7 @@ _META_SPEC = trust.Obj({"format": trust.Str(choices=(FORMAT_NAME,)), "version": 
 def check_keyed_meta(raw: bytes, where: str) -> dict:
     """Parse keyed-cache metadata read from ``where``; anything else raises :class:`CorruptCacheError`."""
     fix = "Delete the CacheLoader's directory (or Redis keys) and let it fill again, or give it a directory of its own."
-    if len(raw) > trust.MAX_JSON_BYTES:
-        raise CorruptCacheError(f"{where} is larger than {trust.MAX_JSON_BYTES} bytes: it is not CacheLoader metadata. {fix}")
-    try:
-        meta = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCacheError(f"{where} is not valid JSON ({e}); the CacheLoader metadata is damaged. {fix}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CorruptCacheError(f"{where} is not CacheLoader metadata (format {_shown(meta.get('format') if isinstance(meta, dict) else None)}). {fix}")
-    version = meta.get("version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
-        raise CorruptCacheError(f"{where} has version {version!r}; this nbkit reads {VERSION}. Upgrade nbkit (pip install -U nbkit).")
+    meta = trust.load_json(raw, where, fix, format_name=FORMAT_NAME, what="CacheLoader metadata", version=VERSION)
     return trust.check_json(meta, _META_SPEC, where, fix)
 
 
