@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from .errors import CorruptCacheError
-from .trust import AnyJSON, Bool, Float, Int, List, Obj, Str, check_json
+from .trust import AnyJSON, Bool, Float, Int, List, Obj, Str, check_json, shown
 
 __all__ = ["Schema", "flatten", "unflatten", "encode_freeform", "decode_freeform", "infer_schema", "register_namedtuple"]
 
@@ -261,25 +261,20 @@ def _equivalent(path: str, names: tuple, found, where: str) -> type:
     cls.__module__ = __name__
     cls.__reduce__ = lambda self: (_rebuild_equivalent, (path, names, tuple(self)))
     _FALLBACK[(path, names)] = cls
-    shown, (module, _, qualname) = path.replace(":", "."), path.partition(":")
+    dotted, (module, _, qualname) = path.replace(":", "."), path.partition(":")
     if module not in sys.modules:
         why = (f"its module {module!r} is not imported in this process (nbkit never imports a module that a cache "
                "names: a cache from elsewhere could run code that way)")
     else:
-        why = f"that name holds {_short(found)} here, not a namedtuple with the fields {names}"
+        why = f"that name holds {shown(found)} here, not a namedtuple with the fields {names}"
     warnings.warn(
-        f"{where} is a namedtuple {shown}, but {why}. Its samples come back as an equivalent namedtuple with the "
+        f"{where} is a namedtuple {dotted}, but {why}. Its samples come back as an equivalent namedtuple with the "
         f"fields {names}. To get the class back, import it before reading (import {module}) or call "
         f"nbkit.register_namedtuple({qualname}).",
         UserWarning,
         stacklevel=3,
     )
     return cls
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _rebuild_equivalent(path: str, names: tuple, values: tuple):
@@ -346,9 +341,7 @@ def structure_from_json(obj, where: str = "cache metadata", fix: str = ""):
     fix = fix or "Re-create the cache, or get it again from where it came from."
 
     def bad(what, got):
-        shown = repr(got)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        raise CorruptCacheError(f"{where} holds a malformed sample structure: {what}, got {shown}. {fix}")
+        raise CorruptCacheError(f"{where} holds a malformed sample structure: {what}, got {shown(got)}. {fix}")
 
     def node(o, depth):
         if o == "*":
