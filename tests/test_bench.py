@@ -383,14 +383,20 @@ def _recording_loss(seen):
     return loss
 
 
-def test_compare_training_feeds_every_loader_the_same_batches(tmp_path):
+def _compare_recorded(tmp_path, n: int, **budget):
+    """``compare_training`` over ``n`` indexed samples; returns the result and every batch's labels, in order."""
     from nbkit.bench import compare_training
 
-    raw = _Indexed(100)
-    cached = nbkit.CachedDataset(raw, tmp_path / "t")
+    raw = _Indexed(n)
     seen = []
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
-    result = compare_training(raw, cached, model, epochs=2, batch_size=32, loss_fn=_recording_loss(seen))
+    result = compare_training(raw, nbkit.CachedDataset(raw, tmp_path / "t"), model, batch_size=32,
+                              loss_fn=_recording_loss(seen), **budget)
+    return result, seen
+
+
+def test_compare_training_feeds_every_loader_the_same_batches(tmp_path):
+    result, seen = _compare_recorded(tmp_path, 100, epochs=2)
     per_feed = len(seen) // 3
     raw_b, loader_b, limit_b = seen[:per_feed], seen[per_feed:2 * per_feed], seen[2 * per_feed:]
     assert raw_b == loader_b == limit_b and per_feed == 3 * 4  # (1 untimed + 2 timed) epochs x 4 batches
@@ -400,13 +406,7 @@ def test_compare_training_feeds_every_loader_the_same_batches(tmp_path):
 
 
 def test_compare_training_with_a_step_budget_times_the_same_batches(tmp_path):
-    from nbkit.bench import compare_training
-
-    raw = _Indexed(320)
-    cached = nbkit.CachedDataset(raw, tmp_path / "t")
-    seen = []
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
-    result = compare_training(raw, cached, model, steps=3, batch_size=32, loss_fn=_recording_loss(seen))
+    result, seen = _compare_recorded(tmp_path, 320, steps=3)
     assert len(seen) == 3 * (2 + 3)  # 2 untimed + 3 timed batches per feed, not 3 epochs of 10
     assert seen[:5] == seen[5:10] == seen[10:15]
     assert all(len(r.epochs) == 1 and r.samples == 3 * 32 for r in result.rows)
