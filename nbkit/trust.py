@@ -89,14 +89,25 @@ def check_size(value, name: str, *, min: int = 0) -> int:
 
 
 def check_bool(value, name: str) -> bool:
-    """``value`` if it is a ``bool`` (numpy bools too)."""
+    """``value`` if it is a ``bool`` (numpy bools too).
+
+    Example:
+        >>> check_bool(True, "overwrite")
+        True
+    """
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {_got(value)}")
     return bool(value)
 
 
 def check_path(value, name: str) -> str:
-    """A path argument as ``str``: a ``str`` or an ``os.PathLike`` giving one (``bytes`` paths are refused)."""
+    """A path argument as ``str``: a ``str`` or an ``os.PathLike`` giving one (``bytes`` paths are refused).
+
+    Example:
+        >>> import pathlib
+        >>> check_path(pathlib.Path("/tmp/cache"), "cache_path")
+        '/tmp/cache'
+    """
     if isinstance(value, (bytes, bytearray)):
         raise TypeError(f"{name} must be a str path or URL, got bytes {_got(value)}; decode it first (os.fsdecode(path))")
     if not isinstance(value, (str, os.PathLike)):
@@ -389,7 +400,15 @@ def _not_regular(path: str, kind: str) -> str:
 
 
 def read_small(path: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The content of the regular file ``path`` (metadata, a manifest), refusing one over ``limit`` bytes."""
+    """The content of the regular file ``path`` (metadata, a manifest), refusing one over ``limit`` bytes.
+
+    Example:
+        >>> import tempfile
+        >>> path = tempfile.mkdtemp() + "/nbkit.json"
+        >>> _ = open(path, "wb").write(b"{}")
+        >>> read_small(path), open_readable(path).read()
+        (b'{}', b'{}')
+    """
     fd = open_regular(path)
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)
@@ -405,7 +424,12 @@ def open_readable(path: str):
 
 
 def shown(value, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for an error message about untrusted data."""
+    """``repr(value)`` cut to ``limit`` characters, for an error message about untrusted data.
+
+    Example:
+        >>> shown("x" * 100, 10)
+        "'xxxxxx..."
+    """
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 

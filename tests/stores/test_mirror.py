@@ -5,6 +5,8 @@ import os
 import time
 import uuid
 
+import hypothesis
+import hypothesis.strategies
 import pytest
 import torch
 
@@ -285,3 +287,19 @@ def test_working_copy_takes_only_cache_files_from_the_bucket(tmp_path, monkeypat
         resolve(url).prepare()
     assert not os.path.exists(resolve(url).root)  # nothing came in
     fs.rm(root, recursive=True)
+
+
+@pytest.mark.fuzz
+@hypothesis.given(hypothesis.strategies.binary(max_size=5000) | hypothesis.strategies.sampled_from(
+    [b'{"time": 1, "token": "t"}', b"[]", b"null", b'{"time": NaN}', b"[" * 5000]))
+def test_any_lease_object_reads_as_a_dict(body):
+    """Whatever a shared bucket holds under the lease's name, reading it gives a dict (maybe empty),
+    read bounded, never an exception."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file("/lease-fuzz/lease", body)
+    got = mirror._lease_body(fs, "/lease-fuzz/lease")
+    assert isinstance(got, dict)
+    if body == b'{"time": 1, "token": "t"}':
+        assert got == {"time": 1, "token": "t"}
