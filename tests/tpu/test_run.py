@@ -46,8 +46,13 @@ def test_spawn_explains_notebook_mistakes():
 
 def _spawn_lines(tmp_path, *args, devices=2):
     full_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
-    done = subprocess.run([sys.executable, "-c", (SCRIPTS / "spawn_lines.py").read_text(), str(tmp_path), *args],
-                          cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
+    for attempt in (1, 2):
+        done = subprocess.run([sys.executable, "-c", (SCRIPTS / "spawn_lines.py").read_text(), str(tmp_path), *args],
+                              cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
+        # torch_xla's forked CPU replica process has died abruptly (BrokenProcessPool) twice in full
+        # runs on 2 loaded cores, never alone: run once more on exactly that, as test_notebooks does.
+        if done.returncode == 0 or "BrokenProcessPool" not in done.stderr:
+            break
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.splitlines(), done.stderr.splitlines()
 
