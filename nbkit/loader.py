@@ -17,6 +17,10 @@ handed out and their hits and misses, leaving out those the thread read ahead: a
 tracking the loader counts what the training loop trained on. An error in the thread (a sample
 missing from a cache opened without its source, a failing source) is raised by the iteration.
 
+``state_dict()`` / ``load_state_dict()`` (as ``torchdata``'s ``StatefulDataLoader``) save and
+restore where the loop is, counting the batches the loop received, not those read ahead: a run
+restarted from a checkpoint gets exactly the batches it had not trained on, then the next epochs.
+
 Example:
     >>> import torch, tempfile, nbkit
     >>> src = torch.utils.data.TensorDataset(torch.randn(10, 3), torch.arange(10))
@@ -38,7 +42,7 @@ from torch.utils.data import default_collate
 
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads, pinned_rows
-from .samplers import EpochSampler
+from .samplers import STATE_VERSION, EpochSampler, check_resume_state
 from .trust import check_bool, check_int
 from .stats import Consumed
 
@@ -99,6 +103,10 @@ class DeviceLoader:
         batch_transform: called on each batch once it is on the device, e.g. to normalise a
             uint8 batch there (cache ``PILToTensor`` output: 4x less to read and copy).
 
+    Resume after a restart with :meth:`state_dict` (save it with your model's checkpoint) and
+    :meth:`load_state_dict`: the next pass yields the batches of the saved epoch the loop had not
+    received, then passes go on to the next epochs as they would have.
+
     Example:
         >>> import torch, tempfile, nbkit
         >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), tempfile.mkdtemp())
@@ -143,6 +151,8 @@ class DeviceLoader:
         self.chunk = int(max(1, min(16, CHUNK_BYTES // max(1, self._batch_bytes())))) if cuda and self._columnar else 1
         self.threads = threads if threads is not None else auto_threads(self._batch_bytes() * self.chunk)
         self.wait_seconds = 0.0  # time the last epoch's caller spent waiting for a batch
+        self._resume = None  # (epoch, batches done) the next pass of that epoch starts at, from load_state_dict
+        self._progress = None  # [epoch, batches handed out] of the latest pass, counted by its iterator
 
     def _batch_bytes(self) -> int:
         if not self._columnar:
@@ -163,8 +173,60 @@ class DeviceLoader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration use the shuffle of ``epoch`` (each iteration then moves to the next)."""
+        """Make the next iteration use the shuffle of ``epoch`` (each iteration then moves to the next).
+
+        After :meth:`load_state_dict`, setting the restored epoch keeps the restored position, so a
+        ``for epoch in range(start, n): loader.set_epoch(epoch)`` loop resumes mid-epoch; any other
+        epoch starts from its first batch.
+        """
+        epoch = int(epoch)
+        if self._resume is None or self._resume[0] != epoch:
+            self._resume, self._progress = None, None
         self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        """Where the training loop is: the epoch of the latest pass and how many of its batches the
+        loop has received (batches read ahead do not count), with the settings a restore must match.
+        Plain ints, bools and strs: ``torch.save`` it, ``torch.load(..., weights_only=True)`` reads it.
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
+            >>> loader = ds.loader(2, seed=3)
+            >>> it = iter(loader); seen = [next(it)[0].tolist() for _ in range(2)]
+            >>> state = loader.state_dict()
+            >>> state["epoch"], state["position"]
+            (0, 2)
+            >>> again = ds.loader(2, seed=3); again.load_state_dict(state)
+            >>> seen + [x.tolist() for (x,) in again] == [x.tolist() for x in ds.loader(2, seed=3).batches(0)]
+            True
+        """
+        if self._progress is not None:
+            epoch, position = self._progress
+        else:
+            epoch, position = self.sampler.epoch, 0
+        return {"kind": "nbkit.DeviceLoader", "version": STATE_VERSION, "epoch": epoch, "position": position,
+                **self._settings()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`, perhaps read back from a file): the next
+        pass yields the batches of its epoch that the loop had not received, in the same order; a
+        state taken after an epoch's last batch continues with the next epoch.
+
+        Raises:
+            ValueError: the state is damaged, or was made for another dataset length, cache, batch
+                size, rank, world size, seed, shuffle or ``drop_last`` (the message names the field).
+        """
+        state = check_resume_state(state, "nbkit.DeviceLoader", self._settings(), len(self))
+        epoch, position = state["epoch"], state["position"]
+        self._resume, self._progress = (epoch, position), [epoch, position]
+        # A finished epoch: the next pass is the next epoch (set_epoch(epoch) still gives its empty rest).
+        self.sampler.set_epoch(epoch + 1 if position == len(self) else epoch)
+
+    def _settings(self) -> dict:
+        s = self.sampler
+        return {"length": s.n, "batch_size": self.batch_size, "drop_last": self.drop_last, "shuffle": s.shuffle,
+                "seed": s.seed, "rank": s.rank, "world_size": s.world_size, "cache": s.cache}
 
     @property
     def epoch(self) -> int:
@@ -179,8 +241,13 @@ class DeviceLoader:
 
     def __iter__(self):
         epoch = self.sampler.epoch
+        start = 0
+        if self._resume is not None:
+            start = self._resume[1] if self._resume[0] == epoch else 0
+            self._resume = None
         self.sampler.set_epoch(epoch + 1)
-        return _Epoch(self, self.batches(epoch))
+        self._progress = [epoch, start]  # shared with the pass, which counts the batches it hands out
+        return _Epoch(self, self.batches(epoch)[start:], self._progress)
 
     def __repr__(self) -> str:
         where = "host" if self.device is None else str(self.device)
@@ -358,8 +425,9 @@ class _Epoch:
     background thread and frees its buffers. ``consumed`` counts the batches handed out so far,
     with their hits and misses, apart from those the thread has read ahead."""
 
-    def __init__(self, loader: DeviceLoader, batches: list):
+    def __init__(self, loader: DeviceLoader, batches: list, progress: list):
         self._loader = loader
+        self._progress = progress
         self.consumed = Consumed()
         self._remaining = len(batches)
         self._pipeline = _Pipeline(loader, batches) if batches else None
@@ -392,6 +460,7 @@ class _Epoch:
         batch, reads = got
         self.consumed.add(*reads)
         self._remaining -= 1
+        self._progress[1] += 1
         if self._loader.batch_transform is not None:
             batch = self._loader.batch_transform(batch)
         return batch

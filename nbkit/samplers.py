@@ -3,7 +3,9 @@
 :class:`EpochSampler` is ``DistributedSampler``'s contract as a reusable piece: a shuffle that
 depends only on ``seed + epoch`` (the same order on every host), split so that every rank gets the
 same number of samples (padded by repeating, or truncated with ``drop_last``); the device loader
-uses it, and it plugs into a ``DataLoader`` as ``sampler=``. :class:`PrefetchSampler` knows how a
+uses it, and it plugs into a ``DataLoader`` as ``sampler=``. Its :meth:`~EpochSampler.state_dict`
+records where an epoch stopped (a few numbers), so a run restarted from a checkpoint reads exactly
+the indices it had not read yet. :class:`PrefetchSampler` knows how a
 read-through cache is stored: it reads it in windows of pieces, fetching the next window while
 one is read, so an epoch fetches each piece once.
 
@@ -26,16 +28,21 @@ Example:
 
 from __future__ import annotations
 
+import operator
 import sys
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .trust import check_bool, check_int, check_size
+from .trust import Bool, Int, Obj, Optional, Str, check_bool, check_int, check_json, check_size
 from .stores.readthrough import store_of
 
-__all__ = ["EpochSampler", "default_rank_world", "PrefetchSampler", "plan_windows"]
+__all__ = ["EpochSampler", "default_rank_world", "PrefetchSampler", "plan_windows", "cache_identity",
+           "check_resume_state"]
+
+#: The version of the resume states (``state_dict()``) this nbkit writes and reads.
+STATE_VERSION = 1
 
 
 def default_rank_world() -> tuple[int, int]:
@@ -64,6 +71,22 @@ class EpochSampler(Sampler):
         rank, world_size: this process's share (default: :func:`default_rank_world`).
         drop_last: drop the tail that does not divide evenly over the ranks, instead of padding it
             with repeated indices.
+
+    Resuming: :meth:`state_dict` says which epoch the latest pass is in and how many of its indices
+    it has yielded; :meth:`load_state_dict` makes the next pass yield the rest of that epoch. In a
+    ``DataLoader`` with ``num_workers=0`` the sampler yields a batch's indices when the loop asks
+    for the batch, so ``state_dict()`` is exact; with workers the ``DataLoader`` draws indices ahead
+    of the loop, so pass the loop's own count: ``state_dict(consumed=batches_done * batch_size)``.
+
+    Example:
+        >>> s = EpochSampler(10, seed=1, rank=0, world_size=2)
+        >>> it = iter(s); first = [next(it), next(it)]
+        >>> state = s.state_dict()                       # plain ints and strs: torch.save it
+        >>> state["epoch"], state["position"]
+        (0, 2)
+        >>> resumed = EpochSampler(10, seed=1, rank=0, world_size=2); resumed.load_state_dict(state)
+        >>> first + list(resumed) == list(EpochSampler(10, seed=1, rank=0, world_size=2))
+        True
     """
 
     def __init__(self, data, *, shuffle: bool = True, seed: int = 0, rank: int | None = None,
@@ -89,10 +112,21 @@ class EpochSampler(Sampler):
             self.per_rank = self.n // self.world_size
         else:
             self.per_rank = -(-self.n // self.world_size)
+        self.cache = cache_identity(data)
+        self._resume = None  # (epoch, position) the next pass starts at, from load_state_dict
+        self._pass = None  # (epoch, iterator, length) of the latest pass: its position is length - what is left
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the shuffle of ``epoch`` (the same ``seed`` and epoch give the same order anywhere)."""
-        self.epoch = int(epoch)
+        """Use the shuffle of ``epoch`` (the same ``seed`` and epoch give the same order anywhere).
+
+        After :meth:`load_state_dict`, setting the restored epoch keeps the restored position (a
+        ``for epoch in range(start, n): sampler.set_epoch(epoch)`` loop resumes mid-epoch); any
+        other epoch starts from its beginning.
+        """
+        epoch = int(epoch)
+        if self._resume is None or self._resume[0] != epoch:
+            self._resume, self._pass = None, None
+        self.epoch = epoch
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's indices for ``epoch`` (default: the current one), as int64."""
@@ -110,10 +144,120 @@ class EpochSampler(Sampler):
         return order[self.rank:total:self.world_size].astype(np.int64, copy=False)
 
     def __iter__(self):
-        return iter(self.indices().tolist())
+        order = self.indices().tolist()
+        start = 0
+        if self._resume is not None:
+            start = self._resume[1] if self._resume[0] == self.epoch else 0
+            self._resume = None
+        it = iter(order[start:])
+        self._pass = (self.epoch, it, len(order))
+        return it
 
     def __len__(self) -> int:
         return self.per_rank
+
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """Where this sampler is: the epoch of its latest pass and how many of that pass's indices
+        were used (plus the settings a restore must match). Plain values, no index arrays.
+
+        Args:
+            consumed: indices of this epoch the training loop has used, when that is fewer than the
+                sampler has yielded (a ``DataLoader`` with workers draws indices ahead of the loop).
+        """
+        if self._pass is not None:
+            epoch, it, length = self._pass
+            position = length - operator.length_hint(it)
+        elif self._resume is not None:
+            epoch, position = self._resume
+        else:
+            epoch, position = self.epoch, 0
+        if consumed is not None:
+            position = check_int(consumed, "EpochSampler.state_dict: consumed", min=0, max=self.per_rank)
+        return {"kind": "nbkit.EpochSampler", "version": STATE_VERSION, "epoch": epoch, "position": position,
+                **self._settings()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`, perhaps read back from a file): the next
+        pass yields the rest of that epoch; then :meth:`set_epoch` moves on as usual.
+
+        Raises:
+            ValueError: the state is damaged, or was made for another dataset length, cache, rank,
+                world size, seed, shuffle or ``drop_last`` (the message names the field).
+        """
+        state = check_resume_state(state, "nbkit.EpochSampler", self._settings(), self.per_rank)
+        self.epoch = state["epoch"]
+        self._resume = (state["epoch"], state["position"])
+        self._pass = None
+
+    def _settings(self) -> dict:
+        return {"length": self.n, "shuffle": self.shuffle, "seed": self.seed, "rank": self.rank,
+                "world_size": self.world_size, "drop_last": self.drop_last, "cache": self.cache}
+
+
+def cache_identity(data) -> str | None:
+    """The ``generation`` of the cache behind ``data`` (a ``CachedDataset``: the id in its
+    ``nbkit.json``, kept by copies, new when the cache is re-created), else ``None``."""
+    meta = getattr(getattr(data, "store", None), "meta", None)
+    generation = meta.get("generation") if isinstance(meta, dict) else None
+    return generation if isinstance(generation, str) else None
+
+
+_MAX_EPOCH = 1 << 62
+
+# Why each setting must match, and what to do about it.
+_FIXES = {
+    "length": "the dataset has another number of samples: resume with the dataset the checkpoint was made with",
+    "batch_size": "create the loader with the batch_size of the checkpointed run",
+    "drop_last": "create it with the drop_last of the checkpointed run",
+    "shuffle": "create it with the shuffle of the checkpointed run",
+    "seed": "create it with the seed of the checkpointed run",
+    "rank": "load each process's own state (save one file per rank, e.g. f'loader-{rank}.pt')",
+    "world_size": "resume with as many processes as the checkpointed run (a state cannot be split over "
+                  "another number of ranks), or start the epoch over without loading it",
+    "cache": "open the cache the checkpoint was made with (this one was re-created, or is another cache); "
+             "if it holds the same samples in the same order, set state['cache'] = None to load it anyway",
+}
+
+
+def check_resume_state(state, kind: str, ours: dict, length: int) -> dict:
+    """``state`` (a resume state for ``kind``, maybe read from a file) checked at the trust
+    boundary: its fields and types, then each setting against ``ours``, then its position against
+    ``length`` (the items of an epoch). Raises ``ValueError`` naming the field and the fix.
+
+    Example:
+        >>> ours = {"length": 10, "seed": 0}
+        >>> state = {"kind": "k", "version": 1, "epoch": 0, "position": 3, "length": 12, "seed": 0}
+        >>> check_resume_state(state, "k", ours, 10)
+        Traceback (most recent call last):
+        ...
+        ValueError: k.load_state_dict: the state was made for length=12, but this one has length=10: the dataset has another number of samples: resume with the dataset the checkpoint was made with.
+    """
+    where = f"the state given to {kind}.load_state_dict"
+    fix = f"Pass a state from {kind}.state_dict() (saved with torch.save, read back with torch.load)."
+    fields = {"kind": Str(choices={kind}), "version": Int(min=1), "epoch": Int(min=0, max=_MAX_EPOCH),
+              "position": Int(min=0)}
+    for name, value in ours.items():
+        if name == "cache":
+            fields[name] = Optional(Str(max_len=256))
+        elif isinstance(value, bool):
+            fields[name] = Bool()
+        else:
+            fields[name] = Int(min=0)
+    state = check_json(state, Obj(fields), where, fix)
+    if state["version"] > STATE_VERSION:
+        raise ValueError(f"{where} has version {state['version']}; this nbkit reads version {STATE_VERSION}. "
+                         "Upgrade nbkit (pip install -U nbkit) to load it.")
+    for name, value in ours.items():
+        theirs = state[name]
+        if name == "cache" and theirs is None:
+            continue  # made for a dataset that is not a cache (or the check was waived)
+        if theirs != value:
+            raise ValueError(f"{kind}.load_state_dict: the state was made for {name}={theirs!r}, but this one has "
+                             f"{name}={value!r}: {_FIXES[name]}.")
+    if state["position"] > length:
+        raise ValueError(f"{kind}.load_state_dict: the state's position {state['position']} is past the end of its "
+                         f"epoch ({length}); the state is damaged. {fix}")
+    return state
 
 
 class PrefetchSampler(torch.utils.data.Sampler):
