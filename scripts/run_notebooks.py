@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
-ALL = ("01_tpu_setup", "02_cache_mnist", "03_benchmark")
+ALL = ("01_tpu_setup", "02_cache_mnist", "03_benchmark", "04_resume")
 DEMO = ("02_cache_mnist", "03_benchmark")
 
 # Parameters for each notebook: full size for the demo, small for CI. Both are offline. The demo
@@ -42,11 +42,14 @@ FULL = {
     "01_tpu_setup": {"install_torch_xla": False},
     "02_cache_mnist": {"download": False, "offline_samples": 60000, "train_steps": 50},
     "03_benchmark": {"download": False, "offline_samples": 60000, "epochs": 3},
+    "04_resume": {"download": False, "offline_samples": 60000, "train_steps": 100, "checkpoint_every": 25},
 }
 SMALL = {
     "01_tpu_setup": {"install_torch_xla": False},
     "02_cache_mnist": {"download": False, "offline_samples": 3000, "train_steps": 20, "batch_size": 64},
     "03_benchmark": {"download": False, "offline_samples": 6000, "epochs": 2, "batch_size": 256, "train_seconds": 2},
+    "04_resume": {"download": False, "offline_samples": 300, "train_steps": 24, "checkpoint_every": 5,
+                  "batch_size": 32, "device": "cpu"},
 }
 
 

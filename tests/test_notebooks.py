@@ -21,7 +21,7 @@ import pytest
 from fixtures_gcs import gcs, gcs_server  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ["01_tpu_setup", "02_cache_mnist", "03_benchmark"]
+NOTEBOOKS = ["01_tpu_setup", "02_cache_mnist", "03_benchmark", "04_resume"]
 
 _spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "scripts" / "run_notebooks.py")
 run_notebooks = importlib.util.module_from_spec(_spec)
@@ -204,3 +204,31 @@ def test_03_benchmark_with_one_epoch_says_why_there_is_no_speedup(tmp_path):
     assert "no speedup to report: the only cached epoch filled the cache" in out
     assert "run 2 or more epochs" in out
     assert "nan" not in out.lower() and "speedup: " not in out.replace("no speedup to report: ", "")
+
+
+def test_04_resume_continues_at_the_checkpointed_batch_after_the_kernel_is_killed(tmp_path):
+    from nbclient.exceptions import DeadKernelError
+
+    import nbkit
+
+    log = tmp_path / "batches.log"
+    # The first run's kernel is SIGKILLed at step 13, mid-epoch (9 batches an epoch), as a
+    # disconnected runtime's would be; its last checkpoint is at step 10 (epoch 1, batch 1).
+    with pytest.raises(DeadKernelError):
+        run_notebooks.run("04_resume", tmp_path, {"disconnect_after_steps": 13, "log_batches": str(log)}, small=True)
+    work = tmp_path / "work"
+    assert (work / "cache" / "mnist-resume-checkpoint.pt").exists()
+    # Run again, as after reconnecting: the cache reopens without its source, training continues.
+    path, out = execute("04_resume", tmp_path, log_batches=str(log))
+    assert "reopened cache/mnist-resume without its source: 300 samples, source: None" in out
+    assert "resumed from cache/mnist-resume-checkpoint.pt at step 10: epoch 1, 1 of its 9 batches already trained on" in out
+    assert "trained 14 steps in this run, to step 24" in out
+    rows = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    steps = [int(s) for s, _ in rows]
+    assert steps == list(range(13)) + list(range(10, 24))  # killed at 13; steps 10-12 trained again, once
+    first, second = [b for _, b in rows[:13]], [b for _, b in rows[13:]]
+    assert first[10:] == second[:3]
+    # The batches trained on are an uninterrupted run's: the same loader, never stopped.
+    loader = nbkit.CachedDataset.open(work / "cache" / "mnist-resume").loader(32, drop_last=True, seed=0)
+    want = [str(labels.tolist()) for _ in range(3) for _, labels in loader][:24]
+    assert first[:10] + second == want
