@@ -196,7 +196,14 @@ class EpochSampler(Sampler):
 
 def cache_identity(data) -> str | None:
     """The ``generation`` of the cache behind ``data`` (a ``CachedDataset``: the id in its
-    ``nbkit.json``, kept by copies, new when the cache is re-created), else ``None``."""
+    ``nbkit.json``, kept by copies, new when the cache is re-created), else ``None``.
+
+    Example:
+        >>> import tempfile, nbkit
+        >>> src = torch.utils.data.TensorDataset(torch.arange(4))
+        >>> len(cache_identity(nbkit.CachedDataset(src, tempfile.mkdtemp()))), cache_identity(src)
+        (32, None)
+    """
     meta = getattr(getattr(data, "store", None), "meta", None)
     generation = meta.get("generation") if isinstance(meta, dict) else None
     return generation if isinstance(generation, str) else None

@@ -10,6 +10,7 @@ the files they write.
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -206,22 +207,34 @@ def test_03_benchmark_with_one_epoch_says_why_there_is_no_speedup(tmp_path):
     assert "nan" not in out.lower() and "speedup: " not in out.replace("no speedup to report: ", "")
 
 
-def test_04_resume_continues_at_the_checkpointed_batch_after_the_kernel_is_killed(tmp_path):
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_04_resume_continues_at_the_checkpointed_batch_after_the_kernel_is_killed(tmp_path, monkeypatch, request, where):
     from nbclient.exceptions import DeadKernelError
 
     import nbkit
 
     log = tmp_path / "batches.log"
+    params, storage_options, cache = {"log_batches": str(log)}, {}, "cache/mnist-resume"
+    if where == "gs":  # the cache and the checkpoint in a bucket, as on Colab with gs://
+        gcs = request.getfixturevalue("gcs")
+        cache, storage_options = f"{gcs.url}/mnist-resume", gcs.storage_options
+        params.update(cache_dir=cache, storage_options=storage_options)
+    areas = tmp_path / "working-copies"
+    monkeypatch.setenv("NBKIT_CACHE_DIR", str(areas))  # the kernels inherit it
     # The first run's kernel is SIGKILLed at step 13, mid-epoch (9 batches an epoch), as a
     # disconnected runtime's would be; its last checkpoint is at step 10 (epoch 1, batch 1).
     with pytest.raises(DeadKernelError):
-        run_notebooks.run("04_resume", tmp_path, {"disconnect_after_steps": 13, "log_batches": str(log)}, small=True)
+        run_notebooks.run("04_resume", tmp_path, {**params, "disconnect_after_steps": 13}, small=True)
     work = tmp_path / "work"
-    assert (work / "cache" / "mnist-resume-checkpoint.pt").exists()
+    if where == "local":
+        assert (work / "cache" / "mnist-resume-checkpoint.pt").exists()
+    else:
+        assert gcs.fs.exists(f"{gcs.name}/mnist-resume-checkpoint.pt")
+        shutil.rmtree(areas)  # a new runtime: no working copy on its disk, only the bucket
     # Run again, as after reconnecting: the cache reopens without its source, training continues.
-    path, out = execute("04_resume", tmp_path, log_batches=str(log))
-    assert "reopened cache/mnist-resume without its source: 300 samples, source: None" in out
-    assert "resumed from cache/mnist-resume-checkpoint.pt at step 10: epoch 1, 1 of its 9 batches already trained on" in out
+    path, out = execute("04_resume", tmp_path, **params)
+    assert f"reopened {cache} without its source: 300 samples, source: None" in out
+    assert f"resumed from {cache}-checkpoint.pt at step 10: epoch 1, 1 of its 9 batches already trained on" in out
     assert "trained 14 steps in this run, to step 24" in out
     rows = [line.split(" ", 1) for line in log.read_text().splitlines()]
     steps = [int(s) for s, _ in rows]
@@ -229,6 +242,7 @@ def test_04_resume_continues_at_the_checkpointed_batch_after_the_kernel_is_kille
     first, second = [b for _, b in rows[:13]], [b for _, b in rows[13:]]
     assert first[10:] == second[:3]
     # The batches trained on are an uninterrupted run's: the same loader, never stopped.
-    loader = nbkit.CachedDataset.open(work / "cache" / "mnist-resume").loader(32, drop_last=True, seed=0)
+    opened = nbkit.CachedDataset.open(work / cache if where == "local" else cache, storage_options=storage_options)
+    loader = opened.loader(32, drop_last=True, seed=0)
     want = [str(labels.tolist()) for _ in range(3) for _, labels in loader][:24]
     assert first[:10] + second == want
