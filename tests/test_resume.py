@@ -132,6 +132,17 @@ def test_the_state_counts_what_the_loop_received_not_what_was_read_ahead():
     assert all(isinstance(v, (int, str, bool, type(None))) for v in state.values())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_cuda_batches_gathered_in_chunks_resume_exactly(tmp_path):
+    ds = nbkit.CachedDataset(TensorDataset(torch.arange(300)), tmp_path / "c")
+    ds.warmup()
+    kw = dict(batch_size=7, device="cuda")
+    assert make_loader(ds, **kw).chunk > 1  # several batches gathered and copied at once, then split
+    want = uninterrupted(ds, 2, **kw)
+    for cut in (0, 1, 15, 16, 17, 42, 43, 44, len(want) - 1, len(want)):
+        assert interrupted(ds, 2, cut, **kw) == want, cut
+
+
 def test_a_set_epoch_loop_resumes_mid_epoch_and_at_an_epoch_end():
     ds = TensorDataset(torch.arange(20))
 
