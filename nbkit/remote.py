@@ -6,7 +6,7 @@ work: a URL without a bucket (before any network), no credentials (``gs://``: th
 google-auth's default credentials is bounded, where gcsfs would spend 12-18 s on a silent metadata
 server), an endpoint that refuses connections or accepts them and never answers, a missing bucket,
 a permission denied. Every wait polls the caller's stop flag, and gcsfs gets timeouts for every
-request. :func:`failure` turns an error met later into the same short messages (first line: what
+request. :func:`classify` turns an error met later into the same short messages (first line: what
 happened; then where; then the fix). :func:`network_errors` is the older one-TCP-connection probe
 the stores use. :func:`abandon` drops a file being written without committing it (a failed upload
 never publishes a truncated object).
@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 __all__ = ["url_to_fs", "is_local", "endpoint_of", "connection_errors", "is_connection_error", "unreachable",
            "check_reachable", "network_errors", "remote_sizes", "write_bytes", "abandon", "BLOCK", "PROBE_SECONDS",
-           "check_bucket", "connect", "failure", "Stopped", "CONNECT_SECONDS", "ANSWER_SECONDS", "CREDENTIALS_SECONDS",
+           "check_bucket", "connect", "classify", "Stopped", "CONNECT_SECONDS", "ANSWER_SECONDS", "CREDENTIALS_SECONDS",
            "READ_SECONDS", "REQUEST_SECONDS", "NO_CREDENTIALS_FIX"]
 
 # Bytes in flight per upload. 32 MiB is a multiple of GCS's 256 KiB resumable-upload granularity
@@ -359,8 +359,8 @@ def connect(url: str, storage_options: dict | None, *, doing: str, fix: str, wri
             sync(fs.loop, _answer, lambda: _first_answer(fs, root), ANSWER_SECONDS, should_stop)
     except Stopped:
         raise
-    except Exception as e:  # noqa: BLE001 - classified below; what failure() does not know is raised as it is
-        classified = failure(e, fs, url, doing, fix, probing=True, anonymous=so.get("token") == "anon")
+    except Exception as e:  # noqa: BLE001 - classified below; what classify() does not know is raised as it is
+        classified = classify(e, fs, url, doing, fix, probing=True, anonymous=so.get("token") == "anon")
         if classified is None:
             raise
         raise classified from e
@@ -424,7 +424,7 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-def failure(exc: BaseException, fs, url: str, doing: str, fix: str, *, note: str = "", probing: bool = False,
+def classify(exc: BaseException, fs, url: str, doing: str, fix: str, *, note: str = "", probing: bool = False,
             anonymous: bool = False) -> Exception | None:
     """The short, classified error for ``exc`` met while ``doing`` ``url``, or ``None`` for an error of another kind.
 
@@ -433,7 +433,7 @@ def failure(exc: BaseException, fs, url: str, doing: str, fix: str, *, note: str
     ``probing``: ``exc`` came from :func:`connect`'s first listing (a missing object there is a missing bucket).
 
     Example:
-        >>> e = failure(ConnectionRefusedError(111, "refused"), None, "gs://b/c", "pushing to", "rerun")
+        >>> e = classify(ConnectionRefusedError(111, "refused"), None, "gs://b/c", "pushing to", "rerun")
         >>> print(e)
         cannot reach the storage backend (connection refused)
         while pushing to gs://b/c.

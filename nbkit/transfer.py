@@ -45,7 +45,7 @@ from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
 from .progress import as_callback
-from .remote import BLOCK, Stopped, abandon, check_bucket, connect, failure, is_connection_error, is_local, remote_sizes, write_bytes
+from .remote import BLOCK, Stopped, abandon, check_bucket, connect, classify, is_connection_error, is_local, remote_sizes, write_bytes
 from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, open_readable, read_small
 
 __all__ = ["push", "pull", "TransferReport", "Stopped", "describe", "check_whole"]
@@ -319,7 +319,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
                 checkpoint()
             except Exception as e2:  # noqa: BLE001 - any backend error; the first failure is what matters
                 note = f" (the resume checkpoint could not be written either: {type(e2).__name__})"
-        classified = failure(exc, fs, url, "pushing to", fix(), note=f" (uploading {name}; nothing was published{note})")
+        classified = classify(exc, fs, url, "pushing to", fix(), note=f" (uploading {name}; nothing was published{note})")
         if classified is not None:
             raise classified from exc
         first, _, rest = str(exc).strip().partition("\n")
@@ -353,11 +353,11 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
 @contextlib.contextmanager
 def _remote_errors(fs, url: str, fix, note: str, doing: str = "pushing to"):
     """Turn an unreachable endpoint, missing credentials or a permission denied inside the block into
-    :func:`nbkit.remote.failure`'s short error (``fix()`` as it stands then); other errors pass unchanged."""
+    :func:`nbkit.remote.classify`'s short error (``fix()`` as it stands then); other errors pass unchanged."""
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - re-raised unchanged unless failure() knows its kind
-        classified = failure(e, fs, url, doing, fix(), note=note)
+    except Exception as e:  # noqa: BLE001 - re-raised unchanged unless classify() knows its kind
+        classified = classify(e, fs, url, doing, fix(), note=note)
         if classified is None:
             raise
         raise classified from e
@@ -399,7 +399,7 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
     max_workers = check_int(max_workers, "max_workers", min=1, max=256)
     start = time.perf_counter()
     cb = as_callback(callback)
-    fix = f"rerun nbkit.pull({url!r}, {dest!r}) ({dest} is unchanged)"
+    fix = f"rerun nbkit.pull({url!r}, {dest!r})"
     describe(cb, f"connecting to {url}")
     try:
         fs, rroot = connect(url, storage_options, doing="pulling from", fix=fix, should_stop=lambda: _stop_requested(cb))
@@ -463,12 +463,12 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
                     check_entry(url, name, files[name], sha, os.path.getsize(os.path.join(tmp, name)))
                 return job
 
-            done, failure, stopped = _run_parallel([(n, download(n)) for n in todo], cb, max_workers)
-        if failure is not None:
-            name, exc = failure
+            done, failed, stopped = _run_parallel([(n, download(n)) for n in todo], cb, max_workers)
+        if failed is not None:
+            name, exc = failed
             if isinstance(exc, CorruptCacheError):
                 raise exc
-            classified = failure(exc, fs, url, "pulling from", fix, note=f" (downloading {name}; {dest} is unchanged)")
+            classified = classify(exc, fs, url, "pulling from", fix, note=f" (downloading {name}; {dest} is unchanged)")
             if classified is not None:
                 raise classified from exc
             first, _, rest = str(exc).strip().partition("\n")
