@@ -266,8 +266,9 @@ def _lookup_default_credentials(scope: str):
 
 
 def _default_credentials(scope: str, should_stop):
-    """google-auth's default credentials for ``scope`` and their project, or ``None`` if there are none
-    (none found, or the lookup did not end within :data:`CREDENTIALS_SECONDS`)."""
+    """``((credentials, project), "")`` from google-auth's default credentials for ``scope``, or
+    ``(None, why)`` when there are none (none found, refused, or the lookup did not end within
+    :data:`CREDENTIALS_SECONDS`)."""
     import google.auth.exceptions
 
     with _lookups_lock:
@@ -275,9 +276,14 @@ def _default_credentials(scope: str, should_stop):
         if future is None or (future.done() and future.exception() is not None):
             future = _lookups[scope] = _in_thread(lambda: _lookup_default_credentials(scope))
     try:
-        return _wait(future, CREDENTIALS_SECONDS, should_stop, "looking for credentials")
-    except (TimeoutError, google.auth.exceptions.GoogleAuthError, OSError):
-        return None
+        return _wait(future, CREDENTIALS_SECONDS, should_stop, "looking for credentials"), ""
+    except TimeoutError:
+        return None, f"none found within {CREDENTIALS_SECONDS:g} s"
+    except google.auth.exceptions.DefaultCredentialsError:
+        return None, "none found"
+    except (google.auth.exceptions.GoogleAuthError, OSError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        return None, f"the ones found could not be used: {type(e).__name__}: {first}"
 
 
 def _gcs_options(url: str, storage_options: dict, should_stop, write: bool, doing: str, fix: str) -> dict:
@@ -301,8 +307,8 @@ def _gcs_options(url: str, storage_options: dict, should_stop, write: bool, doin
     if emulator and "endpoint_url" not in so:
         so["token"] = "anon"  # an emulator takes anyone; gcsfs would look for credentials first all the same
         return so
-    found = _default_credentials(f"https://www.googleapis.com/auth/devstorage.{so.get('access', 'full_control')}",
-                                 should_stop)
+    found, why = _default_credentials(f"https://www.googleapis.com/auth/devstorage.{so.get('access', 'full_control')}",
+                                      should_stop)
     if found is not None:
         so["token"], project = found
         if project:
@@ -310,7 +316,7 @@ def _gcs_options(url: str, storage_options: dict, should_stop, write: bool, doin
         return so
     if write:
         raise PermissionError(
-            f"no credentials for {url} (none found within {CREDENTIALS_SECONDS:g} s)\n"
+            f"no credentials for {url} ({why})\n"
             f"while {doing} {url}; nothing was sent.\n"
             f"To fix: {NO_CREDENTIALS_FIX}; then {fix}.")
     so["token"] = "anon"  # reading a public bucket needs none; a private one answers 401, named then

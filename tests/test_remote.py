@@ -145,3 +145,23 @@ def test_classify_leaves_other_errors_alone():
     e = classify(TimeoutError(), None, "gs://b/c", "pulling from", "rerun", note=" (downloading index.bin)")
     assert lines(e)[:2] == ["cannot reach the storage backend (no answer in time)",
                             "while pulling from gs://b/c (downloading index.bin)."]
+
+
+def test_no_credentials_found_and_credentials_that_cannot_be_used_are_told_apart(silent_metadata, refused_port,
+                                                                                  tmp_path, monkeypatch):
+    import json
+
+    from google.auth.compute_engine import _metadata
+
+    so = {"endpoint_url": f"http://127.0.0.1:{refused_port}"}
+    monkeypatch.setattr(_metadata, "_NO_GCE_CHECK", True)  # not on GCE: google-auth says "none" at once
+    with pytest.raises(PermissionError, match=r"^no credentials for gs://nbkit-b/c \(none found\)\n"):
+        connect("gs://nbkit-b/c", so, doing="pushing to", fix="rerun", write=True)
+    # A signed-in user whose token cannot be refreshed (here: the token endpoint refuses).
+    adc = tmp_path / "adc.json"
+    adc.write_text(json.dumps({"type": "authorized_user", "client_id": "id", "client_secret": "secret",
+                               "refresh_token": "refresh", "token_uri": f"http://127.0.0.1:{refused_port}/token"}))
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(adc))
+    with pytest.raises(PermissionError, match=r"^no credentials for gs://nbkit-b/c \(the ones found could not be used: "
+                                              r"\w+Error: "):
+        connect("gs://nbkit-b/c", so, doing="pushing to", fix="rerun", write=True)
