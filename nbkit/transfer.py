@@ -4,7 +4,9 @@ A pushed cache is its files under the URL plus ``manifest.json`` (:mod:`nbkit.ma
 resumable and publishes ``nbkit.json`` last. A bucket prefix is untrusted input: a pull takes only
 a cache's own file names, checks the manifest's sizes against the objects and the free disk before
 fetching, and checks every sha256 and every stored sample's CRC (:func:`check_whole`) before it
-swaps the copy into place. An unreachable endpoint fails at once naming the fix (``docs/DESIGN.md``,
+swaps the copy into place. Before any of it, :func:`nbkit.remote.connect` checks within seconds that
+the URL works (bucket, credentials, endpoint), and a failure says what happened in a short first line
+and the fix; "it resumes" only when a rerun has uploaded files to skip (``docs/DESIGN.md``,
 "Transfer and archives"; ``docs/SECURITY.md``).
 
 Example:
@@ -21,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import queue
@@ -42,8 +45,7 @@ from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
 from .progress import as_callback
-from .remote import (BLOCK, abandon, endpoint_of, is_connection_error, is_local, network_errors, remote_sizes,
-                     unreachable, url_to_fs, write_bytes)
+from .remote import BLOCK, Stopped, abandon, check_bucket, connect, classify, is_connection_error, is_local, remote_sizes, write_bytes
 from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, open_readable, read_small
 
 __all__ = ["push", "pull", "TransferReport", "Stopped", "describe", "check_whole"]
@@ -82,8 +84,9 @@ class TransferReport:
     stopped: bool = False
 
 
-class Stopped(Exception):
-    """Raised where the work is done (a worker thread, a tar reader) when the callback asked to stop."""
+def _stop_requested(cb) -> bool:
+    """Whether ``cb`` asked to stop (``getattr(cb, "stop_requested", False) is True``, see :func:`describe`)."""
+    return getattr(cb, "stop_requested", False) is True
 
 
 def describe(cb, text: str) -> None:
@@ -175,7 +178,7 @@ def _run_parallel(jobs, cb, max_workers: int, on_done=None):
                 elif not isinstance(exc, Stopped) and failure is None:
                     failure = (name, exc)
                     stop.set()
-            if getattr(cb, "stop_requested", False) is True:
+            if _stop_requested(cb):
                 stop.set()
             if stop.is_set():
                 for fut in pending:
@@ -213,29 +216,43 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
         >>> sorted(r.transferred)
         ['col-0.bin', 'index.bin', 'nbkit.json']
     """
-    url = check_url(url, "url")
+    url = check_bucket(check_url(url, "url"), "url")
     max_workers = check_int(max_workers, "max_workers", min=1, max=256)
     start = time.perf_counter()
     cb = as_callback(callback)
     root = cache_root(check_path(cache_path, "cache_path"))
-    fs, rroot = url_to_fs(url, storage_options)
-    fix = f"rerun nbkit.push({root!r}, {url!r}): it resumes, skipping the files already uploaded"
-    with network_errors(fs, url, "pushing to", fix):
-        return _push(root, url, fs, rroot, cb, max_workers, start, fix)
+    rerun = f"rerun nbkit.push({root!r}, {url!r})"
+    describe(cb, f"connecting to {url}")
+    try:
+        fs, rroot = connect(url, storage_options, doing="pushing to", fix=rerun, write=True,
+                            should_stop=lambda: _stop_requested(cb))
+    except Stopped:
+        describe(cb, "stopped")
+        return TransferReport(seconds=time.perf_counter() - start, stopped=True)
+    return _push(root, url, fs, rroot, cb, max_workers, start, rerun)
 
 
-def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
+def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport:
     describe(cb, "hashing")
     manifest = build_manifest(root)
     files = manifest["files"]
     names = [n for n in files if n != fmt.META]
+    # The files a rerun would skip: in the remote manifest (the last checkpoint) and uploaded whole.
+    kept: set = set()
 
-    fs.invalidate_cache()
-    if is_local(fs):
-        fs.makedirs(rroot, exist_ok=True)  # object stores have no directories to create
-    remote = trusted_remote_manifest(fs, rroot)  # a damaged one: everything is uploaded again
-    remote_files = (remote or {}).get("files", {})
-    sizes = remote_sizes(fs, rroot)
+    def fix():
+        if not kept:
+            return rerun
+        n = len(kept)
+        return f"{rerun}: it resumes, skipping the {n} file{'s' if n != 1 else ''} already uploaded"
+
+    with _remote_errors(fs, url, fix, " (nothing was changed there)"):
+        fs.invalidate_cache()
+        if is_local(fs):
+            fs.makedirs(rroot, exist_ok=True)  # object stores have no directories to create
+        remote = trusted_remote_manifest(fs, rroot)  # a damaged one: everything is uploaded again
+        remote_files = (remote or {}).get("files", {})
+        sizes = remote_sizes(fs, rroot)
 
     def present(name):
         return remote_files.get(name) == files[name] and sizes.get(name) == files[name]["size"]
@@ -245,13 +262,15 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
     if not todo and present(fmt.META) and remote == manifest:
         describe(cb, "up to date")
         return TransferReport(skipped=skipped + (fmt.META,), seconds=time.perf_counter() - start)
+    kept.update(skipped)
 
     # Unpublish first: from here until nbkit.json is written again the prefix is not a cache.
-    if fmt.META in sizes:
-        fs.rm_file(f"{rroot}/{fmt.META}")
-    for stale in set(remote_files) - set(files):
-        if stale in sizes:
-            fs.rm_file(f"{rroot}/{stale}")
+    with _remote_errors(fs, url, fix, " (unpublishing the older copy)"):
+        if fmt.META in sizes:
+            fs.rm_file(f"{rroot}/{fmt.META}")
+        for stale in set(remote_files) - set(files):
+            if stale in sizes:
+                fs.rm_file(f"{rroot}/{stale}")
 
     total = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
     cb.set_size(total)
@@ -263,6 +282,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         partial = dict(manifest, files={n: files[n] for n in sorted(state["confirmed"])})
         write_bytes(fs, f"{rroot}/{MANIFEST}", manifest_bytes(partial))
         state["since_checkpoint"] = 0
+        kept.update(state["confirmed"])
 
     def on_done(name, last):
         state["confirmed"].add(name)
@@ -287,42 +307,60 @@ def _push(root, url, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
                 dst.close()  # the last part goes up here: the object exists only once it is whole
         return job
 
-    done, failure, stopped = _run_parallel([(n, upload(n)) for n in todo], cb, max_workers, on_done)
+    done, failed, stopped = _run_parallel([(n, upload(n)) for n in todo], cb, max_workers, on_done)
     nbytes = sum(files[n]["size"] for n in done)
-    if failure is not None:
-        name, exc = failure
-        if is_connection_error(exc):
-            # The checkpoint would only wait for the same dead endpoint; files confirmed before the
-            # last checkpoint are skipped by the rerun, the few since then are sent again.
-            raise unreachable(url, endpoint_of(fs), exc, f"uploading {name} (nothing was published) to", fix) from exc
+    if failed is not None:
+        name, exc = failed
         note = ""
-        if state["since_checkpoint"]:
+        # After a connection failure the checkpoint would only wait for the same dead endpoint; files
+        # confirmed before the last checkpoint are skipped by the rerun, the few since then sent again.
+        if state["since_checkpoint"] and not is_connection_error(exc):
             try:
                 checkpoint()
             except Exception as e2:  # noqa: BLE001 - any backend error; the first failure is what matters
                 note = f" (the resume checkpoint could not be written either: {type(e2).__name__})"
+        classified = classify(exc, fs, url, "pushing to", fix(), note=f" (uploading {name}; nothing was published{note})")
+        if classified is not None:
+            raise classified from exc
+        first, _, rest = str(exc).strip().partition("\n")
         raise OSError(
-            f"push of {root} to {url} failed while uploading {name}: {type(exc).__name__}: {exc}{note}. "
-            f"Nothing was published ({url}/{fmt.META} is absent, so no reader sees a cache there). "
-            f"To resume, {fix}."
+            f"push to {url} failed while uploading {name} ({type(exc).__name__}: {first})\n"
+            f"Nothing was published ({url}/{fmt.META} is absent, so no reader sees a cache there){note}.\n"
+            f"To try again, {fix()}." + (f"\n{rest.strip()}" if rest.strip() else "")
         ) from exc
     if stopped:
         if state["since_checkpoint"]:
-            checkpoint()
+            with _remote_errors(fs, url, fix, " (writing the resume checkpoint after Stop)"):
+                checkpoint()
         describe(cb, "stopped")
         return TransferReport(tuple(done), skipped, nbytes, time.perf_counter() - start, stopped=True)
 
     describe(cb, "publishing")
-    write_bytes(fs, f"{rroot}/{MANIFEST}", manifest_bytes(manifest))
-    with open_readable(os.path.join(root, fmt.META)) as f:
-        meta = f.read()
-    if hashlib.sha256(meta).hexdigest() != files[fmt.META]["sha256"]:
-        raise RuntimeError(f"{root}/{fmt.META} changed while the cache was being pushed; nothing was published. {fix}.")
-    write_bytes(fs, f"{rroot}/{fmt.META}", meta)
+    with _remote_errors(fs, url, fix, " (publishing: every file was uploaded, the cache is not published yet)"):
+        write_bytes(fs, f"{rroot}/{MANIFEST}", manifest_bytes(manifest))
+        kept.update(names)
+        with open_readable(os.path.join(root, fmt.META)) as f:
+            meta = f.read()
+        if hashlib.sha256(meta).hexdigest() != files[fmt.META]["sha256"]:
+            raise RuntimeError(f"{root}/{fmt.META} changed while the cache was being pushed; nothing was published. {rerun}.")
+        write_bytes(fs, f"{rroot}/{fmt.META}", meta)
     cb.relative_update(len(meta))
     describe(cb, "pushed")
     fs.invalidate_cache()
     return TransferReport(tuple(done) + (fmt.META,), skipped, nbytes + len(meta), time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _remote_errors(fs, url: str, fix, note: str, doing: str = "pushing to"):
+    """Turn an unreachable endpoint, missing credentials or a permission denied inside the block into
+    :func:`nbkit.remote.classify`'s short error (``fix()`` as it stands then); other errors pass unchanged."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised unchanged unless classify() knows its kind
+        classified = classify(e, fs, url, doing, fix(), note=note)
+        if classified is None:
+            raise
+        raise classified from e
 
 
 # -- pull -------------------------------------------------------------------------------------------
@@ -356,46 +394,51 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
         >>> r.transferred[-1]
         'nbkit.json'
     """
-    url = check_url(url, "url")
+    url = check_bucket(check_url(url, "url"), "url")
     dest = os.path.abspath(os.path.expanduser(check_path(cache_path, "cache_path")))
     max_workers = check_int(max_workers, "max_workers", min=1, max=256)
     start = time.perf_counter()
     cb = as_callback(callback)
-    fs, rroot = url_to_fs(url, storage_options)
-    fix = f"rerun nbkit.pull({url!r}, {dest!r}) ({dest} is unchanged)"
-    with network_errors(fs, url, "pulling from", fix):
-        return _pull(url, dest, fs, rroot, cb, max_workers, start, fix)
+    fix = f"rerun nbkit.pull({url!r}, {dest!r})"
+    describe(cb, f"connecting to {url}")
+    try:
+        fs, rroot = connect(url, storage_options, doing="pulling from", fix=fix, should_stop=lambda: _stop_requested(cb))
+    except Stopped:
+        describe(cb, "stopped")
+        return TransferReport(seconds=time.perf_counter() - start, stopped=True)
+    return _pull(url, dest, fs, rroot, cb, max_workers, start, fix)
 
 
 def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
-    fs.invalidate_cache()
-    if not fs.exists(f"{rroot}/{fmt.META}"):
-        raise FileNotFoundError(
-            f"{url} holds no complete nbkit cache ({fmt.META} is missing): push one with "
-            f"nbkit.push(cache_dir, {url!r}), or wait until the push in progress has finished."
-        )
-    manifest = read_remote_manifest(fs, rroot, url)
-    if manifest is None:
-        raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by nbkit.push. {REPUSH}")
-    files = manifest["files"]
-    if fmt.META not in files:
-        raise CorruptCacheError(f"{url}/{MANIFEST} does not list {fmt.META}. {REPUSH}")
-    # Every size is checked before anything is fetched: against the objects really there (one
-    # listing), the metadata's bound and the free disk.
-    check_listing(fs, rroot, url, manifest)
-    if files[fmt.META]["size"] > MAX_JSON_BYTES:
-        raise CorruptCacheError(f"{url}/{MANIFEST} says {fmt.META} is {files[fmt.META]['size']:,} bytes; a real one is a few KiB. {REPUSH}")
+    with _remote_errors(fs, url, lambda: fix, f" ({dest} is unchanged)", doing="pulling from"):
+        fs.invalidate_cache()
+        if not fs.exists(f"{rroot}/{fmt.META}"):
+            raise FileNotFoundError(
+                f"{url} holds no complete nbkit cache ({fmt.META} is missing): push one with "
+                f"nbkit.push(cache_dir, {url!r}), or wait until the push in progress has finished."
+            )
+        manifest = read_remote_manifest(fs, rroot, url)
+        if manifest is None:
+            raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by nbkit.push. {REPUSH}")
+        files = manifest["files"]
+        if fmt.META not in files:
+            raise CorruptCacheError(f"{url}/{MANIFEST} does not list {fmt.META}. {REPUSH}")
+        # Every size is checked before anything is fetched: against the objects really there (one
+        # listing), the metadata's bound and the free disk.
+        check_listing(fs, rroot, url, manifest)
+        if files[fmt.META]["size"] > MAX_JSON_BYTES:
+            raise CorruptCacheError(f"{url}/{MANIFEST} says {fmt.META} is {files[fmt.META]['size']:,} bytes; a real one is a few KiB. {REPUSH}")
 
-    check_replaceable(dest)
-    parent = os.path.dirname(dest)
-    os.makedirs(parent, exist_ok=True)
-    check_free_disk(sum(e["size"] for e in files.values()), dest, f"pulling {url}")
-    # nbkit.json first (small, bounded): the files it names must be exactly those the manifest lists.
-    meta = read_bounded(fs, f"{rroot}/{fmt.META}")
-    check_entry(url, fmt.META, files[fmt.META], hashlib.sha256(meta).hexdigest(), len(meta))
-    parsed = fmt.parse_meta(meta, f"{url}/{fmt.META}", REPUSH)
-    check_file_set(parsed, files, url)
-    check_meta_sizes(parsed, {n: e["size"] for n, e in files.items()}, url)
+        check_replaceable(dest)
+        parent = os.path.dirname(dest)
+        os.makedirs(parent, exist_ok=True)
+        check_free_disk(sum(e["size"] for e in files.values()), dest, f"pulling {url}")
+        # nbkit.json first (small, bounded): the files it names must be exactly those the manifest lists.
+        meta = read_bounded(fs, f"{rroot}/{fmt.META}")
+        check_entry(url, fmt.META, files[fmt.META], hashlib.sha256(meta).hexdigest(), len(meta))
+        parsed = fmt.parse_meta(meta, f"{url}/{fmt.META}", REPUSH)
+        check_file_set(parsed, files, url)
+        check_meta_sizes(parsed, {n: e["size"] for n, e in files.items()}, url)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.pull-", dir=parent)
     try:
         reused = []
@@ -420,15 +463,17 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
                     check_entry(url, name, files[name], sha, os.path.getsize(os.path.join(tmp, name)))
                 return job
 
-            done, failure, stopped = _run_parallel([(n, download(n)) for n in todo], cb, max_workers)
-        if failure is not None:
-            name, exc = failure
+            done, failed, stopped = _run_parallel([(n, download(n)) for n in todo], cb, max_workers)
+        if failed is not None:
+            name, exc = failed
             if isinstance(exc, CorruptCacheError):
                 raise exc
-            if is_connection_error(exc):
-                raise unreachable(url, endpoint_of(fs), exc, f"downloading {name} from", fix) from exc
-            raise OSError(f"pull of {url} failed while downloading {name}: {type(exc).__name__}: {exc}. "
-                          f"{dest} is unchanged; {fix}.") from exc
+            classified = classify(exc, fs, url, "pulling from", fix, note=f" (downloading {name}; {dest} is unchanged)")
+            if classified is not None:
+                raise classified from exc
+            first, _, rest = str(exc).strip().partition("\n")
+            raise OSError(f"pull of {url} failed while downloading {name} ({type(exc).__name__}: {first})\n"
+                          f"{dest} is unchanged.\nTo try again, {fix}." + (f"\n{rest.strip()}" if rest.strip() else "")) from exc
         if stopped:
             describe(cb, "stopped")
             return TransferReport(tuple(done), tuple(reused), sum(files[n]["size"] for n in done), time.perf_counter() - start, stopped=True)

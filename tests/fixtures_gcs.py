@@ -12,6 +12,16 @@ Import the fixtures into a test module with ``from fixtures_gcs import gcs, gcs_
 * ``short_gcsfs_retries`` (function): gcsfs tries each request 2 times instead of 6, so a test that
   keeps the server down sees the failure after ~1-2 s instead of ~31 s of back-off. Same gcsfs
   code, only the count passed to its own ``retry_request`` decorator differs.
+* ``black_hole`` (function): a loopback port that accepts connections and never answers (a
+  black-holed network, a hung proxy); ``refused_port``: one where nothing listens.
+* ``silent_metadata`` (function): google-auth's GCE metadata server pointed at a black hole and no
+  application-default credentials anywhere: "no credentials" as on a laptop or a Colab that is not
+  signed in, without ever touching the real metadata server.
+* ``status_server`` (function): an HTTP server that answers every request with one status (401,
+  403 …) and a GCS-style JSON error.
+
+No test may reach the real GCE metadata server: importing this module points google-auth at a
+refused loopback port unless the environment already says otherwise.
 
 We start the binary ourselves because the wrapper's ``FakeGCSServer`` pipes the server's log and
 never reads it (a chatty server then blocks on a full pipe); here the log goes to a file, which is
@@ -20,7 +30,11 @@ also where to look when a test fails.
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
+import socket
+import threading
 import urllib.error
 import urllib.request
 import uuid
@@ -33,8 +47,13 @@ from servers import LoopbackServer
 # Must be set before gcsfs is imported: otherwise every call first spends ~60 s probing a gRPC
 # control API the emulator does not have.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+# Before google-auth is imported (it reads GCE_METADATA_HOST once): a credentials lookup in a test
+# is refused at once on loopback rather than asking 169.254.169.254 / metadata.google.internal.
+os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
+os.environ.setdefault("GCE_METADATA_IP", "127.0.0.1:9")
 
-__all__ = ["GCSEmulator", "Bucket", "gcs_server", "gcs", "gcs_emulator", "short_gcsfs_retries"]
+__all__ = ["GCSEmulator", "Bucket", "gcs_server", "gcs", "gcs_emulator", "short_gcsfs_retries", "BlackHole",
+           "black_hole", "refused_port", "silent_metadata", "StatusServer", "status_server"]
 
 
 def _binary() -> Path:
@@ -155,3 +174,127 @@ def short_gcsfs_retries(monkeypatch):
     # cannot be passed per call; wrap the same undecorated method again with a smaller count.
     undecorated = gcsfs.GCSFileSystem._request.__wrapped__
     monkeypatch.setattr(gcsfs.GCSFileSystem, "_request", retry_request(retries=2)(undecorated))
+
+
+class BlackHole:
+    """A loopback port that accepts TCP connections and never reads or answers; ``close()`` ends it.
+
+    Example:
+        >>> hole = BlackHole(); s = socket.create_connection(("127.0.0.1", hole.port), timeout=5)
+        >>> s.settimeout(0.2); s.recv(1)
+        Traceback (most recent call last):
+        ...
+        TimeoutError: timed out
+        >>> s.close(); hole.close()
+    """
+
+    def __init__(self):
+        self._sock = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.port = self._sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self._held = []  # accepted connections stay open, unread
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            self._held.append(conn)
+
+    def close(self):
+        self._sock.close()
+        for conn in self._held:
+            conn.close()
+
+
+@pytest.fixture
+def black_hole():
+    hole = BlackHole()
+    yield hole
+    hole.close()
+
+
+@pytest.fixture
+def refused_port():
+    """A loopback port where nothing listens (connections are refused)."""
+    from servers import free_port
+
+    return free_port()
+
+
+@pytest.fixture
+def silent_metadata(monkeypatch, tmp_path):
+    """No credentials anywhere, and google-auth's metadata server a black hole (as on a machine that is
+    not signed in, where the lookup spends 12-18 s). Yields the :class:`BlackHole`."""
+    from google.auth import environment_vars
+    from google.auth.compute_engine import _metadata
+
+    from nbkit import remote
+
+    hole = BlackHole()
+    for var in (environment_vars.CREDENTIALS, "CLOUDSDK_AUTH_ACCESS_TOKEN", "STORAGE_EMULATOR_HOST",
+                environment_vars.NO_GCE_CHECK):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(environment_vars.CLOUD_SDK_CONFIG_DIR, str(tmp_path / "no-gcloud"))  # no ADC file
+    monkeypatch.setenv(environment_vars.GCE_METADATA_HOST, hole.address)
+    monkeypatch.setenv(environment_vars.GCE_METADATA_IP, hole.address)  # read at each ping
+    monkeypatch.setattr(_metadata, "_GCE_METADATA_HOST", hole.address)  # read once, at import
+    monkeypatch.setattr(_metadata, "_NO_GCE_CHECK", False)
+    monkeypatch.setattr(remote, "_lookups", {})  # no lookup (finished or not) from another test
+    yield hole
+    hole.close()
+
+
+class StatusServer:
+    """An HTTP server on loopback answering every request with ``status`` and a GCS-style JSON error.
+
+    Example:
+        >>> server = StatusServer(403, "no access")
+        >>> urllib.request.urlopen(f"{server.endpoint}/x", timeout=5)
+        Traceback (most recent call last):
+        ...
+        urllib.error.HTTPError: HTTP Error 403: Forbidden
+        >>> server.close()
+    """
+
+    def __init__(self, status: int, message: str):
+        body = json.dumps({"error": {"code": status, "message": message}}).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def status_server():
+    """``status_server(status, message)`` starts a :class:`StatusServer`; all are closed at teardown."""
+    servers = []
+
+    def start(status: int, message: str) -> StatusServer:
+        servers.append(StatusServer(status, message))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()

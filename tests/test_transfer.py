@@ -4,19 +4,20 @@ failure cases that need a real server (killed mid-push, tampered object)."""
 import asyncio
 import json
 import os
+import threading
 import uuid
 
 import pytest
 import torch
 
 import nbkit
-from fixtures_gcs import gcs, gcs_emulator, gcs_server, short_gcsfs_retries  # noqa: F401 - pytest fixtures
+from fixtures_gcs import (black_hole, gcs, gcs_emulator, gcs_server, refused_port, short_gcsfs_retries,  # noqa: F401 - fixtures
+                          silent_metadata)
 from nbkit import format as fmt
 from nbkit import manifest, transfer
 from nbkit.remote import url_to_fs
 from nbkit.errors import CorruptCacheError
 from nbkit.progress import Callback
-from servers import free_port
 from sources import DictSource, TupleSource, assert_equal
 
 
@@ -230,11 +231,12 @@ def test_emulator_killed_mid_push(tmp_path, gcs_emulator, short_gcsfs_retries, m
         raise AssertionError("the checkpoint after col-0.bin never appeared")
 
     watch = Watch(gcs_emulator, f"{bucket.name}/cache", kill=second_part_of_col1_after_checkpoint)
-    with pytest.raises(OSError, match=r"could not reach the endpoint http://127\.0\.0\.1:\d+ while uploading col-1\.bin"
-                                      r".*nothing was published.*Rerun nbkit\.push|rerun nbkit\.push") as err:
+    with pytest.raises(OSError, match=r"(?s)^cannot reach the endpoint 127\.0\.0\.1:\d+ \(connection refused\)\n"
+                                      rf"while pushing to {url} \(uploading col-1\.bin; nothing was published\)\.\n"
+                                      r".*then rerun nbkit\.push\(.*\): it resumes, skipping the 1 file already "
+                                      r"uploaded\.$"):
         nbkit.push(ds.root, url, storage_options=watch.storage_options(), max_workers=1)
     assert watch.killed and watch.published and not any(watch.published)
-    assert "resumes" in str(err.value) and url in str(err.value)
 
     gcs_emulator.start()  # same port, same disk
     observer = gcs_emulator.fs()
@@ -267,27 +269,115 @@ def test_emulator_killed_mid_pull(tmp_path, gcs_emulator, short_gcsfs_retries, m
     ds = make_cache(tmp_path / "c", TwoImages())
     nbkit.push(ds.root, url, storage_options=so)
 
-    async def sixth_get(watch):  # a few ranged reads into the first column
-        return sum(1 for method, _, _ in watch.requests if method == "GET") >= 6
+    async def seventh_get(watch):  # the probe, 4 small reads, then a few ranged reads into the first column
+        return sum(1 for method, _, _ in watch.requests if method == "GET") >= 7
 
-    watch = Watch(gcs_emulator, f"{bucket.name}/cache", kill=sixth_get)
-    with pytest.raises(OSError, match=r"could not reach the endpoint .* while downloading col-\d\.bin from .*unchanged"):
+    watch = Watch(gcs_emulator, f"{bucket.name}/cache", kill=seventh_get)
+    with pytest.raises(OSError, match=r"^cannot reach the endpoint 127\.0\.0\.1:\d+ \(connection refused\)\nwhile "
+                                      r"pulling from .* \(downloading col-\d\.bin; .*/dst is unchanged\)\.\n"):
         nbkit.pull(url, tmp_path / "dst", storage_options=watch.storage_options(), max_workers=1)
     assert watch.killed
     assert len(nbkit.CachedDataset.open(tmp_path / "dst")) == 50  # the old copy, untouched
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".dst")]  # no temporary directory left
 
 
-def test_unreachable_endpoint_fails_at_once_naming_the_fix(tmp_path):
+def test_killed_before_any_file_was_uploaded_says_rerun_but_not_resume(tmp_path, gcs_emulator, short_gcsfs_retries,
+                                                                       monkeypatch):
+    monkeypatch.setattr(transfer, "BLOCK", 1 << 20)
+    bucket = gcs_emulator.make_bucket()
+    ds = make_cache(tmp_path / "c", TwoImages())
+
+    async def first_part(watch):
+        return any(part for _, _, part in watch.requests)
+
+    watch = Watch(gcs_emulator, f"{bucket.name}/cache", kill=first_part)
+    with pytest.raises(OSError, match=r"(?s)^cannot reach the endpoint .*\(uploading col-\d\.bin; nothing was published\)"
+                                      r"\.\n.*then rerun nbkit\.push\([^)]*\)\.$") as err:
+        nbkit.push(ds.root, f"{bucket.url}/cache", storage_options=watch.storage_options(), max_workers=1)
+    assert watch.killed and "resume" not in str(err.value)  # nothing was uploaded, so nothing is skipped by a rerun
+
+
+def test_unreachable_endpoint_fails_at_once_naming_the_fix(tmp_path, refused_port):
     ds = make_cache(tmp_path / "c")
-    nothing_listens = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "token": "anon", "project": "test"}
-    with pytest.raises(OSError, match=r"could not reach the endpoint http://127\.0\.0\.1:\d+ while pushing to "
-                                      r"gs://nbkit-nowhere/c .*Check the URL.*rerun nbkit\.push") as err:
+    nothing_listens = {"endpoint_url": f"http://127.0.0.1:{refused_port}", "token": "anon", "project": "test"}
+    with pytest.raises(OSError, match=rf"(?s)^cannot reach the endpoint 127\.0\.0\.1:{refused_port} \(connection refused\)\n"
+                                      r"while pushing to gs://nbkit-nowhere/c\.\nCheck the URL.*then rerun nbkit\.push\("
+                                      r"[^)]*\)\.$") as err:
         nbkit.push(ds.root, "gs://nbkit-nowhere/c", storage_options=nothing_listens)
     assert isinstance(err.value.__cause__, ConnectionRefusedError)  # from the probe, not after gcsfs's retries
-    with pytest.raises(OSError, match=r"could not reach .* while pulling from gs://nbkit-nowhere/c .*rerun nbkit\.pull"):
+    with pytest.raises(OSError, match=r"(?s)^cannot reach .*\nwhile pulling from gs://nbkit-nowhere/c\..*rerun nbkit\.pull"):
         nbkit.pull("gs://nbkit-nowhere/c", tmp_path / "copy", storage_options=nothing_listens)
     assert not (tmp_path / "copy").exists()
+
+
+def in_thread(fn, timeout=30):
+    """``fn()``'s result or error, or ``"still running"`` after ``timeout`` s (the old code hung > 90 s)."""
+    outcome = ["still running"]
+
+    def run():
+        try:
+            outcome[0] = fn()
+        except Exception as e:  # noqa: BLE001 - returned for the assertions
+            outcome[0] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return outcome[0]
+
+
+def test_an_endpoint_that_never_answers_fails_within_seconds(tmp_path, black_hole):
+    ds = make_cache(tmp_path / "c")
+    so = {"endpoint_url": f"http://{black_hole.address}", "token": "anon", "project": "test"}
+    err = in_thread(lambda: nbkit.push(ds.root, "gs://nbkit-hole/c", storage_options=so))
+    assert isinstance(err, OSError), err
+    assert str(err).startswith(f"cannot reach the endpoint {black_hole.address} (it accepted the connection but did not "
+                               "answer within ")
+    assert "resume" not in str(err)
+    err = in_thread(lambda: nbkit.pull("gs://nbkit-hole/c", tmp_path / "copy", storage_options=so))
+    assert isinstance(err, OSError) and str(err).startswith("cannot reach the endpoint"), err
+
+
+def test_stop_ends_a_push_waiting_for_a_silent_endpoint(tmp_path, silent_metadata, black_hole, monkeypatch):
+    from nbkit import remote
+
+    monkeypatch.setattr(remote, "CREDENTIALS_SECONDS", 300.0)
+    ds = make_cache(tmp_path / "c")
+    cb = Callback()
+    threading.Timer(0.3, cb.request_stop).start()
+    report = in_thread(lambda: nbkit.push(ds.root, "gs://nbkit-hole/c", callback=cb,
+                                          storage_options={"endpoint_url": f"http://{black_hole.address}"}))
+    assert isinstance(report, transfer.TransferReport) and report.stopped and report.transferred == ()
+
+
+@pytest.mark.parametrize("url", ["gs://", "gs:///c"])
+def test_a_url_without_a_bucket_says_so(tmp_path, url, refused_port):
+    ds = make_cache(tmp_path / "c")
+    so = {"endpoint_url": f"http://127.0.0.1:{refused_port}", "token": "anon"}  # never reached: refused before
+    with pytest.raises(ValueError, match=r"^no bucket in the URL"):
+        nbkit.push(ds.root, url, storage_options=so)
+    with pytest.raises(ValueError, match=r"^no bucket in the URL"):
+        nbkit.pull(url, tmp_path / "copy", storage_options=so)
+
+
+def test_a_missing_bucket_is_named(tmp_path, gcs_server):
+    ds = make_cache(tmp_path / "c")
+    with pytest.raises(FileNotFoundError, match=r"^the bucket 'nbkit-missing' does not exist at 127\.0\.0\.1:\d+\n"
+                                                r"while pushing to gs://nbkit-missing/c\.\n"):
+        nbkit.push(ds.root, "gs://nbkit-missing/c", storage_options=gcs_server.storage_options)
+    with pytest.raises(FileNotFoundError, match=r"^the bucket 'nbkit-missing' does not exist"):
+        nbkit.pull("gs://nbkit-missing/c", tmp_path / "copy", storage_options=gcs_server.storage_options)
+
+
+def test_push_without_credentials_says_so_and_sends_nothing(tmp_path, silent_metadata, gcs, monkeypatch):
+    from nbkit import remote
+
+    monkeypatch.setattr(remote, "CREDENTIALS_SECONDS", 1.0)
+    ds = make_cache(tmp_path / "c")
+    err = in_thread(lambda: nbkit.push(ds.root, f"{gcs.url}/c", storage_options={"endpoint_url": gcs.emulator.endpoint}))
+    assert isinstance(err, PermissionError), err
+    assert str(err).startswith(f"no credentials for {gcs.url}/c") and "auth.authenticate_user()" in str(err)
+    assert gcs.fs.find(gcs.name) == []
 
 
 def test_objects_pushed_stay_few(tmp_path, gcs):

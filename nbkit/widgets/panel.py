@@ -383,8 +383,9 @@ class WarmupPanel(View):
         return "nbkit: " + "  ".join(p for p in parts if p)
 
     def status_text(self) -> str:
-        """The status line without markup."""
-        return html.unescape(re.sub(r"<[^>]+>", "", self.status.value))
+        """The status line without markup (an error's details, one click away in the widget, left out)."""
+        shown = re.sub(r"<details\b.*?</details>", "", self.status.value, flags=re.S)
+        return html.unescape(re.sub(r"<[^>]+>", "", shown.replace("<br>", " ")))
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -518,7 +519,7 @@ class WarmupPanel(View):
         with self._lock:
             self._refused[operation] = error
             self._last = operation
-            self._set_status(f"Error: {type(error).__name__}: {error}", RED, bold=True)
+            self.status.value = error_html(error)
         if self.terminal:
             print(self.text(), file=sys.stderr, flush=True)
 
@@ -526,7 +527,7 @@ class WarmupPanel(View):
         with self._lock:
             self.progress.bar_style = "danger"
             self._finish_buttons(self.ds.stats)
-            self._set_status(f"Error: {type(error).__name__}: {error}", RED, bold=True)
+            self.status.value = error_html(error)
         if self.terminal:
             print(self.text(), file=sys.stderr, flush=True)
 
@@ -565,6 +566,41 @@ class WarmupPanel(View):
 
     def _set_status(self, text: str, color: str = GREY, *, bold: bool = False) -> None:
         self.status.value = status_html(text, color, bold=bold)
+
+
+#: An error in the panel: at most this many lines of at most this many characters; the rest is in "details".
+ERROR_LINES, ERROR_LINE_CHARS = 3, 160
+
+
+def error_html(error: BaseException) -> str:
+    """The status HTML for an operation that failed: its type and message's first lines (at most
+    :data:`ERROR_LINES`, each cut at :data:`ERROR_LINE_CHARS`) in bold red, then, when anything was
+    left out, a "details" disclosure with the whole message and its causes' (no traceback).
+
+    Example:
+        >>> print(error_html(ValueError("no bucket in the URL 'gs://'")))
+        <span style="color:#c62828;font-weight:bold">Error: ValueError: no bucket in the URL &#x27;gs://&#x27;</span>
+    """
+    causes, cause = [], error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    while cause is not None and len(causes) < 5:
+        causes.append(f"caused by {type(cause).__name__}: {cause}")
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()] or [type(error).__name__]
+    shown = [_cut(ln, ERROR_LINE_CHARS) for ln in lines[:ERROR_LINES]]
+    out = f'<span style="color:{RED};font-weight:bold">{"<br>".join(html.escape(ln) for ln in [f"Error: {type(error).__name__}: {shown[0]}"] + shown[1:])}</span>'
+    if causes or shown != lines:
+        full = "\n\n".join([f"{type(error).__name__}: {error}"] + causes)
+        out += (f'<details style="color:{GREY}"><summary style="cursor:pointer">details</summary>'
+                f'<pre style="white-space:pre-wrap;overflow-wrap:anywhere;margin:0">{html.escape(full)}</pre></details>')
+    return out
+
+
+def _cut(line: str, n: int) -> str:
+    """``line`` cut to at most ``n`` characters at a word boundary, with "…" when cut."""
+    if len(line) <= n:
+        return line
+    head = line[: n - 1]
+    return (head.rsplit(" ", 1)[0] if " " in head[n // 2:] else head) + "…"
 
 
 def _floor_percent(done, total) -> int:

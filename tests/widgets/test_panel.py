@@ -5,13 +5,16 @@ tests/widgets/test_view.py reruns this directory with ipywidgets 7.7.1 (Colab's 
 
 from __future__ import annotations
 
+import html
 import os
+import re
 
 import pytest
 import torch
 
 import nbkit
 from nbkit.widgets import PanelState, WarmupPanel
+from nbkit.widgets.panel import ERROR_LINE_CHARS, error_html
 from servers import free_port
 from sources import TupleSource
 from widget_sources import FailingSource, GatedSource
@@ -206,6 +209,55 @@ def test_failed_upload_to_an_unreachable_server_shows_the_error(tmp_path):
     assert panel.last_error is not None
     assert panel.status_text().startswith("Error: ") and "#c62828" in panel.status.value
     assert ds.stats.complete and ds.verify() == 300  # the local cache is untouched
+
+
+def shown_lines(panel):
+    """The error's lines the panel shows without a click, and the text of its "details" disclosure."""
+    shown, _, details = panel.status.value.partition("<details")
+    return [html.unescape(re.sub(r"<[^>]+>", "", ln)) for ln in shown.split("<br>")], html.unescape(details)
+
+
+def test_a_failed_upload_says_what_happened_in_three_short_lines(tmp_path):
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    port = free_port()  # nothing listens
+    panel = WarmupPanel(_filled(tmp_path), upload_url="gs://nbkit-test/cache",
+                        storage_options={"endpoint_url": f"http://127.0.0.1:{port}", "token": "anon", "project": "test"})
+    panel.upload_button.click()
+    assert panel.wait(timeout=120) and panel.state is PanelState.ERROR
+    lines, details = shown_lines(panel)
+    assert lines[0] == f"Error: OSError: cannot reach the endpoint 127.0.0.1:{port} (connection refused)"
+    assert len(lines) <= 3 and all(len(ln) <= len("Error: OSError: ") + ERROR_LINE_CHARS for ln in lines)
+    assert "resume" not in panel.status.value  # nothing was uploaded
+    # One click away: the whole message (the fix included) and its cause, no traceback.
+    assert "<summary" in details and "rerun nbkit.push(" in details and "ConnectionRefusedError" in details
+    assert "Traceback" not in details
+    assert panel.status_text().startswith("Error: OSError: cannot reach") and "ConnectionRefusedError" not in panel.status_text()
+
+
+def test_an_upload_to_a_bare_gs_url_says_there_is_no_bucket(tmp_path):
+    panel = WarmupPanel(_filled(tmp_path), upload_url="gs://")
+    panel.upload_button.click()
+    assert panel.wait(timeout=60) and panel.state is PanelState.ERROR
+    lines, _ = shown_lines(panel)
+    assert lines[0].startswith("Error: ValueError: no bucket in the URL 'gs://'")
+    assert isinstance(panel.error("upload"), ValueError)
+
+
+def test_a_long_error_shows_three_cut_lines_and_the_rest_in_details():
+    long_line = "word " * 100
+    try:
+        try:
+            raise ConnectionResetError("the peer went away")
+        except ConnectionResetError as e:
+            raise OSError("\n".join(f"line {i}: {long_line}" for i in range(8))) from e
+    except OSError as e:
+        error = e
+    shown, _, details = error_html(error).partition("<details")
+    lines = shown.split("<br>")
+    assert len(lines) == 3 and all(len(re.sub(r"<[^>]+>", "", ln)) <= len("Error: OSError: ") + ERROR_LINE_CHARS for ln in lines)
+    assert re.sub(r"<[^>]+>", "", lines[2]).endswith("…")
+    assert "line 7: word" in details and "caused by ConnectionResetError: the peer went away" in details
+    assert error_html(ValueError("short")).count("<details") == 0  # nothing left out: no disclosure
 
 
 def test_terminal_display_prints_a_text_line(tmp_path, capsys):
