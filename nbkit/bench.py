@@ -112,11 +112,16 @@ def _about(lo: float, mid: float, hi: float, unit: str = "×") -> str:
     Example:
         >>> _about(99.3, 103.0, 118.2), _about(2.91, 3.2, 3.64, " s"), _about(5.0, 5.0, 5.0)
         ('about 100× (99–120×)', 'about 3.2 s (2.9–3.6 s)', '5.00×')
+        >>> _about(0.014, 0.0149, 0.028, " s")  # the median is never rounded out of its range
+        'about 0.015 s (0.014–0.028 s)'
     """
     if not all(map(math.isfinite, (lo, mid, hi))):
         return "–"
     width = hi - lo
-    middle = _rounded(mid, _step(mid, width))
+    step = _step(mid, width)
+    while width > 0 and not lo <= float(_rounded(mid, step)) <= hi and step > _step(mid, 0):
+        step /= 10  # never round the median out of its own range (0.0149 in 0.014-0.028 is not "0.01")
+    middle = _rounded(mid, step)
     if width <= 0:
         return f"{middle}{unit}"
 
@@ -389,9 +394,9 @@ def _bar_figure(plt, bars, *, headline, subtitle, width, xlabel, path, stacked=N
         parts = stacked(y, value) if stacked else [(0, value, colour, hatch)]
         for left, length, c, h in parts:
             ax.barh([y], [length], left=left, height=0.6, color=c, hatch=h, edgecolor="black", linewidth=0.6)
-        if lo is not None and hi is not None and hi > lo:
-            ax.errorbar([value], [y], xerr=[[value - lo], [hi - value]], fmt="none", ecolor="black", capsize=3,
-                        linewidth=1)
+        if lo is not None and hi is not None and hi > lo:  # the range, drawn as a whisker with caps
+            ax.hlines(y, lo, hi, color="black", linewidth=1)
+            ax.vlines([lo, hi], y - 0.12, y + 0.12, color="black", linewidth=1)
         end = hi if hi is not None else value
         if value > 0.6 * longest:  # inside, from the bar's start, on a light box
             ax.annotate(label, (0, y), xytext=(4, 0), textcoords="offset points", ha="left", va="center",
@@ -682,12 +687,13 @@ class TrainingComparison:
             if verdict == "noise":
                 bars.append((r.loader, None, None, None, None, "", "noise: beats the limit, rerun"))
                 continue
-            label = _short_seconds(s)
+            value, label = s.median, _short_seconds(s)
             if verdict == "slower":
                 label += f", waits {format_percent(self.wait_share(r), digits=0)}"
             elif r is not self.limit and verdict == "limit":
-                label += ", at the limit"
-            bars.append((r.loader, s.median, s.lo if s.n > 1 else None, s.hi if s.n > 1 else None, None, "", label))
+                # Within the spread the two cannot be told apart: drawn as long as the limit, never shorter.
+                value, label = limit, "at the limit"
+            bars.append((r.loader, value, s.lo if s.n > 1 else None, s.hi if s.n > 1 else None, None, "", label))
 
         def stacked(y, value):
             compute = min(value, limit) if math.isfinite(limit) else value

@@ -517,12 +517,18 @@ def test_a_feed_slower_than_the_limit_gets_a_ratio_with_the_digits_its_spread_su
 
 
 def test_a_feed_within_the_limits_spread_is_at_the_limit(monkeypatch, tmp_path):
-    costs = {RAW: [1.0], NBKIT: [0.25, 0.24, 0.26, 0.25], LIMIT: [0.25, 0.25, 0.24, 0.26]}
+    # ds.loader's median (0.98 s) is below the limit's (1.00 s), but within the limit's range.
+    costs = {RAW: [1.0], NBKIT: [0.25, 0.24, 0.25, 0.245], LIMIT: [0.25, 0.25, 0.24, 0.26]}
     result, _ = _timed(monkeypatch, tmp_path, costs, epochs=3)
     assert result.verdict(result.rows[1]) == "limit"
-    assert "nbkit ds.loader about 1.00 s (0.96–1.04 s): at the on-device limit, within this run's spread" \
+    assert "nbkit ds.loader about 0.98 s (0.96–1.00 s): at the on-device limit, within this run's spread" \
         in result.summary()
     assert "×" not in result.summary().split("nbkit ds.loader")[1]  # no ratio for it, below or above 1
+    pytest.importorskip("matplotlib")
+    ax = result.plot().axes[0]
+    widths = {round(p.get_y() + p.get_height() / 2): p.get_width() for p in ax.patches if p.get_width() > 0}
+    assert widths[1] == widths[0] == pytest.approx(1.0)  # drawn as long as the limit, never shorter
+    assert "at the limit" in [t.get_text() for t in ax.texts]
 
 
 def test_a_feed_faster_than_the_limit_beyond_the_spread_is_noise_never_a_ratio(monkeypatch, tmp_path):
