@@ -106,6 +106,15 @@ def _rounded(value: float, step: float) -> str:
     return f"{round(value / step) * step:.{decimals}f}"
 
 
+def _median_step(lo: float, mid: float, hi: float) -> float:
+    """The step to round a median to: its range's order of magnitude, but never so coarse that the
+    rounded median leaves the range (0.0149 in 0.014–0.028 is not "0.01")."""
+    step = _step(mid, hi - lo)
+    while hi > lo and not lo <= float(_rounded(mid, step)) <= hi and step > _step(mid, 0):
+        step /= 10
+    return step
+
+
 def _about(lo: float, mid: float, hi: float, unit: str = "×") -> str:
     """A median and its range, each with the digits the range supports.
 
@@ -118,10 +127,7 @@ def _about(lo: float, mid: float, hi: float, unit: str = "×") -> str:
     if not all(map(math.isfinite, (lo, mid, hi))):
         return "–"
     width = hi - lo
-    step = _step(mid, width)
-    while width > 0 and not lo <= float(_rounded(mid, step)) <= hi and step > _step(mid, 0):
-        step /= 10  # never round the median out of its own range (0.0149 in 0.014-0.028 is not "0.01")
-    middle = _rounded(mid, step)
+    middle = _rounded(mid, _median_step(lo, mid, hi))
     if width <= 0:
         return f"{middle}{unit}"
 
@@ -369,8 +375,8 @@ def _short_seconds(spread: _Spread) -> str:
     """A bar's label: the median with the digits its spread supports."""
     if spread.n < 2 or spread.hi <= spread.lo:
         return format_seconds(spread.median, digits=2)
-    value = float(_rounded(spread.median, _step(spread.median, spread.hi - spread.lo)))
-    return format_seconds(value, digits=max(0, -math.floor(math.log10(_step(spread.median, spread.hi - spread.lo)))))
+    step = _median_step(spread.lo, spread.median, spread.hi)
+    return format_seconds(float(_rounded(spread.median, step)), digits=max(0, -math.floor(math.log10(step) + 1e-9)))
 
 
 def _bar_figure(plt, bars, *, headline, subtitle, width, xlabel, path, stacked=None, legend=()):
