@@ -298,7 +298,7 @@ class EpochComparison:
             text = (f"cached epochs are {self.speedup_text} faster than raw: {cached.text()} vs {raw.text()} an "
                     f"epoch (median and range of {min(raw.n, cached.n)} timed epochs each, interleaved)")
         if not math.isnan(self.filling_seconds):
-            text += f"; filling the cache took {format_seconds(self.filling_seconds, digits=2)} (once)"
+            text += f"; filling the cache took {_once(self.filling_seconds)} (once)"
         return text + (f"; {self.note}" if self.note else "")
 
     # --- table -------------------------------------------------------------------------------
@@ -357,7 +357,7 @@ class EpochComparison:
             bars.append(("raw", raw.median, raw.lo, raw.hi, _RAW_COLOUR, "", _short_seconds(raw)))
         if not math.isnan(self.filling_seconds):
             bars.append(("filling", self.filling_seconds, None, None, _FILL_COLOUR, "//",
-                         format_seconds(self.filling_seconds, digits=2) + " once"))
+                         _once(self.filling_seconds).replace(" ", "") + " once"))  # as "41s" beside it
         if cached.n:
             bars.append(("cached", cached.median, cached.lo, cached.hi, _CACHED_COLOUR, "", _short_seconds(cached)))
         headline = "No speedup measured" if self.no_speedup else f"Cached: {self.speedup_text} faster"
@@ -369,6 +369,11 @@ class EpochComparison:
             details.append(self._no_speedup()[0])
         return _bar_figure(plt, bars, headline=headline, subtitle=(title, details), width=width,
                            xlabel="seconds an epoch (shorter is better)", path=path)
+
+
+def _once(seconds: float) -> str:
+    """A single measurement (no spread): three significant digits, ``29.12`` → ``'29.1 s'``."""
+    return f"{_rounded(seconds, _step(seconds, 0))} s"
 
 
 def _short_seconds(spread: _Spread) -> str:
@@ -707,8 +712,10 @@ class TrainingComparison:
 
         legend = (Patch(facecolor=_CACHED_COLOUR, edgecolor="black", label="training (the on-device limit)"),
                   Patch(facecolor=_FILL_COLOUR, edgecolor="black", hatch="//", label="waiting for data"))
-        noisy = any(self.verdict(r) == "noise" for r in self.rows)
-        headline = "Noise: rerun on a quieter machine" if noisy else "Time waiting for data"
+        verdicts = [self.verdict(r) for r in self.rows if r is not self.limit]
+        headline = ("Noise: rerun on a quieter machine" if "noise" in verdicts
+                    else "Time waiting for data" if "slower" in verdicts
+                    else "No wait beyond this run's spread")
         details = [f"on {self.device}"] + ([f"batch {self.batch_size}"] if self.batch_size else [])
         passes = max((r.spread.n for r in self.rows), default=0)
         details.append(f"median of {passes} timed passes, bars show the range")

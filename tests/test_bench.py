@@ -127,7 +127,7 @@ def test_speedup_carries_the_digits_its_spread_supports():
     assert result.summary().startswith(
         "cached epochs are about 100× (83–120×) faster than raw: about 0.022 s (0.020–0.024 s) vs "
         "about 2.2 s (2.0–2.4 s) an epoch (median and range of 3 timed epochs each, interleaved); "
-        "filling the cache took 3.00s (once)")
+        "filling the cache took 3.00 s (once)")
     # A tight spread keeps more digits, never more than three.
     tight = EpochComparison(_epochs([2.000, 2.001, 2.002], [0.0400, 0.0401, 0.0402]))
     assert tight.speedup_text == "about 49.9× (49.8–50.0×)"
@@ -529,6 +529,11 @@ def test_a_feed_within_the_limits_spread_is_at_the_limit(monkeypatch, tmp_path):
     widths = {round(p.get_y() + p.get_height() / 2): p.get_width() for p in ax.patches if p.get_width() > 0}
     assert widths[1] == widths[0] == pytest.approx(1.0)  # drawn as long as the limit, never shorter
     assert "at the limit" in [t.get_text() for t in ax.texts]
+    assert ax.figure._suptitle.get_text() == "Time waiting for data"  # the raw feed waits
+    from nbkit.bench import TrainingComparison
+
+    alone = TrainingComparison(result.rows[1:], device="cpu")  # only the feed at the limit: no wait to show
+    assert alone.plot()._suptitle.get_text() == "No wait beyond this run's spread"
 
 
 def test_a_feed_faster_than_the_limit_beyond_the_spread_is_noise_never_a_ratio(monkeypatch, tmp_path):
