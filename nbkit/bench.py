@@ -1,8 +1,21 @@
-"""Raw vs cached epochs, measured the way a notebook user would: :func:`compare_epochs` times a few
-DataLoader epochs over the raw source and then over its :class:`~nbkit.CachedDataset`, counts the
-cache's hits per epoch (:class:`nbkit.stats.EpochCounter`), reports the filling epoch apart from
-the steady-state ones, and renders one line, a table and a plot; :func:`mnist_like` loads an
-MNIST-style torchvision dataset, or offline stand-in files (:mod:`nbkit.offline`) without a network.
+"""Raw vs cached epochs, measured so that the result cannot claim the impossible.
+
+:func:`compare_epochs` times DataLoader epochs over the raw source and over its
+:class:`~nbkit.CachedDataset`; :func:`compare_training` times training fed three ways (a raw
+``DataLoader``, ``cached.loader``, the on-device limit). Both follow the same rules:
+
+* every feed gets the same untimed warm-up epoch (for a cold cache, the epoch that fills it,
+  reported apart) and then reads the same batches;
+* timed epochs are interleaved across feeds (raw, cached, raw, cached, ...), so a burst of load on
+  a shared machine slows every feed alike, and there are at least :data:`MIN_TIMED` of them per
+  feed, so each result has a spread: the median and the range;
+* a ratio carries only the digits that spread supports (``"about 100× (99–120×)"``, never
+  ``"99.9×"``), and a feed that beats the on-device limit by more than the spread is reported as
+  noise (:data:`NOISE`), never as a result.
+
+Progress goes to the ``callback`` (:mod:`nbkit.progress`): which feed and which epoch is being
+timed, and every batch. :func:`mnist_like` loads an MNIST-style torchvision dataset, or offline
+stand-in files (:mod:`nbkit.offline`) without a network.
 
 Example:
     >>> import tempfile, torch
@@ -10,9 +23,9 @@ Example:
     >>> from nbkit.bench import compare_epochs
     >>> raw = torch.utils.data.TensorDataset(torch.randn(512, 8), torch.arange(512))
     >>> cached = nbkit.CachedDataset(raw, tempfile.mkdtemp() + "/cache")
-    >>> result = compare_epochs(raw, cached, epochs=2, batch_size=128)
-    >>> [(r.dataset, r.epoch, r.filling) for r in result.rows]
-    [('raw', 1, False), ('raw', 2, False), ('cached', 1, True), ('cached', 2, False)]
+    >>> result = compare_epochs(raw, cached, epochs=3, batch_size=128)
+    >>> [(r.dataset, r.epoch, r.filling) for r in result.rows][:4]
+    [('raw', 0, False), ('cached', 0, True), ('raw', 1, False), ('cached', 1, False)]
     >>> result.rows[-1].hit_rate
     1.0
 """
@@ -23,6 +36,7 @@ import html
 import math
 import socket
 import statistics
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,33 +47,122 @@ from .stats import EpochCounter
 from .text import Table, format_count, format_percent, format_seconds
 
 __all__ = ["EpochRow", "EpochComparison", "compare_epochs", "TrainingRow", "TrainingComparison", "compare_training",
-           "mnist_like", "MNIST_LIKE"]
+           "mnist_like", "MNIST_LIKE", "MIN_TIMED", "NOISE"]
 
 #: The dataset names :func:`mnist_like` accepts (the tutorials' form field).
 MNIST_LIKE = ("MNIST", "FashionMNIST", "KMNIST", "EMNIST")
+
+#: Timed epochs (or passes) per feed at the least: fewer give no spread to judge a ratio by, so a
+#: smaller ``epochs`` is raised to this and the result says so.
+MIN_TIMED = 3
+#: Under a time budget (``compare_training(seconds=...)``), up to this many timed passes per feed
+#: when the spread stays wide; each raw pass gets ``seconds / MAX_TIMED``, so the budget holds.
+MAX_TIMED = 5
+#: A spread (range / median) wider than this asks for more timed passes while the budget allows.
+WIDE_SPREAD = 0.2
+#: What a feed that beats the on-device limit by more than the run's spread is reported as.
+NOISE = "faster than the on-device limit by more than the run's spread: noise, rerun on a quieter machine"
 
 # Colours chosen to stay apart for colour-blind readers and in greyscale.
 _RAW_COLOUR = "#9a9a9a"
 _FILL_COLOUR = "#f28e2b"
 _CACHED_COLOUR = "#2f6db5"
 
+# The clock every timed pass reads; tests replace it with a fake one.
+_clock = time.perf_counter
+
+
+# --- a spread and the digits it supports ----------------------------------------------------------
+
+
+class _Spread:
+    """The timed passes of one feed: median, lowest, highest."""
+
+    def __init__(self, values):
+        self.values = tuple(float(v) for v in values)
+        self.n = len(self.values)
+        self.median = statistics.median(self.values) if self.values else math.nan
+        self.lo = min(self.values, default=math.nan)
+        self.hi = max(self.values, default=math.nan)
+
+    @property
+    def relative(self) -> float:
+        """Range / median: 0.2 means the passes spread over 20% of the median."""
+        return (self.hi - self.lo) / self.median if self.n and self.median > 0 else math.inf
+
+    def text(self, unit: str = " s") -> str:
+        return _about(self.lo, self.median, self.hi, unit)
+
+
+def _step(value: float, width: float) -> float:
+    """The rounding step a value deserves: the order of magnitude of its spread ``width``, never
+    finer than three significant digits of ``value``."""
+    finest = 10.0 ** (math.floor(math.log10(abs(value))) - 2) if value else 1e-12
+    return max(10.0 ** math.floor(math.log10(width)), finest) if width > 0 else finest
+
+
+def _rounded(value: float, step: float) -> str:
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    return f"{round(value / step) * step:.{decimals}f}"
+
+
+def _median_step(lo: float, mid: float, hi: float) -> float:
+    """The step to round a median to: its range's order of magnitude, but never so coarse that the
+    rounded median leaves the range (0.0149 in 0.014–0.028 is not "0.01")."""
+    step = _step(mid, hi - lo)
+    while hi > lo and not lo <= float(_rounded(mid, step)) <= hi and step > _step(mid, 0):
+        step /= 10
+    return step
+
+
+def _about(lo: float, mid: float, hi: float, unit: str = "×") -> str:
+    """A median and its range, each with the digits the range supports.
+
+    Example:
+        >>> _about(99.3, 103.0, 118.2), _about(2.91, 3.2, 3.64, " s"), _about(5.0, 5.0, 5.0)
+        ('about 100× (99–120×)', 'about 3.2 s (2.9–3.6 s)', '5.00×')
+        >>> _about(0.014, 0.0149, 0.028, " s")  # the median is never rounded out of its range
+        'about 0.015 s (0.014–0.028 s)'
+    """
+    if not all(map(math.isfinite, (lo, mid, hi))):
+        return "–"
+    width = hi - lo
+    middle = _rounded(mid, _median_step(lo, mid, hi))
+    if width <= 0:
+        return f"{middle}{unit}"
+
+    def end(v):  # an end of the range: at the spread's step, with at least two significant digits
+        return _rounded(v, min(_step(v, width), 10.0 ** (math.floor(math.log10(abs(v))) - 1)) if v else 1.0)
+
+    return f"about {middle}{unit} ({end(lo)}–{end(hi)}{unit})"
+
+
+def _wrap(text: str, width: int) -> str:
+    """Lines of at most ``width`` characters, broken at spaces only (never inside a word)."""
+    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False)
+                     for line in text.split("\n"))
+
+
+# --- compare_epochs ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class EpochRow:
-    """One timed epoch.
+    """One epoch of :func:`compare_epochs`.
 
     Attributes:
         dataset: ``"raw"`` or ``"cached"``.
-        epoch: 1-based epoch number within that dataset's run.
+        epoch: 0 for the warm-up epoch, then 1, 2, ... for the timed ones.
         seconds: wall-clock time of the whole epoch (every batch loaded).
         samples: samples loaded in the epoch.
         hit_rate: fraction of samples served from the cache (``None`` for the raw dataset).
         filling: ``True`` when the epoch had cache misses, i.e. it computed and stored samples.
+        warmup: the untimed warm-up epoch: shown, never counted.
 
     Example:
-        >>> row = EpochRow("cached", 1, seconds=0.5, samples=1000, hit_rate=0.0, filling=True)
-        >>> row.samples_per_s, row.label
-        (2000.0, 'cached 1 (filling)')
+        >>> row = EpochRow("cached", 0, seconds=0.5, samples=1000, hit_rate=0.0, filling=True, warmup=True)
+        >>> row.samples_per_s, row.label, row.counted
+        (2000.0, 'cached 0 (filling)', False)
     """
 
     dataset: str
@@ -68,6 +171,7 @@ class EpochRow:
     samples: int
     hit_rate: float | None = None
     filling: bool = False
+    warmup: bool = False
 
     @property
     def samples_per_s(self) -> float:
@@ -75,58 +179,82 @@ class EpochRow:
         return self.samples / self.seconds if self.seconds > 0 else math.inf
 
     @property
+    def counted(self) -> bool:
+        """Whether the epoch counts towards the speedup: timed, and read from a full cache."""
+        return not self.warmup and not self.filling
+
+    @property
     def label(self) -> str:
-        """A short name for the epoch, e.g. ``"cached 1 (filling)"``."""
-        return f"{self.dataset} {self.epoch}" + (" (filling)" if self.filling else "")
+        """A short name for the epoch, e.g. ``"cached 0 (filling)"``."""
+        note = " (filling)" if self.filling else " (warm-up)" if self.warmup else ""
+        return f"{self.dataset} {self.epoch}{note}"
 
 
 class EpochComparison:
     """The result of :func:`compare_epochs`: per-epoch rows, a table, a plot and the speedup.
 
+    The speedup is the raw median epoch over the cached median epoch (timed epochs only), with
+    the range the two spreads allow; it is stated only when the ranges do not overlap.
     In a notebook, the object renders as an HTML table; ``print(result)`` gives the text table.
 
     Example:
-        >>> rows = [EpochRow("raw", 1, 2.0, 1000), EpochRow("cached", 1, 2.5, 1000, 0.0, True),
-        ...         EpochRow("cached", 2, 0.1, 1000, 1.0)]
-        >>> EpochComparison(rows).speedup
-        20.0
+        >>> rows = [EpochRow("raw", k, t, 1000) for k, t in ((1, 2.0), (2, 2.2), (3, 1.9))]
+        >>> rows += [EpochRow("cached", k, t, 1000, 1.0) for k, t in ((1, 0.10), (2, 0.11), (3, 0.09))]
+        >>> result = EpochComparison(rows)
+        >>> result.speedup, result.speedup_text
+        (20.0, 'about 20× (17–24×)')
     """
 
-    def __init__(self, rows, *, batch_size: int | None = None, num_workers: int | None = None):
+    def __init__(self, rows, *, batch_size: int | None = None, num_workers: int | None = None, note: str = ""):
         self.rows = list(rows)
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.note = note  # e.g. that the timed epochs were raised to MIN_TIMED
 
     # --- summary numbers --------------------------------------------------------------------
-    def _seconds(self, dataset: str, filling: bool | None = None) -> list[float]:
-        return [
-            r.seconds
-            for r in self.rows
-            if r.dataset == dataset and (filling is None or r.filling == filling)
-        ]
+    def _counted(self, dataset: str) -> list[float]:
+        return [r.seconds for r in self.rows if r.dataset == dataset and r.counted]
+
+    @property
+    def raw(self) -> _Spread:
+        """The raw dataset's timed epochs: ``median``, ``lo``, ``hi``."""
+        return _Spread(self._counted("raw"))
+
+    @property
+    def cached(self) -> _Spread:
+        """The cached dataset's timed epochs after filling."""
+        return _Spread(self._counted("cached"))
 
     @property
     def raw_seconds(self) -> float:
-        """Mean seconds of a raw epoch."""
-        return _mean(self._seconds("raw"))
+        """Median seconds of a timed raw epoch."""
+        return self.raw.median
 
     @property
     def cached_seconds(self) -> float:
-        """Mean seconds of a steady-state (non-filling) cached epoch; NaN if there was none."""
-        return _mean(self._seconds("cached", filling=False))
+        """Median seconds of a timed cached epoch read from the full cache; NaN if there was none."""
+        return self.cached.median
 
     @property
     def filling_seconds(self) -> float:
         """Mean seconds of the cached epochs that filled the cache; NaN if the cache was warm."""
-        return _mean(self._seconds("cached", filling=True))
+        filling = [r.seconds for r in self.rows if r.dataset == "cached" and r.filling]
+        return statistics.fmean(filling) if filling else math.nan
 
     @property
     def speedup(self) -> float:
-        """Raw mean epoch time / steady-state cached mean epoch time; NaN without both, and
-        :attr:`no_speedup` says why."""
+        """Raw median epoch / cached median epoch; NaN when :attr:`no_speedup` says why there is none."""
         if self.no_speedup:
             return math.nan
-        return self.raw_seconds / self.cached_seconds if self.cached_seconds > 0 else math.inf
+        return self.raw.median / self.cached.median if self.cached.median > 0 else math.inf
+
+    @property
+    def speedup_text(self) -> str:
+        """The speedup with the digits its range supports, e.g. ``"about 80× (70–95×)"``; ``""`` without one."""
+        if self.no_speedup:
+            return ""
+        raw, cached = self.raw, self.cached
+        return _about(raw.lo / cached.hi, self.speedup, raw.hi / cached.lo)
 
     @property
     def no_speedup(self) -> str:
@@ -137,36 +265,41 @@ class EpochComparison:
             >>> one.speedup
             nan
             >>> one.no_speedup
-            'the only cached epoch filled the cache (an epoch that fills the cache computes and stores every sample, so it shows no speedup); run 2 or more epochs, or warm the cache up first'
+            'every cached epoch filled the cache (an epoch that fills the cache computes and stores every sample, so it shows no speedup); warm the cache up first, or time more epochs'
         """
         reason, detail, fix = self._no_speedup()
         return f"{reason}{detail}; {fix}" if reason else ""
 
     def _no_speedup(self) -> tuple:
         """(why there is no speedup, an explanation, the fix), or three empty strings."""
-        if not self._seconds("raw"):
+        raw, cached = self.raw, self.cached
+        if not raw.n:
             return "no raw epoch was timed", "", "include the raw dataset's epochs"
-        cached = self._seconds("cached")
-        if not cached:
+        if not any(r.dataset == "cached" for r in self.rows):
             return "no cached epoch was timed", "", "include the cached dataset's epochs"
-        if not self._seconds("cached", filling=False):
-            only = "the only cached epoch" if len(cached) == 1 else "every cached epoch"
-            return (f"{only} filled the cache", " (an epoch that fills the cache computes and stores every "
-                    "sample, so it shows no speedup)", "run 2 or more epochs, or warm the cache up first")
+        if not cached.n:
+            return ("every cached epoch filled the cache", " (an epoch that fills the cache computes and stores "
+                    "every sample, so it shows no speedup)", "warm the cache up first, or time more epochs")
+        if raw.n < 2 or cached.n < 2:
+            return ("one timed epoch cannot be compared", " (a single epoch has no spread, and a shared machine's "
+                    "noise can exceed any difference)", f"time {MIN_TIMED} or more epochs of each")
+        if raw.lo <= cached.hi:
+            return ("raw and cached epochs overlap within this run's spread", "",
+                    "rerun on a quieter machine, or with more epochs")
         return "", "", ""
 
     def summary(self) -> str:
-        """One sentence: how much faster the cached epochs were, and what filling cost."""
+        """One sentence: how much faster the cached epochs were (median and range), and what filling cost."""
+        raw, cached = self.raw, self.cached
         if self.no_speedup:
-            text = f"raw epochs took {self.raw_seconds:.3g} s; no speedup measured: {self.no_speedup}"
+            text = (f"raw epochs took {raw.text()}" if raw.n else "no raw epoch") + \
+                f"; no speedup measured: {self.no_speedup}"
         else:
-            text = (
-                f"cached epochs are {self.speedup:.1f}x faster than raw: "
-                f"{self.cached_seconds:.3g} s vs {self.raw_seconds:.3g} s an epoch"
-            )
+            text = (f"cached epochs are {self.speedup_text} faster than raw: {cached.text()} vs {raw.text()} an "
+                    f"epoch (median and range of {min(raw.n, cached.n)} timed epochs each, interleaved)")
         if not math.isnan(self.filling_seconds):
-            text += f"; filling the cache took {self.filling_seconds:.3g} s (once)"
-        return text
+            text += f"; filling the cache took {_once(self.filling_seconds)} (once)"
+        return text + (f"; {self.note}" if self.note else "")
 
     # --- table -------------------------------------------------------------------------------
     _HEADER = ("dataset", "epoch", "seconds", "samples/s", "hit rate", "note")
@@ -175,12 +308,12 @@ class EpochComparison:
         cells = []
         for r in self.rows:
             hit = "—" if r.hit_rate is None else format_percent(r.hit_rate, digits=0)
-            note = "fills the cache" if r.filling else ""
+            note = "fills the cache, not counted" if r.filling else "warm-up, not counted" if r.warmup else ""
             cells.append((r.dataset, str(r.epoch), f"{r.seconds:.3f}", format_count(r.samples_per_s), hit, note))
         return Table(cells, self._HEADER)
 
     def table(self, fmt: str = "markdown") -> str:
-        """The per-epoch table as ``"markdown"`` (default) or aligned plain ``"text"``."""
+        """The per-epoch table, in the order the epochs ran, as ``"markdown"`` (default) or plain ``"text"``."""
         if fmt == "markdown":
             return self._table().markdown()
         if fmt == "text":
@@ -194,21 +327,22 @@ class EpochComparison:
         return f"<EpochComparison {len(self.rows)} epochs: {self.summary()}>"
 
     def _repr_html_(self) -> str:
-        bold = ["font-weight:bold" if r.dataset == "cached" and not r.filling else "" for r in self.rows]
+        bold = ["font-weight:bold" if r.dataset == "cached" and r.counted else "" for r in self.rows]
         return self._table().html(row_styles=bold) + f"<p>{html.escape(self.summary())}</p>"
 
     # --- plot --------------------------------------------------------------------------------
-    def plot(self, path=None, *, title: str = ""):
-        """A bar per epoch, seconds across: raw epochs, the epoch that filled the cache, cached epochs.
+    def plot(self, path=None, *, title: str = "", width: float = 4.0):
+        """Three bars, seconds across: a raw epoch, the epoch that filled the cache (once), a cached epoch.
 
-        Each bar is labelled with its time, throughput and (cached epochs) hit rate; the headline
-        gives the steady-state speedup, or says why there is none. The figure is 6.4 inches wide
-        and grows in height with the epochs, so it stays legible in a narrow notebook column.
+        The raw and cached bars are the median timed epoch with a whisker over the range; each is
+        labelled with its time. The headline gives the speedup with the digits its range supports,
+        or says why there is none. Few, short labels: legible at 400 pixels wide (a phone,
+        Colab's side panel) at the default ``width`` of 4 inches.
 
         Args:
             path: if given, the figure is also saved there (PNG, SVG, ... by extension).
-            title: what was measured, e.g. ``"MNIST, ToTensor + Normalize"``; shown under the
-                headline with the epoch size and loader settings.
+            title: what was measured, e.g. ``"MNIST, ToTensor + Normalize"``.
+            width: the figure's width in inches (at least 3); the text is wrapped to it.
 
         Returns:
             A :class:`matplotlib.figure.Figure` (shown when it is a cell's last value).
@@ -217,99 +351,87 @@ class EpochComparison:
             ImportError: matplotlib is not installed (``pip install 'nbkit[notebook]'``).
         """
         plt = require("matplotlib.pyplot", extra="notebook", feature="nbkit.bench plots")
-        Patch = require("matplotlib.patches", extra="notebook", feature="nbkit.bench plots").Patch
-
-        colours = [
-            _RAW_COLOUR if r.dataset == "raw" else _FILL_COLOUR if r.filling else _CACHED_COLOUR
-            for r in self.rows
-        ]
-        # Top to bottom in run order, with a gap between the raw and the cached group.
-        ys, y, previous = [], 0.0, None
-        for r in self.rows:
-            if previous is not None and r.dataset != previous:
-                y += 0.5
-            ys.append(-y)
-            y += 1.0
-            previous = r.dataset
-        names = [f"{r.dataset}, epoch {r.epoch}" for r in self.rows]
-        labels = []
-        for r in self.rows:
-            label = f"{_seconds_label(r.seconds)} · {_rate_label(r.samples_per_s)}/s"
-            if r.hit_rate is not None:
-                label += f" · hits {format_percent(r.hit_rate, digits=0)}"
-            labels.append(label)
-
-        # Made through pyplot so that IPython's inline backend is loaded and renders the returned
-        # Figure as a picture; closed at once so the backend does not show it a second time.
-        fig = plt.figure(figsize=(6.4, 2.4 + 0.36 * len(self.rows)), layout="constrained")
-        plt.close(fig)
-        ax = fig.subplots()
-        bars = ax.barh(ys, [r.seconds for r in self.rows], height=0.75, color=colours, edgecolor="black",
-                       linewidth=0.6)
-        for bar, r in zip(bars, self.rows):
-            if r.filling:
-                bar.set_hatch("//")
-        _label_bars(ax, [r.seconds for r in self.rows], ys, labels, fontsize=10)
-        ax.set_yticks(ys, names, fontsize=10.5)
-        ax.tick_params(axis="x", labelsize=10)
-        ax.set_xlabel("seconds per epoch (shorter is better)", fontsize=10.5)
-        ax.spines[["top", "right"]].set_visible(False)
-        ax.grid(axis="x", alpha=0.3)
-        ax.set_axisbelow(True)
-
-        legend = [Patch(facecolor=_RAW_COLOUR, edgecolor="black", label="raw: transforms every epoch")]
-        if any(r.filling for r in self.rows):
-            legend.append(Patch(facecolor=_FILL_COLOUR, edgecolor="black", hatch="//", label="cached, filling the cache"))
-        if any(r.dataset == "cached" and not r.filling for r in self.rows):
-            legend.append(Patch(facecolor=_CACHED_COLOUR, edgecolor="black", label="cached, read from the cache"))
-        fig.legend(handles=legend, loc="outside lower center", ncols=min(len(legend), 2), frameon=False, fontsize=10)
-
-        headline = "No speedup measured" if self.no_speedup else f"Cached epochs are {self.speedup:.1f}× faster than raw"
+        raw, cached = self.raw, self.cached
+        bars = []  # (name, median, lo, hi, colour, hatch, label)
+        if raw.n:
+            bars.append(("raw", raw.median, raw.lo, raw.hi, _RAW_COLOUR, "", _short_seconds(raw)))
+        if not math.isnan(self.filling_seconds):
+            bars.append(("filling", self.filling_seconds, None, None, _FILL_COLOUR, "//",
+                         _once(self.filling_seconds).replace(" ", "") + " once"))  # as "41s" beside it
+        if cached.n:
+            bars.append(("cached", cached.median, cached.lo, cached.hi, _CACHED_COLOUR, "", _short_seconds(cached)))
+        headline = "No speedup measured" if self.no_speedup else f"Cached: {self.speedup_text} faster"
         details = [f"{self.rows[0].samples if self.rows else 0:,} samples an epoch"]
         if self.batch_size is not None:
-            details.append(f"batch size {self.batch_size}")
-        if self.num_workers is not None:
-            details.append(f"num_workers={self.num_workers}")
-        fig.suptitle(headline, fontsize=13, fontweight="bold")
-        subtitle = (f"{title}\n" if title else "") + " · ".join(details)
-        if self.no_speedup:  # why, in a line that fits the figure
-            reason, _, fix = self._no_speedup()
-            subtitle += f"\n{reason}: {fix.split(',')[0]}"
-        ax.set_title(subtitle, fontsize=10, color="#444444")
-        if path is not None:
-            fig.savefig(path, dpi=150)
-        return fig
+            details.append(f"batch {self.batch_size}")
+        details.append(f"median of {min(raw.n, cached.n) or max(raw.n, cached.n)} timed epochs, bars show the range")
+        if self.no_speedup:
+            details.append(self._no_speedup()[0])
+        return _bar_figure(plt, bars, headline=headline, subtitle=(title, details), width=width,
+                           xlabel="seconds an epoch (shorter is better)", path=path)
 
 
-def _label_bars(ax, ends, ys, labels, *, fontsize) -> None:
-    """Label each bar (ending at ``ends[i]``, centred on ``ys[i]``) inside its end when the bar is
-    long, else just after it: no label runs off a narrow figure, whatever the longest bar."""
-    longest = max(ends, default=0) or 1.0
-    ax.set_xlim(0, longest * 1.02)
-    for end, y, label in zip(ends, ys, labels):
-        if end > 0.55 * longest:  # on a light box, readable over any bar colour or hatch
-            ax.annotate(label, (end, y), xytext=(-5, 0), textcoords="offset points", ha="right", va="center",
-                        fontsize=fontsize, bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none",
-                                                     alpha=0.85))
+def _once(seconds: float) -> str:
+    """A single measurement (no spread): three significant digits, ``29.12`` → ``'29.1 s'``."""
+    return f"{_rounded(seconds, _step(seconds, 0))} s"
+
+
+def _short_seconds(spread: _Spread) -> str:
+    """A bar's label: the median with the digits its spread supports."""
+    if spread.n < 2 or spread.hi <= spread.lo:
+        return format_seconds(spread.median, digits=2)
+    step = _median_step(spread.lo, spread.median, spread.hi)
+    return format_seconds(float(_rounded(spread.median, step)), digits=max(0, -math.floor(math.log10(step) + 1e-9)))
+
+
+def _bar_figure(plt, bars, *, headline, subtitle, width, xlabel, path, stacked=None, legend=()):
+    """Horizontal bars (``(name, value, lo, hi, colour, hatch, label)``, top to bottom), whiskers
+    over ``lo``–``hi``, each bar's label inside it when long, else after it; text wrapped to ``width``."""
+    width = max(3.0, float(width))
+    title, details = subtitle
+    sub = _wrap((f"{title}: " if title else "") + ", ".join(details), int(width * 8.5))  # over the axes only
+    head = _wrap(headline, int(width * 11))
+    lines = sub.count("\n") + head.count("\n") + 2
+    fig = plt.figure(figsize=(width, 1.3 + 0.45 * len(bars) + 0.2 * lines + 0.25 * len(legend)), layout="constrained")
+    plt.close(fig)  # made through pyplot (the inline backend shows a returned Figure); not shown twice
+    ax = fig.subplots()
+    ys = list(range(len(bars)))[::-1]
+    longest = max([b[3] if b[3] is not None else b[1] for b in bars if b[1] is not None] or [1.0]) or 1.0
+    for y, (name, value, lo, hi, colour, hatch, label) in zip(ys, bars):
+        if value is None:  # a feed reported as noise: no bar, only why
+            ax.annotate(label, (0, y), xytext=(4, 0), textcoords="offset points", ha="left", va="center",
+                        fontsize=9, color="#a15c00")
+            continue
+        parts = stacked(y, value) if stacked else [(0, value, colour, hatch)]
+        for left, length, c, h in parts:
+            ax.barh([y], [length], left=left, height=0.6, color=c, hatch=h, edgecolor="black", linewidth=0.6)
+        if lo is not None and hi is not None and hi > lo:  # the range, drawn as a whisker with caps
+            ax.hlines(y, lo, hi, color="black", linewidth=1)
+            ax.vlines([lo, hi], y - 0.12, y + 0.12, color="black", linewidth=1)
+        end = hi if hi is not None else value
+        if value > 0.6 * longest:  # inside, from the bar's start, on a light box
+            ax.annotate(label, (0, y), xytext=(4, 0), textcoords="offset points", ha="left", va="center",
+                        fontsize=9, bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none",
+                                              alpha=0.85))
         else:
             ax.annotate(label, (end, y), xytext=(4, 0), textcoords="offset points", ha="left", va="center",
-                        fontsize=fontsize)
-
-
-def _seconds_label(v: float) -> str:
-    return format_seconds(v, digits=2)
-
-
-def _rate_label(v: float) -> str:
-    """Three significant digits: ``3612`` → ``'3.61k'``, so close rates never read the same."""
-    if not math.isfinite(v):
-        return "∞"
-    scale, suffix = next(((k, x) for k, x in ((1e9, "G"), (1e6, "M"), (1e3, "k")) if v >= k), (1, ""))
-    return f"{v / scale:#.3g}".rstrip(".") + suffix
-
-
-def _mean(values) -> float:
-    return statistics.fmean(values) if values else math.nan
+                        fontsize=9)
+    ax.set_xlim(0, longest * 1.05)
+    ax.set_ylim(-0.6, len(bars) - 0.4)
+    ax.set_yticks(ys, [b[0] for b in bars], fontsize=9)
+    ax.tick_params(axis="x", labelsize=9)
+    ax.locator_params(axis="x", nbins=4)
+    ax.set_xlabel(_wrap(xlabel, int(width * 8)), fontsize=9)  # the axes is narrower than the figure
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    if legend:
+        fig.legend(handles=list(legend), loc="outside lower center", ncols=1, frameon=False, fontsize=9)
+    fig.suptitle(head, fontsize=11, fontweight="bold")
+    ax.set_title(sub, fontsize=9, color="#444444")
+    if path is not None:
+        fig.savefig(path, dpi=150)
+    return fig
 
 
 def _default_collate(ds):
@@ -320,63 +442,49 @@ def _default_collate(ds):
     return nbkit.collate if isinstance(ds, nbkit.CachedDataset) else None
 
 
-def _timed_epochs(ds, name, *, epochs, batch_size, num_workers, collate_fn, callback):
-    from torch.utils.data import DataLoader
-
-    loader = DataLoader(
-        ds,
-        batch_size=batch_size,
-        shuffle=True,
-        num_workers=num_workers,
-        collate_fn=collate_fn if collate_fn is not None else _default_collate(ds),
-        persistent_workers=num_workers > 0,
-    )
-    counter = EpochCounter(ds) if hasattr(ds, "stats") else None
-    rows = []
-    for epoch in range(1, epochs + 1):
-        callback.set_description(f"{name} epoch {epoch}/{epochs}")
-        if counter is not None:
-            counter.new_epoch()
-        start = time.perf_counter()
-        for _batch in loader:
-            callback.relative_update(1)
-        seconds = time.perf_counter() - start
-        hit_rate, filling = None, False
-        if counter is not None:
-            counted = counter.count()
-            hit_rate, filling = counted.hit_rate, counted.filling
-        rows.append(EpochRow(name, epoch, seconds, len(ds), hit_rate, filling))
-    return rows
+def _timed_count(epochs: int, what: str) -> tuple[int, str]:
+    """Timed passes per feed (at least :data:`MIN_TIMED`) and, when raised, a note saying so."""
+    if epochs >= MIN_TIMED:
+        return epochs, ""
+    return MIN_TIMED, (f"{what}={epochs} raised to {MIN_TIMED} timed epochs per feed: fewer have no spread "
+                       "to judge a ratio by")
 
 
 def compare_epochs(raw, cached, *, epochs: int = 3, batch_size: int = 256, num_workers: int = 0,
-                   collate_fn=None, callback=None) -> EpochComparison:
-    """Time ``epochs`` shuffled DataLoader epochs over ``raw``, then over ``cached``.
+                   collate_fn=None, seed: int = 0, callback=None) -> EpochComparison:
+    """Time shuffled DataLoader epochs over ``raw`` and over ``cached``, interleaved.
 
-    Run it on a cold cache to see the filling epoch, or on a warmed one to see only the
-    steady state. Raw epochs go first, so the cache's filling epoch cannot warm the source.
+    Each dataset first gets one warm-up epoch, shown and not counted: for a cold cache it is the
+    epoch that fills it (its time is reported apart, as the one-off cost). Then ``epochs`` timed
+    epochs each (at least :data:`MIN_TIMED`), in turn: raw, cached, raw, cached, ... Both read the
+    same shuffled batches (the order of epoch ``k`` comes from ``seed`` and ``k``).
 
     Args:
         raw: the source dataset (any map-style dataset).
         cached: an :class:`nbkit.CachedDataset` over ``raw`` (anything with ``.stats`` works).
-        epochs: epochs for each dataset; use 2 or more to see a steady-state cached epoch.
+        epochs: timed epochs per dataset after the warm-up; fewer than :data:`MIN_TIMED` are raised.
         batch_size, num_workers: passed to each ``DataLoader`` (``num_workers=0`` is the fast
             setting for a cache; give the raw dataset the same to compare like with like).
         collate_fn: for both loaders; by default ``nbkit.collate`` for a ``CachedDataset`` and
             the DataLoader's default for anything else.
-        callback: an :class:`nbkit.progress.Callback` told of every batch, e.g.
-            ``nbkit.TextProgress("bench")`` for a progress line.
+        seed: the shuffle seed.
+        callback: an :class:`nbkit.progress.Callback` told of every batch and, as its description,
+            which dataset and epoch is being timed (``nbkit.TextProgress("bench")`` for a line,
+            ``nbkit.widgets.ProgressBar("bench")`` for a bar in a notebook).
 
     Returns:
-        An :class:`EpochComparison` with one :class:`EpochRow` per epoch.
+        An :class:`EpochComparison` with one :class:`EpochRow` per epoch, in the order they ran.
 
     Example:
         >>> import tempfile, torch, nbkit
         >>> raw = torch.utils.data.TensorDataset(torch.randn(256, 4))
         >>> cached = nbkit.CachedDataset(raw, tempfile.mkdtemp() + "/c")
-        >>> compare_epochs(raw, cached, epochs=2, batch_size=64).rows[2].filling
-        True
+        >>> result = compare_epochs(raw, cached, epochs=3, batch_size=64)
+        >>> [r.label for r in result.rows[:4]]
+        ['raw 0 (warm-up)', 'cached 0 (filling)', 'raw 1', 'cached 1']
     """
+    from torch.utils.data import DataLoader
+
     if epochs < 1:
         raise ValueError(f"compare_epochs(epochs={epochs}): expected at least 1 epoch")
     if len(raw) != len(cached):
@@ -389,12 +497,38 @@ def compare_epochs(raw, cached, *, epochs: int = 3, batch_size: int = 256, num_w
             f"compare_epochs: cached is a {type(cached).__name__} without .stats; "
             "pass an nbkit.CachedDataset, e.g. nbkit.CachedDataset(raw, path)"
         )
+    timed, note = _timed_count(epochs, "epochs")
     callback = as_callback(callback)
-    callback.set_size(2 * epochs * math.ceil(len(raw) / batch_size))
-    kwargs = dict(epochs=epochs, batch_size=batch_size, num_workers=num_workers,
-                  collate_fn=collate_fn, callback=callback)
-    rows = _timed_epochs(raw, "raw", **kwargs) + _timed_epochs(cached, "cached", **kwargs)
-    return EpochComparison(rows, batch_size=batch_size, num_workers=num_workers)
+    n = len(raw)
+    order = _Order(n, seed)
+    feeds = []
+    for name, ds in (("raw", raw), ("cached", cached)):
+        loader = DataLoader(ds, batch_size=batch_size, sampler=order, num_workers=num_workers,
+                            collate_fn=collate_fn if collate_fn is not None else _default_collate(ds),
+                            persistent_workers=num_workers > 0)
+        feeds.append((name, loader, EpochCounter(ds) if hasattr(ds, "stats") else None))
+    callback.set_size(2 * (1 + timed) * len(feeds[0][1]))
+    rows = []
+    for epoch in range(timed + 1):
+        order.epoch = epoch
+        for name, loader, counter in feeds:
+            callback.set_description(f"{name}, warm-up epoch (not counted)" if epoch == 0
+                                     else f"{name}, timed epoch {epoch} of {timed}")
+            if counter is not None:
+                counter.new_epoch()
+            start = _clock()
+            for _batch in loader:
+                callback.relative_update(1)
+            seconds = _clock() - start
+            hit_rate, filling = None, False
+            if counter is not None:
+                counted = counter.count()
+                hit_rate, filling = counted.hit_rate, counted.filling
+            rows.append(EpochRow(name, epoch, seconds, n, hit_rate, filling, warmup=epoch == 0))
+    return EpochComparison(rows, batch_size=batch_size, num_workers=num_workers, note=note)
+
+
+# --- compare_training -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -403,9 +537,13 @@ class TrainingRow:
 
     Attributes:
         loader: what fed the model (``"raw DataLoader"``, ``"nbkit ds.loader"``, ``"on-device limit"``).
-        seconds: the best timed pass (a whole epoch, or the ``steps`` batches of a step budget).
+        seconds: the median timed pass (a whole epoch, or the batches of a step or time budget).
         epochs: every timed pass, in order.
         samples: samples a timed pass.
+
+    Example:
+        >>> TrainingRow("raw DataLoader", 3.0, (2.9, 3.0, 3.6), 1000).spread.text()
+        'about 3.0 s (2.9–3.6 s)'
     """
 
     loader: str
@@ -413,18 +551,32 @@ class TrainingRow:
     epochs: tuple
     samples: int
 
+    @property
+    def spread(self) -> _Spread:
+        """Median and range of the timed passes (the one ``seconds`` when none are listed)."""
+        return _Spread(self.epochs or (self.seconds,))
+
 
 class TrainingComparison:
-    """The result of :func:`compare_training`: training epochs against the on-device limit.
+    """The result of :func:`compare_training`: training passes against the on-device limit.
 
-    The **data wait** of a row is the share of its epoch beyond the on-device limit (the same
-    training with the whole dataset already in device memory): ``1 - limit / seconds``.
+    Each feed is judged against the limit by its range of timed passes:
+
+    * slower than every limit pass: a ratio, with the digits the ranges support;
+    * ranges overlapping: "at the on-device limit, within this run's spread";
+    * faster than every limit pass: :data:`NOISE`, never a ratio (nothing feeds a device faster
+      than data already in its memory);
+    * a single pass on either side: no spread, so no comparison.
+
+    The **data wait** of a slower feed is the share of its pass beyond the limit: ``1 - limit / seconds``.
 
     Example:
-        >>> r = TrainingComparison([TrainingRow("raw DataLoader", 4.0, (4.0,), 100),
-        ...                         TrainingRow("on-device limit", 1.0, (1.0,), 100)], device="cpu")
-        >>> format_percent(r.wait_share(r.rows[0]), digits=0)
-        '75%'
+        >>> limit = TrainingRow("on-device limit", 1.0, (1.0, 1.05, 0.95), 100)
+        >>> slow = TrainingRow("raw DataLoader", 4.0, (4.0, 4.4, 3.8), 100)
+        >>> fast = TrainingRow("nbkit ds.loader", 0.5, (0.5, 0.55, 0.45), 100)
+        >>> r = TrainingComparison([slow, fast, limit], device="cpu")
+        >>> r.verdict(slow), r.ratio_text(slow), r.verdict(fast)
+        ('slower', 'about 4× (3.6–4.6×)', 'noise')
     """
 
     LIMIT = "on-device limit"
@@ -438,23 +590,81 @@ class TrainingComparison:
         self._unit = unit
 
     @property
+    def limit(self) -> TrainingRow | None:
+        return next((r for r in self.rows if r.loader == self.LIMIT), None)
+
+    @property
     def limit_seconds(self) -> float:
-        return next((r.seconds for r in self.rows if r.loader == self.LIMIT), math.nan)
+        return self.limit.seconds if self.limit is not None else math.nan
+
+    def verdict(self, row: TrainingRow) -> str:
+        """``"limit"`` (the limit itself or within its spread), ``"slower"``, ``"noise"`` (beats the
+        limit by more than the spread) or ``"unsure"`` (a single pass: no spread)."""
+        limit = self.limit
+        if limit is None:
+            return "unsure"
+        if row is limit:
+            return "limit"
+        mine, its = row.spread, limit.spread
+        if mine.n < 2 or its.n < 2:
+            return "unsure"
+        if mine.hi < its.lo:
+            return "noise"
+        if mine.lo > its.hi:
+            return "slower"
+        return "limit"
+
+    def ratio_text(self, row: TrainingRow) -> str:
+        """How ``row`` compares with the limit, in words, with only the digits the spread supports."""
+        verdict = self.verdict(row)
+        if verdict == "noise":
+            return NOISE
+        if verdict == "unsure":
+            return "one timed pass cannot be compared with the limit (no spread); time 3 or more"
+        if row is self.limit:
+            return "the limit"
+        if verdict == "limit":
+            return "at the on-device limit, within this run's spread"
+        mine, its = row.spread, self.limit.spread
+        return _about(mine.lo / its.hi, mine.median / its.median, mine.hi / its.lo)
 
     def wait_share(self, row: TrainingRow) -> float:
-        """The share of ``row``'s epoch spent waiting for data (NaN without a limit row)."""
+        """The share of ``row``'s pass spent waiting for data (medians; NaN without a limit row)."""
         return max(0.0, 1.0 - self.limit_seconds / row.seconds) if row.seconds > 0 else math.nan
 
+    def _wait_text(self, row: TrainingRow) -> str:
+        verdict = self.verdict(row)
+        if verdict == "limit":
+            return "0%" if row is self.limit else "about 0%"
+        if verdict != "slower":
+            return "–"
+        mine, its = row.spread, self.limit.spread
+        lo, hi = 100 * max(0.0, 1 - its.hi / mine.lo), 100 * max(0.0, 1 - its.lo / mine.hi)
+        return _about(lo, 100 * self.wait_share(row), hi, "%")
+
     def summary(self) -> str:
-        parts = [f"{r.loader} {format_seconds(r.seconds, digits=2)} ({r.seconds / self.limit_seconds:.2f}x the limit, "
-                 f"data wait {format_percent(self.wait_share(r), digits=0)})" for r in self.rows if r.loader != self.LIMIT]
-        return f"training on {self.device} ({self.measured}): " + "; ".join(parts) + \
-            f"; on-device limit {format_seconds(self.limit_seconds, digits=2)}"
+        """What was measured and, for each feed, how it compares with the limit."""
+        parts = []
+        for r in self.rows:
+            if r is self.limit:
+                continue
+            verdict = self.verdict(r)
+            text = f"{r.loader} {r.spread.text()}: {self.ratio_text(r)}"
+            if verdict == "slower":
+                text += f" the limit, waiting for data {self._wait_text(r)} of the time"
+            parts.append(text)
+        limit = self.limit
+        if limit is not None:
+            parts.append(f"on-device limit {limit.spread.text()}")
+        return f"training on {self.device} ({self.measured}): " + "; ".join(parts)
 
     def _table(self) -> Table:
-        cells = [(r.loader, format_seconds(r.seconds, digits=2), f"{r.seconds / self.limit_seconds:.2f}x",
-                  format_percent(self.wait_share(r), digits=0), format_count(r.samples / r.seconds)) for r in self.rows]
-        return Table(cells, ("loader", self._unit, "x on-device limit", "data wait", "samples/s"))
+        def versus(r):
+            verdict = self.verdict(r)
+            return {"noise": "noise: rerun", "unsure": "no spread"}.get(verdict, self.ratio_text(r).split(",")[0])
+
+        cells = [(r.loader, r.spread.text(), versus(r), self._wait_text(r)) for r in self.rows]
+        return Table(cells, ("loader", f"{self._unit} (median, range)", "vs the limit", "data wait"))
 
     def table(self, fmt: str = "markdown") -> str:
         """The table as ``"markdown"`` (default) or aligned plain ``"text"``."""
@@ -471,40 +681,46 @@ class TrainingComparison:
     def _repr_html_(self) -> str:
         return self._table().html() + f"<p>{html.escape(self.summary())}</p>"
 
-    def plot(self, path=None, *, title: str = ""):
-        """Stacked bars per loader: the time the device computes (the on-device limit) and the
-        time it waits for data on top. Returns a matplotlib ``Figure``; saved to ``path`` if given."""
+    def plot(self, path=None, *, title: str = "", width: float = 4.0):
+        """Stacked bars per feed: the time the device computes (the on-device limit) and the time it
+        waits for data on top, whiskers over each feed's range of timed passes. A feed reported as
+        noise gets no bar, only the word, so the limit is never drawn slower than a feed that
+        cannot beat it. Legible at 400 pixels wide at the default ``width`` of 4 inches.
+
+        Returns a matplotlib ``Figure``; saved to ``path`` if given.
+        """
         plt = require("matplotlib.pyplot", extra="notebook", feature="nbkit.bench plots")
-        # 6.4 inches wide with 10-point text: legible when a notebook scales it to a 600-pixel column.
-        fig = plt.figure(figsize=(6.4, 2.2 + 0.5 * len(self.rows)), layout="constrained")
-        plt.close(fig)
-        ax = fig.subplots()
+        Patch = require("matplotlib.patches", extra="notebook", feature="nbkit.bench plots").Patch
         limit = self.limit_seconds
-        ys = list(range(len(self.rows)))[::-1]
-        compute = [min(r.seconds, limit) for r in self.rows]
-        wait = [max(0.0, r.seconds - limit) for r in self.rows]
-        ax.barh(ys, compute, height=0.7, color=_CACHED_COLOUR, edgecolor="black", linewidth=0.6,
-                label="training (the on-device limit)")
-        bars = ax.barh(ys, wait, left=compute, height=0.7, color=_FILL_COLOUR, hatch="//", edgecolor="black",
-                       linewidth=0.6, label="waiting for data")
-        labels = [f"{format_seconds(r.seconds, digits=2)}" + ("" if r.loader == self.LIMIT else
-                  f" · waits {format_percent(self.wait_share(r), digits=0)}") for r in self.rows]
-        _label_bars(ax, [r.seconds for r in self.rows], [b.get_y() + b.get_height() / 2 for b in bars], labels,
-                    fontsize=10)
-        ax.set_yticks(ys, [r.loader for r in self.rows], fontsize=10.5)
-        ax.tick_params(axis="x", labelsize=10)
-        ax.set_xlabel(f"seconds per {self._unit} (shorter is better)", fontsize=10.5)
-        ax.spines[["top", "right"]].set_visible(False)
-        ax.grid(axis="x", alpha=0.3)
-        ax.set_axisbelow(True)
-        fig.legend(loc="outside lower center", ncols=2, fontsize=10, frameon=False)
-        details = [f"{self.measured} on {self.device}" if self.rows else self.device]
-        if self.batch_size:
-            details.append(f"batch size {self.batch_size}")
-        ax.set_title((f"{title}\n" if title else "") + " · ".join(details), fontsize=10, color="#444444")
-        if path is not None:
-            fig.savefig(path, dpi=150)
-        return fig
+        bars = []
+        for r in self.rows:
+            verdict, s = self.verdict(r), r.spread
+            if verdict == "noise":
+                bars.append((r.loader, None, None, None, None, "", "noise: beats the limit, rerun"))
+                continue
+            value, label = s.median, _short_seconds(s)
+            if verdict == "slower":
+                label += f", waits {format_percent(self.wait_share(r), digits=0)}"
+            elif r is not self.limit and verdict == "limit":
+                # Within the spread the two cannot be told apart: drawn as long as the limit, never shorter.
+                value, label = limit, "at the limit"
+            bars.append((r.loader, value, s.lo if s.n > 1 else None, s.hi if s.n > 1 else None, None, "", label))
+
+        def stacked(y, value):
+            compute = min(value, limit) if math.isfinite(limit) else value
+            return [(0, compute, _CACHED_COLOUR, ""), (compute, max(0.0, value - compute), _FILL_COLOUR, "//")]
+
+        legend = (Patch(facecolor=_CACHED_COLOUR, edgecolor="black", label="training (the on-device limit)"),
+                  Patch(facecolor=_FILL_COLOUR, edgecolor="black", hatch="//", label="waiting for data"))
+        verdicts = [self.verdict(r) for r in self.rows if r is not self.limit]
+        headline = ("Noise: rerun on a quieter machine" if "noise" in verdicts
+                    else "Time waiting for data" if "slower" in verdicts
+                    else "No wait beyond this run's spread")
+        details = [f"on {self.device}"] + ([f"batch {self.batch_size}"] if self.batch_size else [])
+        passes = max((r.spread.n for r in self.rows), default=0)
+        details.append(f"median of {passes} timed passes, bars show the range")
+        return _bar_figure(plt, bars, headline=headline, subtitle=(title, details), width=width, legend=legend,
+                           xlabel=f"seconds per {self._unit} (shorter is better)", path=path, stacked=stacked)
 
 
 def _resolve_device(device):
@@ -568,24 +784,31 @@ class _Order:
         return len(self.sampler)
 
 
-def compare_training(raw, cached, model, *, device=None, epochs: int = 2, steps: int | None = None,
+
+def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps: int | None = None,
                      seconds: float | None = None, batch_size: int = 256, num_workers: int = 0, lr: float = 0.01,
                      loss_fn=None, seed: int = 0, callback=None) -> TrainingComparison:
     """Time training fed three ways: the raw dataset through a ``DataLoader``, the cache through
     ``cached.loader(...)``, and the **on-device limit** (the whole preprocessed dataset already in
     device memory). The gap to the limit is what the device spends waiting for data.
 
-    Every feed trains on the same batches (the same shuffled order, from ``seed``), so the times
-    compare like for like. Samples must be ``(input, target)``. One model is trained through all
-    three (SGD, ``lr``): the numbers are timings, not a training run.
+    Every feed trains on the same batches (the same shuffled order, from ``seed``), after the same
+    untimed warm-up, and the timed passes are interleaved (raw, cached, limit, raw, ...), so load
+    on a shared machine hits every feed alike. Each feed gets at least :data:`MIN_TIMED` timed
+    passes and is reported by their median and range; see :class:`TrainingComparison` for how a
+    feed is judged against the limit. Samples must be ``(input, target)``. One model is trained
+    through all three (SGD, ``lr``): the numbers are timings, not a training run.
 
     Three ways to size the work, for the device at hand:
 
-    * full epochs (the default; for an accelerator): one untimed epoch (compilation, thread
-      start), then ``epochs`` timed ones; the best counts.
-    * ``steps=n``: two untimed batches, then ``n`` timed batches per feed (at most an epoch).
-    * ``seconds=s`` (for a CPU, where an epoch of a CNN takes minutes): the raw feed trains until
-      ``s`` seconds have passed; the batches it managed set ``steps`` for the other feeds.
+    * full epochs (the default; for an accelerator): one untimed epoch per feed (compilation,
+      thread start), then ``epochs`` timed ones (at least :data:`MIN_TIMED`).
+    * ``steps=n``: :data:`MIN_TIMED` timed passes of ``n`` batches per feed (at most an epoch),
+      each after two untimed batches.
+    * ``seconds=s`` (for a CPU, where an epoch of a CNN takes minutes): ``s`` bounds the raw feed's
+      timed batches in all. Its first pass trains for ``s / MAX_TIMED`` seconds; the batches it
+      managed are every later pass's count, for every feed. :data:`MIN_TIMED` passes each, and up
+      to :data:`MAX_TIMED` while the spread is wider than :data:`WIDE_SPREAD` and the budget lasts.
 
     The cache is warmed up first if it is not complete (the limit needs every sample).
 
@@ -594,22 +817,23 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 2, steps:
         cached: an :class:`nbkit.CachedDataset` over ``raw``.
         model: a ``torch.nn.Module``; moved to ``device``.
         device: ``"cuda"``, an XLA device, ``"cpu"`` …; default CUDA when there is a GPU, else the CPU.
-        epochs: timed epochs per feed (full-epoch mode).
-        steps: timed batches per feed instead of epochs.
+        epochs: timed epochs per feed (full-epoch mode); fewer than :data:`MIN_TIMED` are raised.
+        steps: timed batches per pass instead of epochs.
         seconds: a time budget for the raw feed's timed batches instead of epochs.
         batch_size: samples per batch; num_workers: the raw ``DataLoader``'s workers.
         lr: the SGD learning rate; loss_fn: default ``cross_entropy``; seed: the shuffle seed.
-        callback: told of every batch (``nbkit.TextProgress()`` for a progress line).
+        callback: told of every batch and, as its description, of the feed and pass being timed
+            (``nbkit.TextProgress()`` for a line, ``nbkit.widgets.ProgressBar()`` in a notebook).
 
     Example:
         >>> import tempfile, torch, nbkit
         >>> raw = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
         >>> cached = nbkit.CachedDataset(raw, tempfile.mkdtemp() + "/c")
-        >>> r = compare_training(raw, cached, torch.nn.Linear(8, 2), epochs=1, batch_size=64)
-        >>> [row.loader for row in r.rows]
-        ['raw DataLoader', 'nbkit ds.loader', 'on-device limit']
+        >>> r = compare_training(raw, cached, torch.nn.Linear(8, 2), epochs=3, batch_size=64)
+        >>> [(row.loader, len(row.epochs)) for row in r.rows]
+        [('raw DataLoader', 3), ('nbkit ds.loader', 3), ('on-device limit', 3)]
         >>> compare_training(raw, cached, torch.nn.Linear(8, 2), steps=1, batch_size=64).measured
-        '1 batch of 64 per feed (25% of an epoch), after 2 untimed, the same batches for every feed'
+        '1 batch of 64 a pass (25% of an epoch), median of 3 timed passes per feed, interleaved, each after 2 untimed, the same batches for every feed'
     """
     import torch
     import torch.nn.functional as F
@@ -629,25 +853,30 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 2, steps:
     loss_fn = loss_fn or F.cross_entropy
     callback = as_callback(callback)
     if not cached.is_complete:
+        callback.set_description("warming the cache up (the limit needs every sample)")
         cached.warmup()
     model = model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     n = len(raw)
     per_epoch = math.ceil(n / batch_size)
     budgeted = steps is not None or seconds is not None
+    timed, note = (MIN_TIMED, "") if budgeted else _timed_count(epochs, "epochs")
+    most = MAX_TIMED if seconds is not None else timed
     warm = min(2, per_epoch - 1) if budgeted else 0
     if steps is not None:
         steps = min(steps, per_epoch - warm)
     order = _Order(n, seed)
     on_device = _OnDevice(cached, device, batch_size)
     feeds = (
-        ("raw DataLoader", lambda: DataLoader(raw, batch_size=batch_size, sampler=order, num_workers=num_workers,
-                                              pin_memory=device.type == "cuda")),
-        ("nbkit ds.loader", lambda: cached.loader(batch_size, device=device, seed=seed, rank=0, world_size=1)),
-        (TrainingComparison.LIMIT, lambda: on_device),
+        ("raw DataLoader", DataLoader(raw, batch_size=batch_size, sampler=order, num_workers=num_workers,
+                                      pin_memory=device.type == "cuda")),
+        ("nbkit ds.loader", cached.loader(batch_size, device=device, seed=seed, rank=0, world_size=1)),
+        (TrainingComparison.LIMIT, on_device),
     )
-    passes = 1 if budgeted else epochs + 1
-    callback.set_size(len(feeds) * (warm + (steps or per_epoch - warm) if budgeted else passes * per_epoch))
+    if budgeted:
+        callback.set_size(len(feeds) * timed * (warm + steps) if steps is not None else None)
+    else:
+        callback.set_size(len(feeds) * (1 + timed) * per_epoch)
 
     def step(x, y):
         loss = loss_fn(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
@@ -657,46 +886,68 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 2, steps:
         _step_done(device)
         callback.relative_update(1)
 
-    rows = []
-    for name, make in feeds:
-        batches = make()
-        times = []
-        for epoch in range(passes):
-            order.epoch = epoch
-            on_device.order = order.sampler.indices(epoch)
-            timed = epoch > 0 or budgeted
-            callback.set_description(f"{name}, " + ("timed batches" if budgeted else f"epoch {epoch}/{epochs}")
-                                     + ("" if timed else " (untimed)"))
-            it = iter(batches)
-            done, start = 0, None
-            for k, (x, y, *_) in enumerate(it):
-                if k == warm:
-                    _sync(device)
-                    start = time.perf_counter()
-                step(x, y)
-                done = k + 1 - warm
-                if steps is not None and done >= steps:
-                    break
-                if seconds is not None and steps is None and start is not None and time.perf_counter() - start >= seconds:
-                    break
-            if hasattr(it, "close"):
-                it.close()  # ds.loader's pass: stops its thread when we break early
-            _sync(device)
-            if timed:
-                times.append(time.perf_counter() - start)
-        if budgeted and steps is None:
-            steps = max(1, done)  # the raw feed's count under the budget: the others train as many batches
-        timed_samples = n if not budgeted else min(n - warm * batch_size, steps * batch_size)
-        rows.append(TrainingRow(name, min(times), tuple(times), timed_samples))
+    def one_pass(batches, epoch, *, count=None, until=None):
+        """Train one pass over ``batches`` (epoch ``epoch``'s order); (seconds timed, batches timed)."""
+        order.epoch = epoch
+        on_device.order = order.sampler.indices(epoch)
+        if hasattr(batches, "set_epoch"):
+            batches.set_epoch(epoch)  # ds.loader: the same order as the other feeds
+        it = iter(batches)
+        done, start = 0, None
+        for k, (x, y, *_) in enumerate(it):
+            if k == warm:
+                _sync(device)
+                start = _clock()
+            step(x, y)
+            done = k + 1 - warm
+            if count is not None and done >= count:
+                break
+            if until is not None and start is not None and _clock() - start >= until:
+                break
+        if hasattr(it, "close"):
+            it.close()  # ds.loader's pass: stops its thread when we break early
+        _sync(device)
+        return (_clock() - start if start is not None else 0.0), max(done, 0)
+
+    first = 0
+    if not budgeted:
+        for name, batches in feeds:  # the same untimed warm-up epoch for every feed
+            callback.set_description(f"{name}, warm-up epoch (not timed)")
+            one_pass(batches, 0)
+        first = 1
+    times = {name: [] for name, _ in feeds}
+    planned, kind = timed, "epoch" if not budgeted else "pass"
+    for r in range(most):
+        for name, batches in feeds:
+            callback.set_description(f"{name}, timed {kind} {r + 1} of {planned}")
+            if seconds is not None and steps is None:  # the raw feed's first pass sets the count
+                t, done = one_pass(batches, first + r, until=seconds / MAX_TIMED)
+                steps = max(1, done)
+                callback.set_size(callback.value + (len(feeds) * timed - 1) * (warm + steps))
+            else:
+                t, _ = one_pass(batches, first + r, count=steps if budgeted else None)
+            times[name].append(t)
+        if r + 1 < timed:
+            continue
+        wide = any(_Spread(t).relative > WIDE_SPREAD for t in times.values())
+        raw_times = times[feeds[0][0]]
+        room = seconds is not None and sum(raw_times) + statistics.median(raw_times) <= 1.2 * seconds
+        if r + 1 >= most or not (wide and room):
+            break
+        planned = r + 2
+        callback.set_size((callback.size or callback.value) + len(feeds) * (warm + steps))
+    passes = len(times[feeds[0][0]])
+    timed_samples = n if not budgeted else min(n - warm * batch_size, steps * batch_size)
+    rows = [TrainingRow(name, statistics.median(times[name]), tuple(times[name]), timed_samples) for name, _ in feeds]
     if budgeted:
         budget = f"; a {seconds:g} s budget for the raw feed set the count" if seconds is not None else ""
-        measured = (f"{steps} batch{'es' if steps != 1 else ''} of {batch_size} per feed "
-                    f"({format_percent(steps / per_epoch, digits=0)} of an epoch), after {warm} untimed, "
-                    f"the same batches for every feed{budget}")
+        measured = (f"{steps} batch{'es' if steps != 1 else ''} of {batch_size} a pass "
+                    f"({format_percent(steps / per_epoch, digits=0)} of an epoch), median of {passes} timed passes "
+                    f"per feed, interleaved, each after {warm} untimed, the same batches for every feed{budget}")
     else:
-        measured = (f"best of {epochs} epoch{'s' if epochs != 1 else ''} of {n:,} samples after one untimed epoch, "
-                    "the same batches for every feed")
-    unit = f"{steps} training batch{'es' if steps != 1 else ''}" if budgeted else "training epoch"
+        measured = (f"median of {passes} timed epochs of {n:,} samples per feed, interleaved, after one untimed "
+                    f"epoch each, the same batches for every feed" + (f"; {note}" if note else ""))
+    unit = f"pass of {steps} batch{'es' if steps != 1 else ''}" if budgeted else "training epoch"
     return TrainingComparison(rows, device=str(device), batch_size=batch_size, measured=measured, unit=unit)
 
 

@@ -169,42 +169,76 @@ def test_02_cache_mnist_through_gcs(tmp_path, gcs):  # noqa: F811
     assert gcs.fs.exists(f"{gcs.name}/mnist-cache/nbkit.json")
 
 
+def _03_outputs(path):
+    """(every stdout line, the outputs of the cell whose source holds each key) of an executed 03."""
+    nb = nbformat.read(str(path), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    lines = [line for c in code for o in c.outputs if o.get("name") == "stdout" for line in o["text"].splitlines()]
+    return lines, lambda key: [o for c in code if key in c.source for o in c.outputs]
+
+
+def _check_03_texts(path, out):
+    lines, outputs_of = _03_outputs(path)
+    # Printed lines fit a 400-pixel output (JupyterLab breaks longer ones anywhere, "on-d/evice").
+    assert lines and max(map(len, lines)) <= 40, [line for line in lines if len(line) > 40]
+    # The long cells show a progress bar while they run, not silence.
+    for call in ("compare_epochs(raw", "compare_training(raw"):
+        assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs_of(call)), call
+    # The training summary is shown once (with the table), not again under the plot.
+    assert out.count("training on cpu (") == 1, out
+    assert not any(o.get("output_type") == "stream" for o in outputs_of("training.plot("))
+    assert "nan" not in out.lower()
+    # Never a ratio below the on-device limit as a result: a faster feed can only be noise.
+    assert not re.search(r"\b0\.\d+ ?[x×]", out), out
+
+
 def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
     path, out = execute("03_benchmark", tmp_path)
     assert "MNIST (offline data): 6,000 samples" in out
-    raw = number(r"raw epoch: ([\d.]+) s", out)
-    cached = number(r"cached epoch: ([\d.]+) s", out)
-    assert cached < raw, out
-    assert number(r"speedup: ([\d.]+)x", out) > 1
-    assert "nan" not in out.lower()
+    # epochs=2 (the CI size) is raised to 3 timed epochs each, after a warm-up epoch each, and said so.
+    assert "epochs=2 raised to 3 timed epochs per feed" in out
+    speedup = re.search(r"cached epochs are about ([\d.]+)× \(([\d.]+)–([\d.]+)×\) faster than raw", out)
+    assert speedup, out
+    assert 1 < float(speedup.group(2)) <= float(speedup.group(1)) <= float(speedup.group(3))
     assert "hit rate after filling: 100%" in out
     assert "cache complete: True" in out
     plot = tmp_path / "work" / "benchmark.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The training comparison: raw vs cached vs the on-device limit, with the data-wait share.
     assert "training on cpu (" in out and "raw DataLoader" in out and "nbkit ds.loader" in out, out
-    # On the CPU the comparison runs under a time budget (train_seconds=2), not whole epochs, with
-    # the same batches for every feed, and says so.
-    measured = re.search(r"measured on cpu: (\d+) batch(?:es)? of 256 per feed \((\d+)% of an epoch\), after 2 "
-                         r"untimed, the same batches for every feed; a 2 s budget for the raw feed set the count", out)
+    # On the CPU the comparison runs under a time budget (train_seconds=2), in 3 to 5 interleaved
+    # passes with the same batches for every feed, and says so.
+    measured = re.search(r"training on cpu \((\d+) batch(?:es)? of 256 a pass \((\d+)% of an epoch\), median of "
+                         r"([345]) timed passes per feed, interleaved, each after 2 untimed, the same batches for every "
+                         r"feed; a 2 s budget for the raw feed set the count\)", out)
     assert measured, out
-    assert "on-device limit" in out and "data wait" in out
+    assert "on-device limit about" in out or "on-device limit " in out
     assert (tmp_path / "work" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     nb = nbformat.read(str(path), as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plot is shown in the notebook"
     assert any("<table>" in o.get("data", {}).get("text/html", "") for o in outputs), "and the table"
+    _check_03_texts(path, out)
     # An executed notebook has outputs; strip() makes it commit-ready again.
     assert run_notebooks.outputs_left(path)
     assert run_notebooks.strip(path) and run_notebooks.outputs_left(path) == []
 
 
-def test_03_benchmark_with_one_epoch_says_why_there_is_no_speedup(tmp_path):
-    # The form's slider starts at 2; papermill (or an edited cell) can still pass 1.
-    _, out = execute("03_benchmark", tmp_path, epochs=1, offline_samples=1200, train_epochs=1)
-    assert "no speedup to report: the only cached epoch filled the cache" in out
-    assert "run 2 or more epochs" in out
-    assert "nan" not in out.lower() and "speedup: " not in out.replace("no speedup to report: ", "")
+def test_03_benchmark_with_one_epoch_raises_the_timed_epochs_and_never_reports_the_impossible(tmp_path):
+    # The form allows train_epochs=1, and papermill (or an edited cell) can pass epochs=1. One timed
+    # epoch per feed cannot be told from a shared machine's noise: both are raised to 3, and said so.
+    # train_seconds=0 trains full epochs on the CPU, as an accelerator would.
+    path, out = execute("03_benchmark", tmp_path, epochs=1, offline_samples=1200, train_epochs=1, train_seconds=0)
+    assert "epochs=1 raised to 3 timed epochs per feed: fewer have no spread" in out
+    assert "median of 3 timed epochs of 1,200 samples per feed, interleaved, after one untimed epoch each" in out
+    assert re.search(r"cached epochs are about [\d.]+× \([\d.]+–[\d.]+×\) faster than raw", out) or \
+        "no speedup measured: raw and cached epochs overlap" in out, out
+    _check_03_texts(path, out)
+    for feed in ("raw DataLoader", "nbkit ds.loader"):  # each is judged against the limit by its spread
+        said = re.search(feed + r" about [\d.]+ ?m?s \([^)]*\): ([^;]+)", out)
+        assert said, out
+        assert said.group(1).startswith(("about", "at the on-device limit", "faster than the on-device limit by more "
+                                         "than the run's spread: noise")), said.group(1)
 
 
 @pytest.mark.parametrize("where", ["local", "gs"])

@@ -1,5 +1,6 @@
 """Notebook views of a cache: :class:`WarmupPanel` (fill, stop, resume, export, upload) and
-:class:`HitRateMeter` (hit rate per epoch while training).
+:class:`HitRateMeter` (hit rate per epoch while training); :class:`ProgressBar` for any call
+that reports through a callback (the benchmarks).
 
 Both are views, in the sense of ``tqdm.notebook``: they render what the engine already keeps (a
 :class:`nbkit.progress.Job` and its callback, ``ds.stats`` through :class:`nbkit.stats.EpochCounter`)
@@ -23,7 +24,8 @@ Example:
 
 from nbkit.stats import EpochStats
 
+from .bar import ProgressBar
 from .meter import HitRateMeter
 from .panel import PanelState, WarmupPanel
 
-__all__ = ["WarmupPanel", "HitRateMeter", "PanelState", "EpochStats"]
+__all__ = ["WarmupPanel", "HitRateMeter", "PanelState", "EpochStats", "ProgressBar"]
