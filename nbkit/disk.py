@@ -1,4 +1,4 @@
-"""The caches on this machine: list them (:func:`caches`), remove one safely (:func:`remove`), and
+"""Disk space: the caches on this machine: list them (:func:`caches`), remove one safely (:func:`remove`), and
 prune working copies of remote caches (:func:`prune`), as ``huggingface-cli scan-cache`` /
 ``delete-cache`` do for the Hugging Face hub.
 
@@ -12,7 +12,7 @@ Example:
     >>> root = tempfile.mkdtemp()
     >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), root + "/mnist")
     >>> _ = ds.warmup(); del ds
-    >>> [(c.name, c.stored, c.length, c.in_use) for c in caches(root)][:1]
+    >>> [(c.name, c.stored, c.length, c.in_use) for c in caches(root) if not c.working_copy]
     [('mnist', 8, 8, False)]
     >>> remove(root + "/mnist").left
     ()
@@ -267,8 +267,9 @@ def remove(path, *, dry_run: bool = False) -> Removal:
     try:
         fmt.read_meta(root)
     except (FileNotFoundError, ValueError) as e:  # CorruptCacheError, UnsafeArchiveError are ValueErrors
-        raise ValueError(f"refusing to remove {root}: it is not an nbkit cache ({_first_line(e)}). nbkit removes only "
-                         "cache directories; delete anything else yourself.") from e
+        why = f"it has no {fmt.META}" if isinstance(e, FileNotFoundError) else _first_line(e)
+        raise ValueError(f"refusing to remove {root}: it is not an nbkit cache ({why}). nbkit removes only cache "
+                         "directories; delete anything else yourself.") from e
     with unused(root) as free:
         if not free:
             raise OSError(errno.EBUSY, f"refusing to remove {root}: a process has the cache open (a dataset, a "
