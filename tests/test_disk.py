@@ -353,3 +353,21 @@ def test_fuzz_any_origin_file_and_metadata_lists_cleanly(tmp_path_factory):
         assert info.problem and info.stored is None
 
     check()
+
+
+# -- the panel ------------------------------------------------------------------------------------
+
+
+def test_panel_shows_size_on_disk_and_where_working_copies_live(tmp_path, cache_dir):
+    pytest.importorskip("ipywidgets")
+    from nbkit.widgets import WarmupPanel
+
+    ds = nbkit.CachedDataset(TensorDataset(torch.randn(64, 8)), str(tmp_path / "local"))
+    ds.warmup()
+    panel = WarmupPanel(ds)
+    text = panel.disk_label.value
+    assert text.startswith(f"{nbkit.text.format_bytes(ds.stats.disk_bytes)} on disk in {ds.root}. ")
+    assert str(cache_dir) in text and "nbkit prune" in text
+    assert panel.disk_label in panel.widget.children
+    remote = nbkit.CachedDataset(TensorDataset(torch.randn(64, 8)), "memory://nbkit-disk-test/panel")
+    assert f"on disk in the working copy {remote.root}" in WarmupPanel(remote).disk_label.value
