@@ -114,6 +114,28 @@ def _ls(args) -> int:
     return OK
 
 
+def _dtype_name(dtype: str) -> str | None:
+    """A leaf's dtype as people write it: torch names stay, numpy codes (``<i8``) become ``int64``."""
+    if dtype[:1] in ("<", ">", "|", "="):
+        import numpy as np
+
+        return np.dtype(dtype).name
+    return dtype or None
+
+
+def _leaf_names(node, prefix: str = "") -> list[str]:
+    """How to reach each leaf of a sample of structure ``node``: ``[0]``, ``['image']``, ``label``."""
+    if node == "*":
+        return [prefix or "sample"]
+    if node[0] in ("T", "L"):
+        return [n for k, c in enumerate(node[1]) for n in _leaf_names(c, f"{prefix}[{k}]")]
+    if node[0] == "D":
+        return [n for key, c in zip(node[1], node[2]) for n in _leaf_names(c, f"{prefix}[{key!r}]")]
+    fields = node[3] or [f"[{k}]" for k in range(len(node[2]))]  # a namedtuple
+    return [n for f, c in zip(fields, node[2])
+            for n in _leaf_names(c, prefix + (f if f.startswith("[") or not prefix else "." + f))]
+
+
 def _info(args) -> int:
     from . import format as fmt
     from .cachedir import cache_root
@@ -125,9 +147,12 @@ def _info(args) -> int:
     if about.problem:
         raise ValueError(f"{root} does not read as a cache: {about.problem}")
     schema = Schema.from_json(meta["schema"], os.path.join(root, fmt.META)) if meta.get("schema") else None
+    names = [] if schema is None else _leaf_names(schema.structure)
+    if schema is not None and len(names) != len(schema.leaves):
+        names = [str(k) for k in range(len(schema.leaves))]
     leaves = [] if schema is None else [
-        {"field": k, "kind": leaf.kind, "stored": {"col": "column", "var": "heap", "const": "constant"}[leaf.store],
-         "dtype": leaf.dtype or None, "shape": list(leaf.shape) if leaf.store == "col" else None}
+        {"field": names[k], "kind": leaf.kind, "stored": {"col": "column", "var": "heap", "const": "constant"}[leaf.store],
+         "dtype": _dtype_name(leaf.dtype), "shape": list(leaf.shape) if leaf.store == "col" else None}
         for k, leaf in enumerate(schema.leaves)]
     fp = meta.get("fingerprint") or {}
     data = {
@@ -230,7 +255,15 @@ def _removals(args, removed: list, verb: str) -> int:
 
 
 def _rm(args) -> int:
-    return _removals(args, [disk.remove(p, dry_run=args.dry_run) for p in args.paths], "removed")
+    removed = []
+    for path in args.paths:
+        try:
+            removed.append(disk.remove(path, dry_run=args.dry_run))
+        except (OSError, ValueError):
+            if removed:  # say what went before the one that failed
+                _removals(args, removed, "removed")
+            raise
+    return _removals(args, removed, "removed")
 
 
 def _prune(args) -> int:

@@ -157,7 +157,11 @@ def describe(root: str) -> CacheInfo:
         '.../nbkit.json is not valid JSON'
     """
     working_copy = os.path.dirname(root) == cache_dir()
-    files = _files_of(root)
+    try:
+        files = _files_of(root)
+    except OSError as e:  # unreadable (permissions), or removed meanwhile
+        return CacheInfo(path=root, url=None, working_copy=working_copy, stored=None, length=None, bytes=0,
+                         version=None, last_used=None, in_use=False, problem=_first_line(e))
     size = sum(_allocated(st) for _, st in files)
     last_used = max((st.st_mtime for _, st in files), default=None)
     url = None
@@ -214,6 +218,10 @@ def caches(*roots, max_depth: int = MAX_DEPTH) -> CacheList:
     """
     max_depth = trust.check_int(max_depth, "max_depth", min=0, max=64)
     dirs = [os.path.abspath(os.path.expanduser(trust.check_path(r, "root"))) for r in roots]
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise FileNotFoundError(f"no directory {d} to look for caches in; check the path (nbkit.caches() alone "
+                                    "lists the working copies in $NBKIT_CACHE_DIR)")
     found: list = []
     for d in dirs + [cache_dir()]:
         if os.path.isdir(d):

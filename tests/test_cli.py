@@ -120,8 +120,8 @@ def test_info_describes_schema_fields_fingerprint_and_completeness(tmp_path, env
     root = make_cache(tmp_path / "c")
     data = json.loads(ok(nbkit_cli(env, "info", "--json", root)).stdout)
     assert (data["stored"], data["length"], data["complete"], data["version"]) == (48, 48, True, 1)
-    assert [(f["kind"], f["dtype"], f["shape"]) for f in data["fields"]] == [("tensor", "float32", [3, 4]),
-                                                                             ("tensor", "int64", [])]
+    assert [(f["field"], f["kind"], f["dtype"], f["shape"]) for f in data["fields"]] == [
+        ("[0]", "tensor", "float32", [3, 4]), ("[1]", "tensor", "int64", [])]
     assert data["fingerprint"]["type"].endswith("TensorDataset") and data["fingerprint"]["probes"] == 3
     text = ok(nbkit_cli(env, "info", root)).stdout
     assert "48/48 (complete)" in text and "float32" in text and "3×4" in text and "TensorDataset" in text
@@ -225,3 +225,36 @@ def test_prune_by_age_and_by_size(tmp_path, env):
     data = json.loads(ok(nbkit_cli(env, "prune", "--max-size", str(sizes[c]), "--json")).stdout)
     assert [r["path"] for r in data["removed"]] == [b] and data["bytes"] == sizes[b]
     assert os.path.isdir(c)
+
+
+def test_info_names_nested_fields_and_free_form_samples(tmp_path, capsys):
+    from collections import namedtuple
+
+    from nbkit.cli import main
+
+    Point = namedtuple("Point", ["x", "y"])
+    nbkit.register_namedtuple(Point, "tests.test_cli:Point")
+
+    class Nested(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return {"image": torch.ones(2, 2) * i, "meta": (Point(i, 2 * i), "x" * i)}
+
+    class Free(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return [1] * i
+
+    nbkit.CachedDataset(Nested(), str(tmp_path / "nested")).warmup()
+    nbkit.CachedDataset(Free(), str(tmp_path / "free")).warmup()
+    assert main(["info", "--json", str(tmp_path / "nested")]) == 0
+    fields = json.loads(capsys.readouterr().out)["fields"]
+    assert [(f["field"], f["kind"], f["dtype"]) for f in fields] == [
+        ("['image']", "tensor", "float32"), ("['meta'][0].x", "int", "int64"), ("['meta'][0].y", "int", "int64"),
+        ("['meta'][1]", "str", None)]
+    assert main(["info", str(tmp_path / "free")]) == 0
+    assert "free-form samples" in capsys.readouterr().out

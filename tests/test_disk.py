@@ -371,3 +371,16 @@ def test_panel_shows_size_on_disk_and_where_working_copies_live(tmp_path, cache_
     assert panel.disk_label in panel.widget.children
     remote = nbkit.CachedDataset(TensorDataset(torch.randn(64, 8)), "memory://nbkit-disk-test/panel")
     assert f"on disk in the working copy {remote.root}" in WarmupPanel(remote).disk_label.value
+
+
+def test_an_unreadable_cache_or_a_missing_root_is_reported(tmp_path, cache_dir):
+    with pytest.raises(FileNotFoundError, match="no directory"):
+        nbkit.caches(tmp_path / "typo")
+    root = make_cache(tmp_path / "c")
+    os.chmod(root, 0)
+    try:
+        (info,) = nbkit.caches(tmp_path)
+    finally:
+        os.chmod(root, 0o755)
+    if os.geteuid() != 0:  # root reads through permissions
+        assert info.problem and info.stored is None
