@@ -35,7 +35,7 @@ except ImportError:  # Windows: no flock, so whether a cache is in use cannot be
     fcntl = None
 
 __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "remove_cache", "check_replaceable",
-           "swap_into_place", "open_files", "hold_in_use", "in_use"]
+           "swap_into_place", "open_files", "hold_in_use", "unused", "in_use"]
 
 
 def cache_root(cache_path) -> str:
@@ -118,7 +118,6 @@ def remove_cache(root: str) -> None:
                 os.unlink(p)  # never follows a link
         except FileNotFoundError:
             pass
-
 
 
 def hold_in_use(root: str) -> int | None:

@@ -331,7 +331,9 @@ def prune(older_than=None, max_bytes=None, *, dry_run: bool = False) -> list[Rem
     age = _seconds(older_than)
     limit = None if max_bytes is None else trust.check_size(max_bytes, "max_bytes")
     dry_run = trust.check_bool(dry_run, "dry_run")
-    copies = [c for c in caches(max_depth=1) if c.working_copy]  # least recently used first
+    # Least recently used first. A hidden name is the temporary sibling of a pull or import in progress
+    # (``.<copy>.pull-…``): never pruned (``nbkit ls`` lists one a crash left, ``nbkit rm`` removes it).
+    copies = [c for c in caches(max_depth=1) if c.working_copy and not c.name.startswith(".")]
     now = time.time()
     kept = sum(c.bytes for c in copies)
     removed = []

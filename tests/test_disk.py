@@ -319,6 +319,14 @@ def test_prune_skips_a_copy_in_use(cache_dir):
     assert [r.path for r in removed] == [b, c] and os.path.isdir(a)
 
 
+def test_prune_leaves_a_pull_in_progress_alone(cache_dir):
+    a, b, c = three_copies(cache_dir)
+    tmp = make_cache(cache_dir / ".b.pull-x1y2")  # the temporary sibling a pull fills, then renames
+    set_age(tmp, 30 * 86400)
+    assert [r.path for r in nbkit.prune(max_bytes=0)] == [a, b, c]
+    assert os.path.isdir(tmp) and tmp in [x.path for x in nbkit.caches()]
+
+
 def test_prune_checks_its_arguments(cache_dir):
     with pytest.raises(TypeError, match="older_than"):
         nbkit.prune(older_than="7d")
