@@ -151,6 +151,33 @@ def test_progress_line_on_stderr(tmp_path, env):
     assert ok(nbkit_cli(env, "verify", root)).stderr == ""  # not a terminal: no progress
 
 
+def test_progress_is_on_by_default_in_a_terminal(tmp_path, env):
+    import pty
+
+    root = make_cache(tmp_path / "c")
+    controller, terminal = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "nbkit", "export", root, str(tmp_path / "c.tar")], env=env,
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=300)
+        os.close(terminal)
+        terminal = None
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        if terminal is not None:
+            os.close(terminal)
+        os.close(controller)
+    assert proc.returncode == 0
+    assert b"export" in seen and b"100.0%" in seen
+
+
 # -- export, import, push, pull -------------------------------------------------------------------
 
 
