@@ -40,6 +40,9 @@ __all__ = [
     "import_tar",
     "push",
     "pull",
+    "caches",
+    "remove",
+    "prune",
 ]
 
 
@@ -49,6 +52,10 @@ def __getattr__(name):
         from . import archive
 
         return getattr(archive, name)
+    if name in ("caches", "remove", "prune"):
+        from . import disk
+
+        return getattr(disk, name)
     if name in ("push", "pull"):
         from . import transfer
 

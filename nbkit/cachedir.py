@@ -12,12 +12,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import shutil
 import stat
 import tempfile
+import weakref
 
 import numpy as np
 
@@ -27,8 +29,13 @@ from .errors import CorruptCacheError, UnsafeArchiveError
 from .files import file_lock
 from .gather import take_rows
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so whether a cache is in use cannot be known
+    fcntl = None
+
 __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "remove_cache", "check_replaceable",
-           "swap_into_place", "open_files"]
+           "swap_into_place", "open_files", "hold_in_use", "unused", "in_use"]
 
 
 def cache_root(cache_path) -> str:
@@ -113,6 +120,82 @@ def remove_cache(root: str) -> None:
             pass
 
 
+def hold_in_use(root: str) -> int | None:
+    """A descriptor of ``root/nbkit.json`` holding a shared ``flock``: the cache is in use while it is open.
+
+    Every process that opens a cache's files holds one (:class:`CacheFiles`); DataLoader workers
+    hold their own (forked ones also share their parent's until they exit). ``None`` where there is
+    no metadata yet (a cache being created) or the filesystem has no ``flock``.
+    """
+    if fcntl is None:
+        return None
+    try:
+        fd = trust.open_regular(os.path.join(root, fmt.META))
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while nbkit.remove holds the cache
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            return None  # a filesystem without locks (some FUSE mounts): use cannot be tracked there
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def unused(root: str):
+    """Hold ``root/nbkit.json`` exclusively for the block; yields whether no process has the cache open.
+
+    ``True`` also where use cannot be known (no ``flock``, no metadata). While the block runs and
+    holds the lock, processes opening the cache wait.
+    """
+    if fcntl is None:
+        yield True
+        return
+    try:
+        fd = trust.open_regular(os.path.join(root, fmt.META))
+    except FileNotFoundError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise
+        yield True
+    finally:
+        os.close(fd)
+
+
+def in_use(root: str) -> bool:
+    """Whether a process (this one included) has the cache at ``root`` open now.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), tempfile.mkdtemp())
+        >>> _ = ds[0]  # reading opens the files
+        >>> in_use(ds.root)
+        True
+        >>> root = ds.root; del ds  # a dataset dropped (or its store closed) no longer uses the cache
+        >>> in_use(root)
+        False
+    """
+    with unused(root) as free:
+        return not free
+
+
+def _close_fds(fds: list) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _map(path: str, size: int, writable: bool):
@@ -174,6 +257,11 @@ class CacheFiles(fmt.Store):
         super().__init__(meta, writable=writable)
         self.root = root
         self._fds = []
+        # Closed by close(), or when the object is collected (a dataset dropped without closing).
+        self._finalizer = weakref.finalize(self, _close_fds, self._fds)
+        use = hold_in_use(root)  # first: a cache nbkit.remove holds is waited for before any file is mapped
+        if use is not None:
+            self._fds.append(use)
         self._where = os.path.join(root, fmt.META)
         mm, fd = _map(trust.cache_file_path(root, fmt.INDEX, self._where), self.length * fmt.RECORD.itemsize, writable)
         self._fds.append(fd)
@@ -353,9 +441,5 @@ class CacheFiles(fmt.Store):
         return total
 
     def close(self) -> None:
-        for fd in self._fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds = []
+        """Close the files (and end this process's use of the cache: :func:`in_use`)."""
+        _close_fds(self._fds)

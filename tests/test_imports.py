@@ -20,7 +20,8 @@ def test_public_api_is_small_and_complete():
 
     for name in nbkit.__all__:
         assert getattr(nbkit, name) is not None, name
-    assert len(nbkit.__all__) <= 17  # 16, and register_namedtuple: reading a cache never imports (docs/SECURITY.md)
+    # 16, register_namedtuple (reading a cache never imports: docs/SECURITY.md), caches/remove/prune (issue 19)
+    assert len(nbkit.__all__) <= 20
 
 
 def test_submodules_load_on_first_attribute_access():

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nbkit"
 # The layers below the engine (nbkit.dataset): none of them may import it, directly or through others.
 BELOW_DATASET = ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.codec",
                  "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms", "nbkit.format",
-                 "nbkit.cachedir", "nbkit.manifest", "nbkit.transfer", "nbkit.archive", "nbkit.stores", "nbkit.warmup")
+                 "nbkit.cachedir", "nbkit.manifest", "nbkit.transfer", "nbkit.archive", "nbkit.stores", "nbkit.disk", "nbkit.warmup")
 # The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
 # Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
 LAYERS = {
@@ -29,7 +29,7 @@ LAYERS = {
     3: ("nbkit.cachedir",),
     4: ("nbkit.manifest",),
     5: ("nbkit.transfer", "nbkit.archive"),
-    6: ("nbkit.stores",),
+    6: ("nbkit.stores", "nbkit.disk"),
     7: ("nbkit.warmup", "nbkit.dataset", "nbkit.samplers", "nbkit.loader", "nbkit.cacheloader"),
 }
 TOP = max(LAYERS) + 1

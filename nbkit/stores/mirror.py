@@ -26,20 +26,64 @@ import uuid
 from dataclasses import dataclass
 
 from .. import format as fmt
+from .. import trust
 from ..cachedir import stored_count
 from ..errors import CorruptCacheError
-from ..files import file_lock
+from ..files import atomic_write, file_lock
 from ..manifest import LEASE, sha256_file, trusted_remote_manifest
 from ..remote import network_errors, url_to_fs
 from ..transfer import pull, push
 from .base import Location
 
-__all__ = ["MirrorLocation", "resolve", "working_copy_dir", "lease", "LEASE", "LEASE_SECONDS"]
+__all__ = ["MirrorLocation", "resolve", "working_copy_dir", "cache_dir", "read_origin", "ORIGIN_SUFFIX", "lease", "LEASE",
+           "LEASE_SECONDS"]
 
 # LEASE (from nbkit.manifest): the object a host creates under a remote prefix while it publishes
 # there; the one object besides a cache's files that a pull accepts under the prefix.
 #: A lease older than this (seconds) is taken as abandoned.
 LEASE_SECONDS = 15 * 60
+
+
+#: Beside each working copy ``<dir>``, the file ``<dir>.origin.json`` names the URL it mirrors; it is
+#: rewritten each time a dataset opens the copy, so its time is when the copy was last opened.
+ORIGIN_SUFFIX = ".origin.json"
+_ORIGIN_FORMAT = "nbkit-working-copy"
+_ORIGIN_SPEC = trust.Obj({"url": trust.Str(max_len=4096), "endpoint": trust.Optional(trust.Str(max_len=4096))},
+                         required=("url",))
+
+
+def cache_dir() -> str:
+    """Where working copies live: ``$NBKIT_CACHE_DIR``, default ``~/.cache/nbkit`` (absolute).
+
+    Example:
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, NBKIT_CACHE_DIR="/tmp/wc"):
+        ...     cache_dir()
+        '/tmp/wc'
+    """
+    base = os.environ.get("NBKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nbkit")
+    return os.path.abspath(base)
+
+
+def _record_origin(root: str, url: str, storage_options: dict) -> None:
+    endpoint = storage_options.get("endpoint_url")
+    body = {"format": _ORIGIN_FORMAT, "url": url, "endpoint": endpoint if isinstance(endpoint, str) else None}
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    atomic_write(root + ORIGIN_SUFFIX, json.dumps(body).encode())
+
+
+def read_origin(root: str) -> dict:
+    """``{"url": ..., "endpoint": ...}`` of the working copy at ``root`` (its ``.origin.json``).
+
+    Raises:
+        FileNotFoundError: no origin file (a copy made before nbkit recorded one).
+        CorruptCacheError: a file that is not one nbkit wrote.
+    """
+    path = root + ORIGIN_SUFFIX
+    fix = "Delete it: nbkit writes it again the next time the working copy is opened."
+    value = trust.load_json(trust.read_small(path, 1 << 16), path, fix, format_name=_ORIGIN_FORMAT,
+                            what="the origin of a working copy")
+    return trust.check_json(value, _ORIGIN_SPEC, path, fix)
 
 
 def working_copy_dir(url: str, storage_options: dict | None = None) -> str:
@@ -52,12 +96,11 @@ def working_copy_dir(url: str, storage_options: dict | None = None) -> str:
         >>> os.path.basename(working_copy_dir("gs://bucket/mnist/"))[:6]
         'mnist-'
     """
-    base = os.environ.get("NBKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nbkit")
     normalized = url.rstrip("/")
     endpoint = (storage_options or {}).get("endpoint_url") or ""
     digest = hashlib.sha256(f"{normalized}\n{endpoint}".encode()).hexdigest()[:16]
     name = re.sub(r"[^A-Za-z0-9._-]", "_", normalized.rsplit("/", 1)[-1].split("://")[-1]) or "cache"
-    return os.path.join(os.path.abspath(base), f"{name}-{digest}")
+    return os.path.join(cache_dir(), f"{name}-{digest}")
 
 
 def resolve(url: str, storage_options: dict | None = None, **location_options) -> "MirrorLocation":
@@ -89,6 +132,7 @@ class MirrorLocation(Location):
 
         A no-op for a remote URL with no complete cache yet.
         """
+        _record_origin(self.root, self.url, self.storage_options)  # for nbkit.caches(): which URL, last opened when
         fs, rroot = url_to_fs(self.url, self.storage_options)
         fix = "open the cache again: a complete remote cache is pulled, otherwise warming starts from the working copy"
         with file_lock(self.root + ".lock"), network_errors(fs, self.url, "looking for a cache at", fix):

@@ -20,18 +20,20 @@ Example:
 from __future__ import annotations
 
 import html
+import os
 import re
 import sys
 import threading
 import time
 
 from nbkit.progress import Callback, Job, JobState, TextProgress
+from nbkit.stores.mirror import cache_dir
 from nbkit.text import format_amount, format_bytes, format_count, format_rate, format_seconds
 
 from .poll import wait_until, why_not_live
 from .view import AMBER, GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html
 
-__all__ = ["WarmupPanel", "PanelState", "OPERATIONS"]
+__all__ = ["WarmupPanel", "PanelState", "OPERATIONS", "disk_text"]
 
 #: What the panel's buttons run; :meth:`WarmupPanel.run` and :meth:`WarmupPanel.error` take one of these.
 OPERATIONS = ("warmup", "export", "upload")
@@ -145,6 +147,7 @@ class WarmupPanel(View):
         self.bytes_label = _w.Label()
         self.status = _w.HTML(layout=_w.Layout(width="auto"))
         self.title = _w.HTML(layout=_w.Layout(width="auto"))
+        self.disk_label = _w.Label(layout=_w.Layout(width="auto"))  # disk_text(): size on disk, where copies live
 
         self.warmup_button.on_click(lambda _: self.warmup())
         self.stop_button.on_click(lambda _: self.stop())
@@ -166,6 +169,7 @@ class WarmupPanel(View):
                 row(caption("Tar file"), self.tar_field, self.export_button),
                 row(caption("Upload to"), self.url_field, self.upload_button),
                 self.status,
+                self.disk_label,
             ],
             layout=_w.Layout(width="100%", max_width="56em"),
         )
@@ -541,6 +545,7 @@ class WarmupPanel(View):
         self.warmup_button.disabled = bool(unavailable)
         self.warmup_button.tooltip = unavailable
         self.bytes_label.value = f"{format_bytes(stats.bytes)} stored"
+        self.disk_label.value = disk_text(self.ds, stats)
         self._show_title(stats)
 
     def _render_progress(self, cb: Callback) -> None:
@@ -601,6 +606,22 @@ def _cut(line: str, n: int) -> str:
         return line
     head = line[: n - 1]
     return (head.rsplit(" ", 1)[0] if " " in head[n // 2:] else head) + "…"
+
+
+def disk_text(ds, stats) -> str:
+    """Where the panel's cache lives and what it takes on disk, and where working copies live.
+
+    Example:
+        >>> import torch, tempfile, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), tempfile.mkdtemp())
+        >>> disk_text(ds, ds.stats).startswith(nbkit.text.format_bytes(ds.stats.disk_bytes) + " on disk in /")
+        True
+    """
+    root = str(getattr(ds, "root", ""))
+    where = "in the working copy" if os.path.dirname(root) == cache_dir() else "in"
+    size = "" if stats.disk_bytes is None else f"{format_bytes(stats.disk_bytes)} on disk {where} {root}. "
+    return (f"{size}Working copies of remote caches live in {cache_dir()} ($NBKIT_CACHE_DIR): "
+            "nbkit ls lists every cache, nbkit rm and nbkit prune free the space.")
 
 
 def _floor_percent(done, total) -> int:

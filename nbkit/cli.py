@@ -1,0 +1,355 @@
+"""The ``nbkit`` command line (also ``python -m nbkit``): the caches on this machine and the
+operations on one cache, over the same functions a notebook calls.
+
+Commands: ``ls``, ``info``, ``verify``, ``export``, ``import``, ``push``, ``pull``, ``rm``, ``prune``.
+Each takes ``--json`` (one JSON document on stdout) and ``--debug`` (a traceback on failure).
+Exit codes: 0 done; 1 the operation failed or found a problem (a damaged cache, a refusal, a
+network error: one line on stderr says what and the fix); 2 the command line is wrong.
+Long operations show a progress line on stderr when it is a terminal (``--progress`` forces it).
+
+Example:
+    >>> import tempfile
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, NBKIT_CACHE_DIR=tempfile.mkdtemp()):
+    ...     main(["ls", "--json", tempfile.mkdtemp()])
+    []
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+
+from . import disk
+from .text import Table, format_bytes, format_count, format_seconds
+
+__all__ = ["main", "parse_size", "parse_duration", "OK", "FAILED", "USAGE"]
+
+OK, FAILED, USAGE = 0, 1, 2
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgtp]?)(i?)b?\s*\Z", re.I)
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(s|m|h|d|w)?\s*\Z", re.I)
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_size(text: str) -> int:
+    """``"10GB"`` → ``10_000_000_000``; ``"1.5GiB"``, ``"500M"``, ``"4096"`` (bytes) also read.
+
+    Example:
+        >>> parse_size("10GB"), parse_size("2KiB"), parse_size("512")
+        (10000000000, 2048, 512)
+    """
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write it like 10GB, 500MB or 2GiB")
+    number, prefix, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
+    power = "kmgtp".find(prefix) + 1 if prefix else 0
+    return int(number * (1024 if binary else 1000) ** power)
+
+
+def parse_duration(text: str) -> float:
+    """``"7d"`` → seconds; ``s``, ``m``, ``h``, ``d``, ``w`` (a bare number is seconds).
+
+    Example:
+        >>> parse_duration("7d"), parse_duration("90m"), parse_duration("30")
+        (604800.0, 5400.0, 30.0)
+    """
+    m = _DURATION.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: write it like 7d, 12h, 30m or 45s")
+    return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+
+
+def _option(text: str) -> tuple:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (a storage option, e.g. endpoint_url=http://...)")
+    try:
+        return key, json.loads(value)  # numbers, true/false, JSON objects
+    except ValueError:
+        return key, value
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def _progress(args, label: str, unit: str = "samples"):
+    """A :class:`nbkit.progress.TextProgress` on stderr in a terminal (or with ``--progress``), else ``None``."""
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    if not show:
+        return None
+    from .progress import TextProgress
+
+    return TextProgress(label, file=sys.stderr, unit=unit)
+
+
+def _done(cb) -> None:
+    if cb is not None:
+        cb.close()
+
+
+def _emit(args, data, text: str) -> None:
+    print(json.dumps(data, indent=2, default=str) if args.json else text)
+
+
+def _report(args, what: str, report) -> int:
+    data = dataclasses.asdict(report)
+    text = (f"{what}: {len(report.transferred)} files copied ({format_bytes(report.bytes)}), {len(report.skipped)} "
+            f"already there, in {format_seconds(report.seconds)}" + (" (stopped)" if report.stopped else ""))
+    _emit(args, data, text)
+    return FAILED if report.stopped else OK
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def _ls(args) -> int:
+    found = disk.caches(*args.roots, max_depth=args.max_depth)
+    _emit(args, [c.to_json() for c in found], found.table().text())
+    return OK
+
+
+def _dtype_name(dtype: str) -> str | None:
+    """A leaf's dtype as people write it: torch names stay, numpy codes (``<i8``) become ``int64``."""
+    if dtype[:1] in ("<", ">", "|", "="):
+        import numpy as np
+
+        return np.dtype(dtype).name
+    return dtype or None
+
+
+def _leaf_names(node, prefix: str = "") -> list[str]:
+    """How to reach each leaf of a sample of structure ``node``: ``[0]``, ``['image']``, ``label``."""
+    if node == "*":
+        return [prefix or "sample"]
+    if node[0] in ("T", "L"):
+        return [n for k, c in enumerate(node[1]) for n in _leaf_names(c, f"{prefix}[{k}]")]
+    if node[0] == "D":
+        return [n for key, c in zip(node[1], node[2]) for n in _leaf_names(c, f"{prefix}[{key!r}]")]
+    fields = node[3] or [f"[{k}]" for k in range(len(node[2]))]  # a namedtuple
+    return [n for f, c in zip(fields, node[2])
+            for n in _leaf_names(c, prefix + (f if f.startswith("[") or not prefix else "." + f))]
+
+
+def _info(args) -> int:
+    from . import format as fmt
+    from .cachedir import cache_root
+    from .codec import Schema
+
+    root = cache_root(args.path)
+    meta = fmt.read_meta(root)
+    about = disk.describe(root)
+    if about.problem:
+        raise ValueError(f"{root} does not read as a cache: {about.problem}")
+    schema = Schema.from_json(meta["schema"], os.path.join(root, fmt.META)) if meta.get("schema") else None
+    names = [] if schema is None else _leaf_names(schema.structure)
+    if schema is not None and len(names) != len(schema.leaves):
+        names = [str(k) for k in range(len(schema.leaves))]
+    leaves = [] if schema is None else [
+        {"field": names[k], "kind": leaf.kind, "stored": {"col": "column", "var": "heap", "const": "constant"}[leaf.store],
+         "dtype": _dtype_name(leaf.dtype), "shape": list(leaf.shape) if leaf.store == "col" else None}
+        for k, leaf in enumerate(schema.leaves)]
+    fp = meta.get("fingerprint") or {}
+    data = {
+        "path": root, "version": meta["version"], "length": about.length, "stored": about.stored,
+        "complete": about.complete, "bytes": about.bytes, "in_use": about.in_use,
+        "structure": None if schema is None else meta["schema"]["structure"], "fields": leaves,
+        "fingerprint": {"type": fp.get("type"), "length": fp.get("length"), "transforms": fp.get("transforms") or None,
+                        "probes": len(fp.get("samples") or {})},
+        "max_bytes": meta.get("max_bytes"), "allow_pickle": meta.get("allow_pickle", False),
+    }
+    lines = [
+        ("path", root),
+        ("samples", f"{format_count(about.stored)}/{format_count(about.length)}" + (" (complete)" if about.complete else "")),
+        ("on disk", format_bytes(about.bytes) + (" (in use)" if about.in_use else "")),
+        ("format", f"version {meta['version']}"),
+        ("structure", "free-form samples" if schema is None else json.dumps(data["structure"])),
+        ("source", f"{fp.get('type')} of {format_count(fp.get('length') or 0)}, {len(fp.get('samples') or {})} samples hashed"
+         + (f", {fp['transforms']}" if fp.get("transforms") else "")),
+    ]
+    if meta.get("max_bytes") is not None:
+        lines.append(("budget", format_bytes(meta["max_bytes"])))
+    fields = Table([(f["field"], f["kind"], f["stored"], f["dtype"] or "", "" if f["shape"] is None else
+                     "×".join(map(str, f["shape"])) or "scalar") for f in leaves],
+                   header=("field", "kind", "stored", "dtype", "shape"))
+    _emit(args, data, Table(lines).text() + ("\n\n" + fields.text() if leaves else ""))
+    return OK
+
+
+def _verify(args) -> int:
+    from .dataset import CachedDataset
+    from .errors import CorruptCacheError
+
+    ds = CachedDataset.open(args.path, storage_options=args.options)
+    cb = _progress(args, "verify")
+    try:
+        n = ds.verify(callback=cb)
+    except CorruptCacheError as e:
+        _done(cb)
+        if args.json:
+            _emit(args, {"path": args.path, "ok": False, "error": str(e)}, "")
+        raise
+    _done(cb)
+    total = len(ds)
+    _emit(args, {"path": args.path, "ok": True, "verified": n, "length": total},
+          f"{args.path}: {format_count(n)} stored samples of {format_count(total)} verified, all intact")
+    return OK
+
+
+def _export(args) -> int:
+    from .archive import export_tar
+
+    cb = _progress(args, "export", "bytes")
+    try:
+        report = export_tar(args.path, args.tar, callback=cb, storage_options=args.options)
+    finally:
+        _done(cb)
+    return _report(args, f"exported {args.path} to {args.tar}", report)
+
+
+def _import(args) -> int:
+    from .archive import import_tar
+
+    cb = _progress(args, "import", "bytes")
+    try:
+        report = import_tar(args.tar, args.path, callback=cb, storage_options=args.options)
+    finally:
+        _done(cb)
+    return _report(args, f"imported {args.tar} into {args.path}", report)
+
+
+def _push(args) -> int:
+    from .transfer import push
+
+    cb = _progress(args, "push", "bytes")
+    try:
+        report = push(args.path, args.url, callback=cb, storage_options=args.options)
+    finally:
+        _done(cb)
+    return _report(args, f"pushed {args.path} to {args.url}", report)
+
+
+def _pull(args) -> int:
+    from .transfer import pull
+
+    cb = _progress(args, "pull", "bytes")
+    try:
+        report = pull(args.url, args.path, callback=cb, storage_options=args.options)
+    finally:
+        _done(cb)
+    return _report(args, f"pulled {args.url} into {args.path}", report)
+
+
+def _removals(args, removed: list, verb: str) -> int:
+    freed = sum(r.bytes for r in removed)
+    lines = [f"{'would remove' if args.dry_run else verb} {r.path} ({format_bytes(r.bytes)})"
+             + (f"; left in place (not cache files): {', '.join(r.left)}" if r.left else "") for r in removed]
+    lines.append(f"{'would free' if args.dry_run else 'freed'} {format_bytes(freed)}")
+    _emit(args, {"removed": [r.to_json() for r in removed], "bytes": freed, "dry_run": args.dry_run}, "\n".join(lines))
+    return OK
+
+
+def _rm(args) -> int:
+    removed = []
+    for path in args.paths:
+        try:
+            removed.append(disk.remove(path, dry_run=args.dry_run))
+        except (OSError, ValueError):
+            if removed:  # say what went before the one that failed
+                _removals(args, removed, "removed")
+            raise
+    return _removals(args, removed, "removed")
+
+
+def _prune(args) -> int:
+    if args.older_than is None and args.max_size is None:
+        args.parser.error("say what to prune: --older-than 7d, --max-size 10GB, or both")
+    removed = disk.prune(older_than=args.older_than, max_bytes=args.max_size, dry_run=args.dry_run)
+    return _removals(args, removed, "removed")
+
+
+# -- the parser --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``nbkit`` argument parser (one sub-command per operation)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    common.add_argument("--debug", action="store_true", help="show the traceback when the command fails")
+    common.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress line on stderr (default: when stderr is a terminal)")
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("-o", "--option", dest="options", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="a storage option for fsspec (repeat), e.g. -o endpoint_url=http://127.0.0.1:4443")
+    parser = argparse.ArgumentParser(
+        prog="nbkit", description="See, check, copy and tidy nbkit caches.",
+        epilog="Exit codes: 0 done, 1 the operation failed (message on stderr), 2 bad command line. "
+               "Working copies of remote caches live in $NBKIT_CACHE_DIR (default ~/.cache/nbkit).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, fn, help, parents=(common,)):
+        p = sub.add_parser(name, parents=list(parents), help=help, description=help)
+        p.set_defaults(fn=fn, parser=p, options=[])
+        return p
+
+    p = command("ls", _ls, "list the caches under ROOTS and every working copy in $NBKIT_CACHE_DIR")
+    p.add_argument("roots", nargs="*", metavar="ROOT")
+    p.add_argument("--max-depth", type=int, default=disk.MAX_DEPTH, help="directories to look down (default %(default)s)")
+    p = command("info", _info, "schema, fields, source fingerprint and completeness of one cache")
+    p.add_argument("path")
+    p = command("verify", _verify, "check every stored sample's checksum (exit 1 if any is damaged)", (common, remote))
+    p.add_argument("path", help="a cache directory or URL")
+    p = command("export", _export, "write a cache into one tar file", (common, remote))
+    p.add_argument("path")
+    p.add_argument("tar", help="the tar file to write (.tar, .tar.gz, .tar.zst; any fsspec URL)")
+    p = command("import", _import, "unpack a tar made by export into a cache directory", (common, remote))
+    p.add_argument("tar")
+    p.add_argument("path")
+    p = command("push", _push, "copy a cache to a URL (gs://...); resumable, published last", (common, remote))
+    p.add_argument("path")
+    p.add_argument("url")
+    p = command("pull", _pull, "copy a cache from a URL into a local directory, every file checked", (common, remote))
+    p.add_argument("url")
+    p.add_argument("path")
+    p = command("rm", _rm, "remove cache directories (never one in use, never through a link)")
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p = command("prune", _prune, "remove working copies in $NBKIT_CACHE_DIR unused for a while or beyond a size")
+    p.add_argument("--older-than", type=parse_duration, metavar="AGE", help="unused for AGE (7d, 12h, 30m)")
+    p.add_argument("--max-size", type=parse_size, metavar="SIZE", help="keep at most SIZE (10GB), least recently used go first")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the command line; return its exit code (:data:`OK`, :data:`FAILED`, :data:`USAGE`)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    args.options = dict(args.options)
+    try:
+        return args.fn(args)
+    except SystemExit as e:  # parser.error() inside a command
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        print("nbkit: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, LookupError, RuntimeError, TypeError, ImportError) as e:
+        if args.debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        if isinstance(e, OSError) and e.strerror and e.filename is None:
+            message = " ".join(e.strerror.split())  # OSError(errno, text): the text without "[Errno n]"
+        print(f"nbkit {args.command}: error: {message}", file=sys.stderr)
+        return FAILED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""Disk space: the caches on this machine: list them (:func:`caches`), remove one safely (:func:`remove`), and
+prune working copies of remote caches (:func:`prune`), as ``huggingface-cli scan-cache`` /
+``delete-cache`` do for the Hugging Face hub.
+
+Everything read from the directories is untrusted: metadata is parsed by ``nbkit.format``, a
+directory that does not read as a cache is listed with the reason, links are never followed, and
+the walk goes at most ``max_depth`` directories down. A cache is *in use* while a process has its
+files open (``nbkit.cachedir.in_use``: each holds a shared ``flock`` on its ``nbkit.json``).
+
+Example:
+    >>> import tempfile, torch, nbkit
+    >>> root = tempfile.mkdtemp()
+    >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), root + "/mnist")
+    >>> _ = ds.warmup(); del ds
+    >>> [(c.name, c.stored, c.length, c.in_use) for c in caches(root) if not c.working_copy]
+    [('mnist', 8, 8, False)]
+    >>> remove(root + "/mnist").left
+    ()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import errno
+import os
+import stat
+import time
+from dataclasses import dataclass
+
+from . import format as fmt
+from . import trust
+from .cachedir import in_use, remove_cache, stored_count, unused
+from .stores.mirror import ORIGIN_SUFFIX, cache_dir, read_origin
+from .stores.readthrough.location import AREA_SUFFIX
+from .text import Table, format_bytes, format_count, format_seconds
+
+__all__ = ["CacheInfo", "CacheList", "Removal", "caches", "remove", "prune", "MAX_DEPTH"]
+
+#: How many directories below a root :func:`caches` looks for caches.
+MAX_DEPTH = 6
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """One cache directory found by :func:`caches`.
+
+    Attributes:
+        path: the directory.
+        url: the remote URL a working copy mirrors (``None`` for a local cache, or a working copy
+            whose origin file is missing).
+        working_copy: whether it lives under ``$NBKIT_CACHE_DIR`` (``nbkit.prune`` may remove it).
+        stored, length: samples cached of the total (``None`` when the cache does not read).
+        bytes: bytes allocated on disk (real blocks: column files are preallocated, sparse where
+            the filesystem allows).
+        version: its format version.
+        last_used: when it was last written, or (a working copy) last opened; seconds since the epoch.
+        in_use: whether a process has it open now.
+        problem: why the directory does not read as a cache, or ``None``.
+    """
+
+    path: str
+    url: str | None
+    working_copy: bool
+    stored: int | None
+    length: int | None
+    bytes: int
+    version: int | None
+    last_used: float | None
+    in_use: bool
+    problem: str | None = None
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def complete(self) -> bool:
+        return self.problem is None and self.stored is not None and self.stored == self.length
+
+    def to_json(self) -> dict:
+        """A plain dict (for ``nbkit ls --json``)."""
+        return {**dataclasses.asdict(self), "complete": self.complete}
+
+
+class CacheList(list):
+    """The list :func:`caches` returns; shows as a table in a terminal or a notebook."""
+
+    def table(self) -> Table:
+        """The caches as a :class:`nbkit.text.Table`, with their total size as a note."""
+        now = time.time()
+        rows = []
+        for c in self:
+            cached = "broken" if c.problem else f"{format_count(c.stored)}/{format_count(c.length)}"
+            used = "-" if c.last_used is None else format_seconds(max(0.0, now - c.last_used)) + " ago"
+            rows.append((c.path, cached, format_bytes(c.bytes), used, "yes" if c.in_use else "", c.url or c.problem or ""))
+        total = sum(c.bytes for c in self)
+        return Table(rows, header=("path", "samples", "on disk", "last used", "in use", "mirrors / problem"),
+                     align="lrrrll", notes=[f"{len(self)} caches, {format_bytes(total)} on disk"])
+
+    def __repr__(self) -> str:
+        return self.table().text()
+
+    __str__ = __repr__
+
+    def _repr_html_(self) -> str:
+        return self.table().html()
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What :func:`remove` or :func:`prune` removed (or, with ``dry_run``, would remove).
+
+    Attributes:
+        path: the cache directory.
+        bytes: bytes freed on disk.
+        left: names left in the directory because they are not cache files (the directory stays).
+    """
+
+    path: str
+    bytes: int
+    left: tuple = ()
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "bytes": self.bytes, "left": list(self.left)}
+
+
+def _allocated(st: os.stat_result) -> int:
+    return st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+
+
+def _files_of(root: str) -> list[tuple[str, os.stat_result]]:
+    """``(name, lstat)`` of the plain entries directly in ``root`` (links are not followed)."""
+    out = []
+    with os.scandir(root) as it:
+        for entry in it:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                out.append((entry.name, st))
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e) or type(e).__name__).splitlines()[0]
+
+
+def describe(root: str) -> CacheInfo:
+    """The :class:`CacheInfo` of one directory holding ``nbkit.json`` (never raises for a broken one).
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp(); _ = open(d + "/nbkit.json", "w").write("{")
+        >>> describe(d).problem.split(" (")[0]
+        '.../nbkit.json is not valid JSON'
+    """
+    working_copy = os.path.dirname(root) == cache_dir()
+    try:
+        files = _files_of(root)
+    except OSError as e:  # unreadable (permissions), or removed meanwhile
+        return CacheInfo(path=root, url=None, working_copy=working_copy, stored=None, length=None, bytes=0,
+                         version=None, last_used=None, in_use=False, problem=_first_line(e))
+    size = sum(_allocated(st) for _, st in files)
+    last_used = max((st.st_mtime for _, st in files), default=None)
+    url = None
+    if working_copy:
+        try:
+            url = read_origin(root)["url"]
+            last_used = max(last_used or 0.0, os.lstat(root + ORIGIN_SUFFIX).st_mtime)
+        except (OSError, ValueError):
+            pass  # a copy made before nbkit recorded its origin, or a damaged origin file: no URL
+    stored = length = version = None
+    problem = None
+    try:
+        busy = in_use(root)
+    except (OSError, ValueError) as e:  # nbkit.json a link (UnsafeArchiveError), a fifo, unreadable
+        busy = False
+        problem = _first_line(e)
+    if problem is None:
+        try:
+            meta = fmt.read_meta(root)
+            version = int(meta["version"])
+            stored, length = stored_count(root)
+        except (OSError, ValueError) as e:  # CorruptCacheError is a ValueError
+            problem = _first_line(e)
+    return CacheInfo(path=root, url=url, working_copy=working_copy, stored=stored, length=length, bytes=size,
+                     version=version, last_used=last_used, in_use=busy, problem=problem)
+
+
+def _walk(root: str, depth: int, found: list) -> None:
+    if os.path.lexists(os.path.join(root, fmt.META)):
+        found.append(root)
+        return  # a cache holds no caches
+    if depth <= 0:
+        return
+    try:
+        with os.scandir(root) as it:
+            subdirs = sorted(e.path for e in it if e.is_dir(follow_symlinks=False) and not e.name.endswith(AREA_SUFFIX))
+    except (PermissionError, FileNotFoundError, NotADirectoryError):
+        return  # not ours to read, or gone meanwhile
+    for sub in subdirs:
+        _walk(sub, depth - 1, found)
+
+
+def caches(*roots, max_depth: int = MAX_DEPTH) -> CacheList:
+    """The caches under ``roots`` (directories searched, links never followed, at most ``max_depth``
+    levels down) and every working copy under ``$NBKIT_CACHE_DIR`` (default ``~/.cache/nbkit``).
+
+    Returns:
+        A :class:`CacheList` of :class:`CacheInfo`, least recently used first; it prints as a table.
+
+    Example:
+        >>> import tempfile
+        >>> caches(tempfile.mkdtemp(), max_depth=2).table().notes[0].split(",")[0].endswith("caches")
+        True
+    """
+    max_depth = trust.check_int(max_depth, "max_depth", min=0, max=64)
+    dirs = [os.path.abspath(os.path.expanduser(trust.check_path(r, "root"))) for r in roots]
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise FileNotFoundError(f"no directory {d} to look for caches in; check the path (nbkit.caches() alone "
+                                    "lists the working copies in $NBKIT_CACHE_DIR)")
+    found: list = []
+    for d in dirs + [cache_dir()]:
+        if os.path.isdir(d):
+            _walk(d, max_depth, found)
+    unique = list(dict.fromkeys(found))
+    infos = [describe(p) for p in unique]
+    return CacheList(sorted(infos, key=lambda c: (c.last_used or 0.0, c.path)))
+
+
+def _refuse_special(path: str) -> None:
+    """``/``, the home directory and the working copies' directory are never removed whole."""
+    special = {os.path.abspath(os.sep), os.path.abspath(os.path.expanduser("~")), cache_dir()}
+    if os.path.abspath(path) in special:
+        raise ValueError(f"refusing to remove {path}: it is a root directory, not one cache. Pass the cache "
+                         "directory itself (see nbkit.caches()).")
+
+
+def remove(path, *, dry_run: bool = False) -> Removal:
+    """Remove one cache directory: its cache files, then the directory if nothing else is in it.
+
+    Refuses anything that is not an nbkit cache (a readable ``nbkit.json``), a cache a process has
+    open, a path that is a symbolic link, ``/`` and the home directory. Links inside are removed
+    themselves, never what they point to.
+
+    Returns:
+        A :class:`Removal`: bytes freed, and the names left behind (not cache files).
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: nothing to remove there.
+        ValueError: not a cache, a link, or a root directory.
+        OSError: ``errno.EBUSY`` when a process uses it.
+
+    Example:
+        >>> import tempfile, pytest
+        >>> with pytest.raises(ValueError, match="not an nbkit cache"):
+        ...     remove(tempfile.mkdtemp())
+    """
+    path = trust.check_path(path, "path")
+    dry_run = trust.check_bool(dry_run, "dry_run")
+    root = os.path.abspath(os.path.expanduser(path))
+    _refuse_special(root)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"nothing to remove at {root}: no such directory. See the caches there are: nbkit ls") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"refusing to remove {root}: it is a symbolic link (to {os.readlink(root)}), and nbkit never "
+                         "follows links. Remove the link itself with rm, or pass the cache directory it points to.")
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{root} is not a directory, so not an nbkit cache; nothing was removed")
+    try:
+        fmt.read_meta(root)
+    except (FileNotFoundError, ValueError) as e:  # CorruptCacheError, UnsafeArchiveError are ValueErrors
+        why = f"it has no {fmt.META}" if isinstance(e, FileNotFoundError) else _first_line(e)
+        raise ValueError(f"refusing to remove {root}: it is not an nbkit cache ({why}). nbkit removes only cache "
+                         "directories; delete anything else yourself.") from e
+    with unused(root) as free:
+        if not free:
+            raise OSError(errno.EBUSY, f"refusing to remove {root}: a process has the cache open (a dataset, a "
+                          "DataLoader worker, a training run). Close it (or end that process) and remove it again.")
+        files = _files_of(root)
+        size = sum(_allocated(s) for name, s in files if trust.is_cache_file(name) or name == fmt.LOCK)
+        if dry_run:
+            return Removal(root, size)
+        remove_cache(root)  # metadata first; never follows a link
+    left = tuple(sorted(os.listdir(root)))
+    if not left:
+        os.rmdir(root)
+        if os.path.dirname(root) == cache_dir():  # a working copy's files beside it
+            for suffix in (ORIGIN_SUFFIX, ".lock"):
+                try:
+                    os.unlink(root + suffix)
+                except FileNotFoundError:
+                    pass
+    return Removal(root, size, left)
+
+
+def _seconds(older_than) -> float | None:
+    if older_than is None:
+        return None
+    if isinstance(older_than, datetime.timedelta):
+        older_than = older_than.total_seconds()
+    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or older_than < 0:
+        raise TypeError(f"older_than must be seconds (a number >= 0) or a datetime.timedelta, got {trust.shown(older_than)}")
+    return float(older_than)
+
+
+def prune(older_than=None, max_bytes=None, *, dry_run: bool = False) -> list[Removal]:
+    """Remove working copies under ``$NBKIT_CACHE_DIR``: those unused for ``older_than``, then the
+    least recently used until the rest fit in ``max_bytes``; copies in use are skipped.
+
+    Args:
+        older_than: seconds, or a ``datetime.timedelta``.
+        max_bytes: the most bytes the working copies that stay may take.
+        dry_run: only say what would be removed.
+
+    Returns:
+        A :class:`Removal` for each copy removed (or that would be), least recently used first.
+
+    Example:
+        >>> import tempfile
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, NBKIT_CACHE_DIR=tempfile.mkdtemp()):
+        ...     prune(older_than=0, dry_run=True)
+        []
+    """
+    age = _seconds(older_than)
+    limit = None if max_bytes is None else trust.check_size(max_bytes, "max_bytes")
+    dry_run = trust.check_bool(dry_run, "dry_run")
+    # Least recently used first. A hidden name is the temporary sibling of a pull or import in progress
+    # (``.<copy>.pull-…``): never pruned (``nbkit ls`` lists one a crash left, ``nbkit rm`` removes it).
+    copies = [c for c in caches(max_depth=1) if c.working_copy and not c.name.startswith(".")]
+    now = time.time()
+    kept = sum(c.bytes for c in copies)
+    removed = []
+    for c in copies:
+        too_old = age is not None and (c.last_used is None or now - c.last_used >= age)
+        too_big = limit is not None and kept > limit
+        if not (too_old or too_big) or c.in_use:
+            continue
+        try:
+            done = remove(c.path, dry_run=dry_run)
+        except ValueError:
+            continue  # its nbkit.json does not read: not a cache nbkit removes (listed as broken)
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                continue  # opened since it was listed
+            raise
+        kept -= c.bytes
+        removed.append(done)
+    return removed

@@ -1,0 +1,287 @@
+"""The ``nbkit`` command line (nbkit/cli.py), every command run as a real ``python -m nbkit`` process:
+exit codes, ``--json`` output and one-line errors on stderr."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
+from torch.utils.data import TensorDataset
+
+import nbkit
+from nbkit.cli import parse_duration, parse_size
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def env(tmp_path):
+    d = tmp_path / "nbkit-cache-dir"
+    d.mkdir()
+    return {**os.environ, "NBKIT_CACHE_DIR": str(d), "PYTHONPATH": str(REPO), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+def nbkit_cli(env, *args, input=None):
+    return subprocess.run([sys.executable, "-m", "nbkit", *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300, input=input)
+
+
+def ok(out):
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def failed(out, *needles):
+    """Exit 1, one short line on stderr naming the problem, no traceback."""
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nbkit "), out.stderr
+    assert "Traceback" not in out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def make_cache(path, n=48) -> str:
+    ds = nbkit.CachedDataset(TensorDataset(torch.randn(n, 3, 4), torch.arange(n)), str(path))
+    ds.warmup()
+    root = ds.root
+    del ds
+    gc.collect()
+    return root
+
+
+def set_age(root, seconds_ago):
+    t = time.time() - seconds_ago
+    for name in os.listdir(root):
+        os.utime(os.path.join(root, name), (t, t))
+
+
+# -- usage ----------------------------------------------------------------------------------------
+
+
+def test_usage_errors_exit_2_and_help_exits_0(env):
+    assert nbkit_cli(env).returncode == 2
+    assert nbkit_cli(env, "frobnicate").returncode == 2
+    assert nbkit_cli(env, "info").returncode == 2  # PATH missing
+    out = nbkit_cli(env, "prune")
+    assert out.returncode == 2 and "--older-than" in out.stderr
+    out = nbkit_cli(env, "prune", "--older-than", "3 fortnights")
+    assert out.returncode == 2 and "not a duration" in out.stderr
+    out = ok(nbkit_cli(env, "--help"))
+    assert "Exit codes" in out.stdout and all(c in out.stdout for c in ("ls", "verify", "prune", "push"))
+
+
+def test_console_script_is_declared_and_import_nbkit_stays_light():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, name = scripts["nbkit"].partition(":")
+    assert (module, name) == ("nbkit.cli", "main")
+    code = "import sys, nbkit; print([m for m in ('nbkit.cli', 'nbkit.disk') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_sizes_and_durations():
+    assert parse_size("10GB") == 10**10 and parse_size("1.5 GiB") == int(1.5 * 2**30) and parse_size("7") == 7
+    assert parse_duration("7d") == 7 * 86400 and parse_duration("2w") == 14 * 86400 and parse_duration("1.5h") == 5400
+    for bad in ("", "GB", "-1GB", "10XB"):
+        with pytest.raises(Exception, match="not a size"):
+            parse_size(bad)
+
+
+# -- ls, info, verify -----------------------------------------------------------------------------
+
+
+def test_ls_lists_caches_as_a_table_and_as_json(tmp_path, env):
+    root = make_cache(tmp_path / "one")
+    broken = tmp_path / "two"
+    broken.mkdir()
+    (broken / "nbkit.json").write_text("[]")
+    out = ok(nbkit_cli(env, "ls", tmp_path))
+    assert out.stdout.splitlines()[0].split()[:2] == ["path", "samples"]
+    assert root in out.stdout and "48/48" in out.stdout and "broken" in out.stdout
+    listed = {c["path"]: c for c in json.loads(ok(nbkit_cli(env, "ls", "--json", tmp_path)).stdout)}
+    assert listed[root]["stored"] == 48 and listed[root]["complete"] is True and listed[root]["in_use"] is False
+    assert listed[str(broken)]["problem"] and listed[str(broken)]["complete"] is False
+    assert json.loads(ok(nbkit_cli(env, "ls", "--json")).stdout) == []  # an empty $NBKIT_CACHE_DIR
+
+
+def test_info_describes_schema_fields_fingerprint_and_completeness(tmp_path, env):
+    root = make_cache(tmp_path / "c")
+    data = json.loads(ok(nbkit_cli(env, "info", "--json", root)).stdout)
+    assert (data["stored"], data["length"], data["complete"], data["version"]) == (48, 48, True, 1)
+    assert [(f["field"], f["kind"], f["dtype"], f["shape"]) for f in data["fields"]] == [
+        ("[0]", "tensor", "float32", [3, 4]), ("[1]", "tensor", "int64", [])]
+    assert data["fingerprint"]["type"].endswith("TensorDataset") and data["fingerprint"]["probes"] == 3
+    text = ok(nbkit_cli(env, "info", root)).stdout
+    assert "48/48 (complete)" in text and "float32" in text and "3×4" in text and "TensorDataset" in text
+    failed(nbkit_cli(env, "info", tmp_path), "no nbkit cache")
+    debug = nbkit_cli(env, "info", "--debug", tmp_path)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_verify_exits_1_on_a_damaged_sample(tmp_path, env):
+    root = make_cache(tmp_path / "c")
+    data = json.loads(ok(nbkit_cli(env, "verify", "--json", root)).stdout)
+    assert data == {"path": root, "ok": True, "verified": 48, "length": 48}
+    col = Path(root) / "col-0.bin"
+    raw = bytearray(col.read_bytes())
+    raw[5 * 48 + 1] ^= 0xFF  # sample 5's row (3×4 float32 = 48 bytes)
+    col.write_bytes(bytes(raw))
+    out = nbkit_cli(env, "verify", root)
+    failed(out, "nbkit verify: error:", "5")
+    out = nbkit_cli(env, "verify", "--json", root)
+    assert out.returncode == 1 and json.loads(out.stdout)["ok"] is False
+
+
+def test_progress_line_on_stderr(tmp_path, env):
+    root = make_cache(tmp_path / "c")
+    out = ok(nbkit_cli(env, "verify", "--progress", root))
+    assert "verify" in out.stderr and "48/48" in out.stderr
+    assert ok(nbkit_cli(env, "verify", root)).stderr == ""  # not a terminal: no progress
+
+
+def test_progress_is_on_by_default_in_a_terminal(tmp_path, env):
+    import pty
+
+    root = make_cache(tmp_path / "c")
+    controller, terminal = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "nbkit", "export", root, str(tmp_path / "c.tar")], env=env,
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=300)
+        os.close(terminal)
+        terminal = None
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        if terminal is not None:
+            os.close(terminal)
+        os.close(controller)
+    assert proc.returncode == 0
+    assert b"export" in seen and b"100.0%" in seen
+
+
+# -- export, import, push, pull -------------------------------------------------------------------
+
+
+def test_export_then_import(tmp_path, env):
+    root = make_cache(tmp_path / "c")
+    tar = tmp_path / "c.tar.gz"
+    report = json.loads(ok(nbkit_cli(env, "export", "--json", root, tar)).stdout)
+    assert "nbkit.json" in report["transferred"] and report["stopped"] is False
+    out = ok(nbkit_cli(env, "import", tar, tmp_path / "copy"))
+    assert out.stdout.startswith(f"imported {tar} into")
+    copy = nbkit.CachedDataset.open(tmp_path / "copy")
+    assert torch.equal(copy[7][0], nbkit.CachedDataset.open(root)[7][0])
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "thesis.tex").write_text("mine")
+    failed(nbkit_cli(env, "import", tar, tmp_path / "taken"), "not an nbkit cache")
+    failed(nbkit_cli(env, "import", tmp_path / "absent.tar", tmp_path / "x"))
+
+
+def test_push_then_pull_through_the_gcs_emulator(tmp_path, env, gcs):
+    root = make_cache(tmp_path / "c")
+    opts = [a for k, v in gcs.storage_options.items() for a in ("-o", f"{k}={v}")]
+    url = gcs.url + "/cache"
+    report = json.loads(ok(nbkit_cli(env, "push", "--json", root, url, *opts)).stdout)
+    assert "nbkit.json" in report["transferred"]
+    again = json.loads(ok(nbkit_cli(env, "push", "--json", root, url, *opts)).stdout)
+    assert again["transferred"] == [] or again["transferred"] == ["manifest.json"]
+    out = ok(nbkit_cli(env, "pull", url, tmp_path / "pulled", *opts))
+    assert out.stdout.startswith(f"pulled {url} into")
+    assert np.array_equal(np.fromfile(tmp_path / "pulled" / "col-0.bin"), np.fromfile(Path(root) / "col-0.bin"))
+    failed(nbkit_cli(env, "pull", gcs.url + "/nothing", tmp_path / "p2", *opts), "nbkit pull: error:")
+    assert nbkit_cli(env, "push", root, url, "-o", "no-equals-sign").returncode == 2
+
+
+# -- rm, prune ------------------------------------------------------------------------------------
+
+
+def test_rm_removes_a_cache_and_refuses_the_rest(tmp_path, env):
+    root = make_cache(tmp_path / "c")
+    data = json.loads(ok(nbkit_cli(env, "rm", "--dry-run", "--json", root)).stdout)
+    assert data["dry_run"] is True and data["removed"][0]["path"] == root and os.path.isdir(root)
+    (tmp_path / "plain").mkdir()
+    failed(nbkit_cli(env, "rm", tmp_path / "plain"), "not an nbkit cache")
+    os.symlink(root, tmp_path / "link")
+    failed(nbkit_cli(env, "rm", tmp_path / "link"), "symbolic link")
+    failed(nbkit_cli(env, "rm", "/"), "root directory")
+    code = ("import sys, nbkit\nds = nbkit.CachedDataset.open(sys.argv[1]); ds[0]\n"
+            "print('ready', flush=True); sys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=REPO, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        failed(nbkit_cli(env, "rm", root), "a process has the cache open", "Close it")
+        assert json.loads(ok(nbkit_cli(env, "ls", "--json", tmp_path)).stdout)[0]["in_use"] is True
+    finally:
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+    out = ok(nbkit_cli(env, "rm", root))
+    assert out.stdout.startswith(f"removed {root}") and not os.path.exists(root)
+    assert os.path.islink(tmp_path / "link")
+
+
+def test_prune_by_age_and_by_size(tmp_path, env):
+    base = Path(env["NBKIT_CACHE_DIR"])
+    a, b, c = (make_cache(base / name, n=n) for name, n in (("a", 96), ("b", 48), ("c", 24)))
+    for root, days in zip((a, b, c), (10, 5, 1)):
+        set_age(root, days * 86400)
+    data = json.loads(ok(nbkit_cli(env, "prune", "--older-than", "7d", "--dry-run", "--json")).stdout)
+    assert [r["path"] for r in data["removed"]] == [a] and os.path.isdir(a)
+    out = ok(nbkit_cli(env, "prune", "--older-than", "7d"))
+    assert out.stdout.startswith(f"removed {a}") and not os.path.exists(a)
+    sizes = {x["path"]: x["bytes"] for x in json.loads(ok(nbkit_cli(env, "ls", "--json")).stdout)}
+    data = json.loads(ok(nbkit_cli(env, "prune", "--max-size", str(sizes[c]), "--json")).stdout)
+    assert [r["path"] for r in data["removed"]] == [b] and data["bytes"] == sizes[b]
+    assert os.path.isdir(c)
+
+
+def test_info_names_nested_fields_and_free_form_samples(tmp_path, capsys):
+    from collections import namedtuple
+
+    from nbkit.cli import main
+
+    Point = namedtuple("Point", ["x", "y"])
+    nbkit.register_namedtuple(Point, "tests.test_cli:Point")
+
+    class Nested(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return {"image": torch.ones(2, 2) * i, "meta": (Point(i, 2 * i), "x" * i)}
+
+    class Free(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return [1] * i
+
+    nbkit.CachedDataset(Nested(), str(tmp_path / "nested")).warmup()
+    nbkit.CachedDataset(Free(), str(tmp_path / "free")).warmup()
+    assert main(["info", "--json", str(tmp_path / "nested")]) == 0
+    fields = json.loads(capsys.readouterr().out)["fields"]
+    assert [(f["field"], f["kind"], f["dtype"]) for f in fields] == [
+        ("['image']", "tensor", "float32"), ("['meta'][0].x", "int", "int64"), ("['meta'][0].y", "int", "int64"),
+        ("['meta'][1]", "str", None)]
+    assert main(["info", str(tmp_path / "free")]) == 0
+    assert "free-form samples" in capsys.readouterr().out
