@@ -392,3 +392,15 @@ def test_an_unreadable_cache_or_a_missing_root_is_reported(tmp_path, cache_dir):
         os.chmod(root, 0o755)
     if os.geteuid() != 0:  # root reads through permissions
         assert info.problem and info.stored is None
+
+
+def test_the_origin_file_keeps_no_credential_that_came_with_the_url(tmp_path):
+    from nbkit.stores import mirror
+
+    root = str(tmp_path / "wc" / "copy")
+    mirror._record_origin(root, "s3://key:secret@bucket/cache?X-Amz-Signature=abc",
+                          {"endpoint_url": "http://user:pw@127.0.0.1:9000/?token=t"})
+    written = open(root + ORIGIN_SUFFIX).read()
+    assert "secret" not in written and "abc" not in written and "pw" not in written and "token" not in written
+    assert read_origin(root) == {"format": "nbkit-working-copy", "url": "s3://bucket/cache",
+                                 "endpoint": "http://127.0.0.1:9000/"}

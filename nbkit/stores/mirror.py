@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 
@@ -65,9 +66,24 @@ def cache_dir() -> str:
     return os.path.abspath(base)
 
 
+def without_secrets(url: str) -> str:
+    """``url`` without what may be a credential: a ``user:password@`` part, a query, a fragment.
+
+    Example:
+        >>> without_secrets("https://me:s3cret@host:8080/b/c?sig=abc#x")
+        'https://host:8080/b/c'
+    """
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
 def _record_origin(root: str, url: str, storage_options: dict) -> None:
+    # The origin file is read by nbkit.caches() and shown to whoever lists the machine's caches:
+    # it keeps where the copy comes from, never a credential that came with the URL.
     endpoint = storage_options.get("endpoint_url")
-    body = {"format": _ORIGIN_FORMAT, "url": url, "endpoint": endpoint if isinstance(endpoint, str) else None}
+    body = {"format": _ORIGIN_FORMAT, "url": without_secrets(url),
+            "endpoint": without_secrets(endpoint) if isinstance(endpoint, str) else None}
     os.makedirs(os.path.dirname(root), exist_ok=True)
     atomic_write(root + ORIGIN_SUFFIX, json.dumps(body).encode())
 
