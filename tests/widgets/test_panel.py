@@ -6,6 +6,7 @@ tests/widgets/test_view.py reruns this directory with ipywidgets 7.7.1 (Colab's 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -34,11 +35,10 @@ def test_warmup_click_fills_the_cache_and_shows_counters(tmp_path):
     assert panel.report.computed == 1000 and not panel.report.stopped
     assert panel.progress.value == 1.0 and panel.progress.bar_style == "success"
     assert panel.percent_label.value == "100%"
-    assert panel.done_label.value == "1,000/1,000 samples"
-    assert panel.rate_label.value.endswith("samples/s") and panel.rate_label.value != "0 samples/s"
-    assert panel.eta_label.value.startswith("took ")
-    assert panel.bytes_label.value.endswith("stored")
+    # Idle again: the line under the bar is the cache (no rate or ETA); the status has the warmup's numbers.
+    assert panel.counts[0] == "1,000/1,000 samples" and panel.counts[1].endswith("stored") and len(panel.counts) == 2
     assert panel.status_text().startswith("Cache complete: 1,000 samples")
+    assert re.search(r"\(1,000 computed in [\d.]+ ?m?s, [\d,]+ samples/s\)\.$", panel.status_text()), panel.status_text()
     assert "#2e7d32" in panel.status.value  # green
     # Nothing left to do: Warm up is off and says why; the transfers are available.
     assert panel.warmup_button.disabled and "already cached" in panel.warmup_button.tooltip
@@ -64,7 +64,7 @@ def test_stop_then_warm_up_resumes(tmp_path):
     assert panel.last_error is None, panel.last_error
     assert panel.state is PanelState.STOPPED and panel.report.stopped
     assert ds.stats.cached == 512  # the chunk that was running finished; no further one started
-    assert panel.status_text() == "Stopped at 512/3,000 samples. Click Warm up to resume."
+    assert panel.status_text() == "The warmup stopped at 512 of 3,000 samples. Click Warm up to resume."
     assert panel.progress.bar_style == "warning"
     assert panel.progress.value == pytest.approx(512 / 3000)
     assert not panel.warmup_button.disabled and panel.stop_button.disabled
@@ -81,7 +81,7 @@ def test_stop_then_warm_up_resumes(tmp_path):
 def test_already_complete_cache_says_so(tmp_path):
     ds = _filled(tmp_path)
     panel = WarmupPanel(ds)
-    assert panel.status_text() == f"Cache complete: 300 samples, {panel.bytes_label.value}."
+    assert panel.status_text() == f"Cache complete: 300 samples, {panel.counts[1]}."
     assert panel.progress.value == 1.0 and panel.progress.bar_style == "success"
     assert panel.warmup_button.disabled
     panel.warmup_button.click()  # click() runs the handler even on a disabled button
@@ -97,8 +97,7 @@ def test_cache_opened_without_source_disables_warmup(tmp_path):
     assert panel.warmup_button.disabled
     assert "opened without its source dataset" in panel.warmup_button.tooltip
     assert "opened without its source dataset" in panel.status_text()
-    assert "700 samples are missing" in panel.status_text()
-    assert panel.done_label.value == "300/1,000 samples"
+    assert panel.counts[0] == "300/1,000 samples"
     panel.warmup_button.click()
     assert not panel.running and panel.last_error is None
 
@@ -156,8 +155,9 @@ def test_export_tar_writes_an_archive_that_opens_as_a_cache(tmp_path):
     assert panel.wait(timeout=60)
     assert panel.last_error is None, panel.last_error
     assert panel.state is PanelState.DONE
-    assert panel.status_text() == f"Exported {panel.done_label.value.split('/')[0]} to {tar}."
-    assert panel.progress.description == "Export" and panel.progress.value == 1.0
+    assert re.fullmatch(rf"Exported [\d.]+ [KM]B to {re.escape(str(tar))}\.", panel.status_text()), panel.status_text()
+    # Idle after the export: the bar is the cache again, not "Export 100%".
+    assert panel.progress.description == "Cache" and panel.progress.value == 1.0
     nbkit.import_tar(str(tar), str(tmp_path / "restored"))
     restored = nbkit.CachedDataset.open(str(tmp_path / "restored"))
     assert restored.stats.complete and torch.equal(restored[5][0], ds[5][0])
@@ -212,7 +212,7 @@ def test_terminal_display_prints_a_text_line(tmp_path, capsys):
     ds = nbkit.CachedDataset(TupleSource(600), str(tmp_path / "c"))
     panel = WarmupPanel(ds)
     panel._ipython_display_()
-    assert capsys.readouterr().out.strip() == "nbkit: 0/600 samples  Ready: 600 of 600 samples to compute. Click Warm up."
+    assert capsys.readouterr().out.strip() == "nbkit: 0/600 samples  0 B stored  Ready: 600 of 600 samples to compute. Click Warm up."
     panel.warmup_button.click()
     assert panel.wait(timeout=60)
     err = capsys.readouterr().err
@@ -235,13 +235,15 @@ class _PublishingCache(nbkit.CachedDataset):
 def test_a_second_phase_is_shown_in_its_own_unit(tmp_path):
     ds = _PublishingCache(TupleSource(300), str(tmp_path / "c"))
     panel = WarmupPanel(ds)
+    seen = []
+    panel.counters.observe(lambda change: seen.append(panel.counts), names="value")
     panel.warmup_button.click()
     assert panel.wait(timeout=60)
     assert panel.state is PanelState.DONE and panel.report.computed == 300
     cb = panel.job.callback
     assert (cb.phase, cb.unit, cb.value) == ("publish", "bytes", 3_000_000)
-    assert panel.done_label.value == "3.0 MB/3.0 MB"  # bytes, not 3,000,000 "samples"
-    assert panel.rate_label.value.endswith("B/s")
+    published = [c for c in seen if c[0] == "3.0 MB/3.0 MB"]  # bytes, not 3,000,000 "samples"
+    assert published and published[-1][1].endswith("B/s"), seen
     assert panel.status_text().startswith("Cache complete: 300 samples")
 
 
@@ -332,8 +334,8 @@ def test_run_raises_when_stop_is_clicked_while_it_waits(tmp_path):
     source.release.set()
     t.join(timeout=60)
     assert "report" not in outcome, outcome
-    assert "The warmup was stopped before it finished (Stopped at 512/3,000 samples" in str(outcome["error"])
-    assert "Run this cell again to resume" in str(outcome["error"])
+    # One clean sentence and the fix, not the status line quoted in brackets.
+    assert str(outcome["error"]) == "The warmup stopped at 512 of 3,000 samples. Run this cell again to resume."
     source.at = None
     assert panel.run("warmup").computed == 2488  # running the cell again resumes
 
@@ -354,7 +356,7 @@ def test_partial_export_is_amber_with_the_cached_fraction(tmp_path):
     ds, panel = _stopped_midway(tmp_path, tar_path=str(tar))
     panel.export_button.click()
     assert panel.wait(timeout=60) and panel.error("export") is None
-    size = panel.done_label.value.split("/")[0]
+    size = re.match(r"Exported ([\d.]+ [KM]B)", panel.status_text()).group(1)
     assert panel.status_text() == (
         f"Exported {size} to {tar} — partial: 17% of samples cached (512 of 3,000). Warm up, then export again."
     )
@@ -397,7 +399,7 @@ def test_a_refused_upload_does_not_repaint_the_export_bar(tmp_path):
     panel = WarmupPanel(ds, tar_path=str(tmp_path / "x.tar"))
     panel.run("export")
     bar = (panel.progress.description, panel.progress.bar_style, panel.progress.value, panel.percent_label.value)
-    assert bar == ("Export", "success", 1.0, "100%")
+    assert bar == ("Cache", "success", 1.0, "100%")
     panel.upload_button.click()
     assert (panel.progress.description, panel.progress.bar_style, panel.progress.value, panel.percent_label.value) == bar
     assert panel.status_text().startswith("Error: ValueError: Upload needs a URL") and "#c62828" in panel.status.value
@@ -406,25 +408,26 @@ def test_a_refused_upload_does_not_repaint_the_export_bar(tmp_path):
 
 def test_a_stopped_panel_shows_no_eta_or_live_rate(tmp_path):
     ds, panel = _stopped_midway(tmp_path)
-    assert panel.eta_label.value.startswith("stopped after ") and "ETA" not in panel.eta_label.value
-    assert panel.rate_label.value.startswith("average ")
+    idle = ("512/3,000 samples", f"{panel.counts[1]}")
+    assert panel.counts == idle and panel.counts[1].endswith(" stored")
     rate, elapsed = panel.job.callback.rate(), panel.job.callback.elapsed()
     panel._render_progress(panel.job.callback)  # a late redraw changes nothing: the clock stopped
-    assert panel.rate_label.value.startswith("average ") and panel.eta_label.value.startswith("stopped after ")
+    assert panel.counts == idle and "ETA" not in panel.counters.value
     assert (panel.job.callback.rate(), panel.job.callback.elapsed()) == (rate, elapsed)
     panel.warmup_button.click()
     assert panel.wait(timeout=60)
-    assert panel.eta_label.value.startswith("took ") and panel.rate_label.value.startswith("average ")
+    assert panel.counts == ("3,000/3,000 samples", panel.counts[1]) and "samples/s" not in panel.counters.value
 
 
 def test_resume_starts_the_bar_from_the_cached_fraction(tmp_path):
     ds, panel = _stopped_midway(tmp_path, tar_path=str(tmp_path / "x.tar"))
-    panel.run("export")  # the bar now shows the export (100%)
+    panel.run("export")
+    assert (panel.progress.description, panel.progress.value) == ("Cache", pytest.approx(512 / 3000))
     seen = []
     panel.progress.observe(lambda change: seen.append(change["new"]), names="value")
     panel.run("warmup")
     assert seen and min(seen) >= 512 / 3000, seen[:5]  # never back to 0%
-    assert seen[0] == pytest.approx(512 / 3000) and panel.progress.value == 1.0
+    assert panel.progress.value == 1.0
     assert panel.progress.description == "Cache"
 
 
@@ -439,6 +442,8 @@ def test_layout_has_no_fixed_widths(tmp_path):
     widths = [(type(w).__name__, w.layout.width) for w in walk(panel.widget) if w.layout.width]
     assert widths and not [w for w in widths if w[1].endswith("px")], widths
     rows = [w for w in walk(panel.widget) if type(w).__name__ == "HBox"]
-    assert rows and all(r.layout.flex_flow == "row wrap" for r in rows)
+    bar = next(r for r in rows if panel.progress in r.children)
+    assert bar.layout.flex_flow == "row nowrap" and bar.children == (panel.progress, panel.percent_label)
+    assert all(r.layout.flex_flow == "row wrap" for r in rows if r is not bar)
     for b in (panel.warmup_button, panel.stop_button, panel.export_button, panel.upload_button):
         assert b.layout.width == "auto" and b.layout.min_width.endswith("em")
