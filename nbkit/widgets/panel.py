@@ -376,7 +376,8 @@ class WarmupPanel(View):
 
     def text(self) -> str:
         """The panel as one line of text (what a terminal shows)."""
-        return "nbkit: " + "  ".join(p for p in (*self.counts, self.status_text()) if p)
+        counts = self.counts if self.running else self.counts[:1]  # an idle status says what is stored
+        return "nbkit: " + "  ".join(p for p in (*counts, self.status_text()) if p)
 
     @property
     def counts(self) -> tuple:

@@ -212,7 +212,7 @@ def test_terminal_display_prints_a_text_line(tmp_path, capsys):
     ds = nbkit.CachedDataset(TupleSource(600), str(tmp_path / "c"))
     panel = WarmupPanel(ds)
     panel._ipython_display_()
-    assert capsys.readouterr().out.strip() == "nbkit: 0/600 samples  0 B stored  Ready: 600 of 600 samples to compute. Click Warm up."
+    assert capsys.readouterr().out.strip() == "nbkit: 0/600 samples  Ready: 600 of 600 samples to compute. Click Warm up."
     panel.warmup_button.click()
     assert panel.wait(timeout=60)
     err = capsys.readouterr().err
@@ -447,3 +447,88 @@ def test_layout_has_no_fixed_widths(tmp_path):
     assert all(r.layout.flex_flow == "row wrap" for r in rows if r is not bar)
     for b in (panel.warmup_button, panel.stop_button, panel.export_button, panel.upload_button):
         assert b.layout.width == "auto" and b.layout.min_width.endswith("em")
+
+
+# -- what the bar and texts say in every state (issue 21, point 8) ---------------------------------------
+
+
+def _says(panel) -> str:
+    return " | ".join((panel.progress.description, panel.percent_label.value, *panel.counts, panel.status_text()))
+
+
+def _idle_truths(panel, ds):
+    """An idle panel's bar is the cache (labelled so) and its counts line holds no live numbers."""
+    stats = ds.stats
+    says = _says(panel)
+    assert panel.progress.description == "Cache" and panel.progress.value == pytest.approx(stats.cached / stats.total), says
+    assert panel.counts == (f"{stats.cached:,}/{stats.total:,} samples", panel.counts[1]), says
+    assert panel.counts[1].endswith(" stored"), says
+    assert "–" not in panel.counters.value and "ETA" not in says and "/s" not in " ".join(panel.counts), says
+    assert "Warmup:" not in says and ".)." not in says and says.count("to resume") <= 1, says
+
+
+def test_every_idle_state_shows_the_cache_and_what_is_true(tmp_path):
+    complete = _filled(tmp_path, name="complete")
+    panel = WarmupPanel(complete, tar_path=str(tmp_path / "x.tar"))  # idle, complete cache
+    _idle_truths(panel, complete)
+    assert panel.progress.bar_style == "success"
+    panel.run("export")  # after export: the bar is the cache again, the status the export's outcome
+    _idle_truths(panel, complete)
+    assert panel.status_text().startswith("Exported ") and panel.progress.bar_style == "success"
+
+    partial = nbkit.CachedDataset(TupleSource(1000), str(tmp_path / "partial"))
+    partial.warmup(chunk_size=100, callback=_StopAfter(3))
+    panel = WarmupPanel(partial)  # idle, partial, with its source
+    _idle_truths(panel, partial)
+    assert panel.status_text() == "Ready: 700 of 1,000 samples to compute. Click Warm up."
+    assert panel.progress.bar_style == ""
+
+    ds, panel = _stopped_midway(tmp_path / "stopped")  # stopped
+    _idle_truths(panel, ds)
+    assert panel.status_text() == "The warmup stopped at 512 of 3,000 samples. Click Warm up to resume."
+    assert panel.progress.bar_style == "warning"
+
+    source = FailingSource(1000, bad=700)
+    failing = nbkit.CachedDataset(source, str(tmp_path / "failing"))
+    source.armed = True
+    panel = WarmupPanel(failing)
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60) and panel.state is PanelState.ERROR  # failed
+    _idle_truths(panel, failing)
+    assert panel.progress.bar_style == "danger" and "source image 700 is unreadable" in panel.status_text()
+
+
+def test_a_partial_cache_without_source_is_said_plainly(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(1000), str(tmp_path / "c"))
+    ds.warmup(chunk_size=100, callback=_StopAfter(3))
+    panel = WarmupPanel(nbkit.CachedDataset.open(str(tmp_path / "c")))
+    assert panel.status_text().startswith(
+        "This cache holds 300 of 1,000 samples; training will stop at the first missing one. Warm up is off:")
+    assert "#a15c00" in panel.status.value  # amber: usable, but not whole
+
+
+def test_while_it_runs_the_status_says_what_it_does_once(tmp_path):
+    source = GatedSource(3000)
+    ds = nbkit.CachedDataset(source, str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    source.at = 300
+    panel.warmup_button.click()
+    assert source.reached.wait(timeout=60)
+    panel._render_progress(panel.job.callback)  # what the next throttled redraw shows
+    try:
+        assert panel.status_text() == "Warming up…"
+        assert panel.progress.description == "Cache" and panel.counts[0] == "256/3,000 samples"
+        assert panel.counts[1].endswith("samples/s") and panel.counts[2].startswith("ETA ")
+    finally:
+        source.release.set()
+        assert panel.wait(timeout=60)
+
+
+def test_the_counts_line_wraps_between_whole_units(tmp_path):
+    panel = WarmupPanel(_filled(tmp_path))
+    spans = re.findall(r"<span style='([^']*)'>([^<]*)</span>", panel.counters.value)
+    assert [text for _, text in spans] == [f"{panel.counts[0]}&nbsp;·", panel.counts[1]]
+    assert all("white-space:nowrap" in style and "inline-block" in style for style, _ in spans)
+    # The title: the path may break inside itself (when longer than the line), its counts may not.
+    title = re.findall(r"<span style='(display:[^']*)'>", panel.title.value)
+    assert len(title) == 3 and "nowrap" not in title[0] and all("nowrap" in t for t in title[1:])
