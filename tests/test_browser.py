@@ -5,7 +5,7 @@
   ipywidgets 8** and the **classic Notebook 6 with ipywidgets 7.7.1** (Colab's widget version):
   Run All; the click-through Warm up → Stop → Export tar → the remaining cells; Upload with an
   empty URL → the remaining cells; Stop while a cell blocks in ``panel.wait()``; screenshots of the
-  panel and the meter at 600, 1000 and 1400 px, and nothing cut at 600 px.
+  panel and the meter at 400, 600, 1000 and 1400 px, and nothing cut at 400 or 600 px.
 
 The front ends and the driver are in ``tests/frontends.py``. Run alone:
 ``PJRT_DEVICE=CPU .venv/bin/python -m pytest tests/test_browser.py`` (the first run also builds the
@@ -48,7 +48,9 @@ STOPPABLE_SAMPLES = 12_000
 # of LONG_SAMPLES takes many times longer, so a click queued behind the cell cannot pass.
 STOP_WITHIN_S = 8
 LONG_SAMPLES = 60_000
-WIDTHS = (600, 1000, 1400)
+WIDTHS = (400, 600, 1000, 1400)
+# Where nothing may be cut: a phone or Colab's side panel (400 px), a small window (600 px).
+NARROW = (400, 600)
 STOPPED = re.compile(r"(?i)\bstopped\b")
 
 
@@ -332,15 +334,17 @@ def test_02_run_all(ran_02):
         raise
 
 
-def test_02_screenshots_and_nothing_cut_at_600px(ran_02):
-    """Screenshots of the panel and the meter at each width; at 600 px no label is cut or wrapped."""
+def test_02_screenshots_and_nothing_cut_at_400_or_600px(ran_02):
+    """Screenshots of the panel and the meter at each width; at 400 and 600 px nothing is cut, split
+    mid-word, hidden in a scroller without a scrollbar, or left alone at a line's start."""
     nb, error = ran_02
     panel, meter = nb.index("WarmupPanel("), nb.index("HitRateMeter(")
     problems = {}
     for width in WIDTHS:
         for name, index in (("warmup-panel", panel), ("hit-rate-meter", meter)):
             nb.screenshot(index, SCREENSHOTS / f"{nb.server.kind}-{name}-{width}.png", width)
-            if width == 600:
-                problems[name] = clipped(nb.output(index))
+            if width in NARROW:
+                problems[f"{name} at {width} px"] = clipped(nb.output(index))
     assert error is None, f"the screenshots show a failed run: {error}"
-    assert not any(problems.values()), f"cut at 600 px in {nb.server.kind}: {problems}"
+    problems = {k: v for k, v in problems.items() if v}
+    assert not problems, f"cut in {nb.server.kind}: {problems}"
