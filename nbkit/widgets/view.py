@@ -41,7 +41,9 @@ def in_kernel() -> bool:
 def status_html(text: str, color: str = GREY, *, bold: bool = False) -> str:
     """One status line as HTML: ``text`` escaped, in ``color``."""
     weight = "bold" if bold else "normal"
-    return f'<span style="color:{color};font-weight:{weight}">{html.escape(text)}</span>'
+    # Lines break between words (a word longer than the line, e.g. a long path, breaks inside itself).
+    return (f'<div style="white-space:normal;word-break:normal;overflow-wrap:break-word;line-height:1.5">'
+            f'<span style="color:{color};font-weight:{weight}">{html.escape(text)}</span></div>')
 
 
 class View:
