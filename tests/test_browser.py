@@ -209,6 +209,19 @@ def _wait_for_job_end(nb: Notebook, panel: int, before: str, timeout: float = 60
            timeout, "the operation's end", lambda: nb.widget_text(panel))
 
 
+def _bar_label(nb: Notebook, panel: int) -> str:
+    """The label of the panel's bar: what the bar measures ("Cache", or the running transfer)."""
+    return nb.output(panel).locator(".widget-hprogress .widget-label").first.inner_text().strip()
+
+
+def _idle_panel_is_true(nb: Notebook, panel: int):
+    """An idle panel's bar is the cache, and no live number (a rate, an ETA) is left on it."""
+    text = nb.widget_text(panel)
+    assert _bar_label(nb, panel) == "Cache", text
+    assert "ETA" not in text and "–" not in text and "/s" not in text, text
+    assert "Warmup:" not in text and ".)." not in text, text
+
+
 def _cache(nb: Notebook):
     import nbkit
 
@@ -231,9 +244,15 @@ def test_02_click_through_warmup_stop_export_then_the_rest(open_02, tmp_path):
     stats = _cache(nb).stats
     assert 0 < stats.cached < stats.total, f"harness: Stop did not land mid-way ({stats}); raise STOPPABLE_SAMPLES"
 
+    _until(lambda: nb.button(panel, "Stop").is_disabled(), 30, "the stopped warmup's end", lambda: nb.widget_text(panel))
+    _idle_panel_is_true(nb, panel)
+    assert re.search(r"The warmup stopped at [\d,]+ of 12,000 samples\. Click Warm up to resume\.", nb.widget_text(panel))
+
     before = nb.widget_text(panel)
     nb.click(panel, "Export tar")
     _wait_for_job_end(nb, panel, before)
+    _idle_panel_is_true(nb, panel)  # the bar shows the (partial) cache again, not "Export 100%"
+    assert "partial" in nb.widget_text(panel)
 
     nb.run(panel + 1)
     nb.wait_all(timeout=300)  # every cell ran without an error, training included (bounded: no hang)
@@ -265,6 +284,10 @@ def test_02_upload_with_an_empty_url_then_the_rest(open_02):
 
     nb.run(panel + 1)
     nb.wait_all(timeout=300)  # no cell re-raises the Upload error
+    _, waits = _landmarks(nb)
+    printed = nb.text(waits)  # the warmup cell: the warmup's own outcome, not the panel's last status
+    assert re.search(r"^warmup: [\d,]+ samples computed in [\d.]+ s$", printed, re.M), printed
+    assert "Upload" not in printed and "Error" not in printed, printed
 
 
 def test_02_stop_while_a_cell_waits_for_the_panel(open_02):
@@ -287,6 +310,9 @@ def test_02_stop_while_a_cell_waits_for_the_panel(open_02):
         f"{took:.1f}s (the click waits behind the running cell); the panel shows:\n{text}\n"
         f"cell {waits} printed:\n{nb.text(waits)[-3000:]}")
     assert (nb.progress(panel) or 0) < 100, f"the warmup ran to the end before it stopped:\n{text}"
+    error = _until(lambda: nb.error(waits), 30, f"cell {waits}'s error", lambda: nb.text(waits))
+    assert re.fullmatch(r"RuntimeError: The warmup stopped at [\d,]+ of 60,000 samples\. "
+                        r"Run this cell again to resume\.", error), error
 
 
 @pytest.fixture(scope="module", params=["lab", "classic"])
@@ -325,6 +351,8 @@ def test_02_run_all(ran_02):
     try:
         assert nb.progress(panel) == 100, nb.widget_text(panel)
         assert _cache(nb).stats.complete
+        _idle_panel_is_true(nb, panel)  # after the export cell: the cache's fill, not "Export 100%"
+        assert "cache complete: True" in nb.text(nb.index('panel.run("warmup")'))
         meter = nb.index("HitRateMeter(")
         assert "hit rate" in nb.widget_text(meter).lower()
     except AssertionError:

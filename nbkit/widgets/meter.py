@@ -85,9 +85,10 @@ class HitRateMeter(View):
         # line of whole units per epoch where its columns would not fit (_TABLE_CSS). No scroller:
         # one without a visible scrollbar hides columns.
         self.rate_bar = _w.FloatProgress(value=0.0, min=0.0, max=1.0,
-                                         layout=_w.Layout(width="300px", max_width="100%"))
+                                         layout=_w.Layout(width="auto", flex="0 1 300px", min_width="6em"))
         self.counts_label = _w.HTML()
-        self.table = _w.HTML(layout=_w.Layout(width="100%"))
+        # As wide as the meter (its margin taken off), so that the table's container query sees that width.
+        self.table = _w.HTML(layout=_w.Layout(width="100%", margin="0"))
         self.widget = _w.VBox([_w.HBox([self.headline, self.rate_bar], layout=_w.Layout(flex_flow="row wrap")),
                                self.counts_label, self.table], layout=_w.Layout(max_width="100%"))
         self._render(time.perf_counter())
@@ -227,7 +228,7 @@ class HitRateMeter(View):
 _TABLE_CSS = (
     ".nbkit-epochs-box{container-type:inline-size}"
     "@container (max-width: 420px){"
-    ".nbkit-epochs thead{display:none}"
+    ".nbkit-epochs,.nbkit-epochs tbody{display:block}.nbkit-epochs thead{display:none}"
     ".nbkit-epochs tr{display:block;margin:0 0 3px 0}"
     ".nbkit-epochs td{display:inline-block;padding:0 0.25em 0 0 !important}"
     ".nbkit-epochs td:nth-child(1)::before{content:'epoch '}"

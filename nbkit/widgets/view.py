@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import html
+import re
 import sys
 
 from nbkit.extras import require
@@ -41,9 +42,15 @@ def in_kernel() -> bool:
 def status_html(text: str, color: str = GREY, *, bold: bool = False) -> str:
     """One status line as HTML: ``text`` escaped, in ``color``."""
     weight = "bold" if bold else "normal"
-    # Lines break between words (a word longer than the line, e.g. a long path, breaks inside itself).
+    # Lines break between words, never at a path's "-" or "/"; only a word longer than a narrow
+    # line (a long URL) may break inside itself.
+    words = re.sub(r"(?<!\S)\S{1,40}(?!\S)", lambda m: _nowrap(m.group(0)), html.escape(text))
     return (f'<div style="white-space:normal;word-break:normal;overflow-wrap:break-word;line-height:1.5">'
-            f'<span style="color:{color};font-weight:{weight}">{html.escape(text)}</span></div>')
+            f'<span style="color:{color};font-weight:{weight}">{words}</span></div>')
+
+
+def _nowrap(word: str) -> str:
+    return f"<span style='white-space:nowrap'>{word}</span>" if re.search(r"[-/]", word) else word
 
 
 class View:
