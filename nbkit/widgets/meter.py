@@ -24,7 +24,7 @@ import time
 from nbkit.stats import EpochCounter, EpochStats
 from nbkit.text import Table, format_count, format_percent, format_seconds
 
-from .view import GREY, View, in_kernel, ipywidgets as _w
+from .view import GREY, View, in_kernel, ipywidgets as _w, units_html
 
 __all__ = ["HitRateMeter"]
 
@@ -172,15 +172,15 @@ class HitRateMeter(View):
         cur, tot = self.current, self.overall()
         self.headline.value = (
             f"<b>Hit rate</b> epoch {cur.epoch}: <b>{_pct(cur)}</b>"
-            f" <span style='color:{GREY}'>· overall {_pct(tot)}</span>&nbsp;"
+            f" <span style='color:{GREY};white-space:nowrap'>· overall {_pct(tot)}</span>&nbsp;"
         )
         self.rate_bar.value = cur.hit_rate
         self.rate_bar.bar_style = "success" if cur.reads and cur.hit_rate >= 0.999 else "info"
         budget = self._budget()
-        self.counts_label.value = (
-            f"hits {format_count(tot.hits)} · misses {format_count(tot.misses)} · {format_count(cur.rate)} samples/s this epoch"
-            + (f" · {budget}" if budget else "")
-        )
+        self.counts_label.value = units_html(
+            [f"hits {format_count(tot.hits)}", f"misses {format_count(tot.misses)}", f"{format_count(cur.rate)} samples/s this epoch"],
+            color="",
+        ) + (f"<div style='white-space:normal'>{budget}</div>" if budget else "")  # a sentence: it may wrap
         table = self._table().html(
             css_class="nbkit-epochs", style="border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:92%",
             cell_style="padding:1px 4px;white-space:nowrap", column_styles=("",) * 6 + (f"color:{GREY}",),

@@ -29,7 +29,7 @@ from nbkit.progress import Callback, Job, JobState, TextProgress
 from nbkit.text import format_amount, format_bytes, format_count, format_rate, format_seconds
 
 from .poll import wait_until, why_not_live
-from .view import AMBER, GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html
+from .view import AMBER, GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html, units_html
 
 __all__ = ["WarmupPanel", "PanelState", "OPERATIONS"]
 
@@ -405,7 +405,7 @@ class WarmupPanel(View):
         fill = f"<span style='color:{GREEN}'>complete</span>" if stats.complete else f"{format_count(stats.cached)} cached"
         path = html.escape(str(getattr(self.ds, "path", "")))
         # Only a path too long for the line breaks inside itself; the counts wrap as whole units.
-        self.title.value = _units_html(
+        self.title.value = units_html(
             [f"<b>nbkit cache</b> <code style='overflow-wrap:anywhere'>{path}</code>",
              f"{format_count(stats.total)} samples", fill],
             path_first=True,
@@ -413,7 +413,7 @@ class WarmupPanel(View):
 
     def _show_counts(self, *units: str) -> None:
         self._counts = tuple(u for u in units if u)
-        self.counters.value = _units_html([html.escape(u) for u in self._counts], color=GREY)
+        self.counters.value = units_html([html.escape(u) for u in self._counts], color=GREY)
 
     def _show_fill(self, stats) -> None:
         """The bar as the cache's fill, and the counts line as what the cache holds."""
@@ -595,20 +595,6 @@ def partial_text(stats) -> str:
     """
     return (f"This cache holds {format_count(stats.cached)} of {format_count(stats.total)} samples; "
             "training will stop at the first missing one.")
-
-
-def _units_html(units, *, color: str = GREY, path_first: bool = False) -> str:
-    """Units (HTML) joined by " · ", each kept whole on one line: a narrow screen wraps between
-    units, never inside one, and a separator never starts a line. ``path_first``: the first unit
-    holds a path, which may break inside itself when it is longer than the line."""
-    spans = []
-    for i, unit in enumerate(units):
-        style = "display:inline-block" if i or not path_first else "display:inline"
-        style += "" if i == 0 and path_first else ";white-space:nowrap"
-        style += f";color:{color}" if i or not path_first else ""
-        sep = "&nbsp;·" if i < len(units) - 1 else ""
-        spans.append(f"<span style='{style}'>{unit}{sep}</span>")
-    return "<div style='white-space:normal;line-height:1.6'>" + " ".join(spans) + "</div>"
 
 
 def _floor_percent(done, total) -> int:

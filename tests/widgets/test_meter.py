@@ -31,7 +31,7 @@ def test_meter_tracks_the_filling_epoch_and_the_later_ones(tmp_path):
     assert [e.filling for e in meter.epochs] == [True, False, False]
     assert meter.current.hit_rate == 1.0 and meter.overall().hit_rate == pytest.approx(2 / 3)
     assert "epoch 3: <b>100.0%</b>" in meter.headline.value and "overall 66.7%" in meter.headline.value
-    assert meter.counts_label.value.startswith("hits 1,200 · misses 600 · ")
+    assert re.sub(r"<[^>]+>", "", meter.counts_label.value).startswith("hits 1,200 · misses 600 · ")
     assert meter.rate_bar.value == 1.0
     table = meter.table.value
     assert table.count("<tr>") == 4  # header + 3 epochs

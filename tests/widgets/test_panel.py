@@ -527,7 +527,7 @@ def test_while_it_runs_the_status_says_what_it_does_once(tmp_path):
 def test_the_counts_line_wraps_between_whole_units(tmp_path):
     panel = WarmupPanel(_filled(tmp_path))
     spans = re.findall(r"<span style='([^']*)'>([^<]*)</span>", panel.counters.value)
-    assert [text for _, text in spans] == [f"{panel.counts[0]}&nbsp;·", panel.counts[1]]
+    assert [text for _, text in spans] == [f"{panel.counts[0]} ·", panel.counts[1]]
     assert all("white-space:nowrap" in style and "inline-block" in style for style, _ in spans)
     # The title: the path may break inside itself (when longer than the line), its counts may not.
     title = re.findall(r"<span style='(display:[^']*)'>", panel.title.value)
