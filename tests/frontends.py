@@ -46,7 +46,7 @@ DOCS_SCREENSHOTS = REPO / "docs" / "screenshots"
 # The screenshots ``update-docs`` copies into docs/screenshots/ (the README shows the 600 px ones).
 DOCS_CHOICE = [
     f"{frontend}-{what}-{width}.png"
-    for frontend in ("lab", "classic") for what in ("warmup-panel", "hit-rate-meter") for width in (600, 1000, 1400)
+    for frontend in ("lab", "classic") for what in ("warmup-panel", "hit-rate-meter") for width in (400, 600, 1000, 1400)
 ]
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 

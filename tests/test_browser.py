@@ -216,6 +216,9 @@ def _bar_label(nb: Notebook, panel: int) -> str:
 
 def _idle_panel_is_true(nb: Notebook, panel: int):
     """An idle panel's bar is the cache, and no live number (a rate, an ETA) is left on it."""
+    # The front end applies the kernel's last updates a moment after the job's end: wait for them.
+    _until(lambda: not nb.widget_text(panel).rstrip().endswith("…"), 30, "the operation's end",
+           lambda: nb.widget_text(panel))
     text = nb.widget_text(panel)
     assert _bar_label(nb, panel) == "Cache", text
     assert "ETA" not in text and "–" not in text and "/s" not in text, text
