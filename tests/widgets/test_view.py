@@ -113,7 +113,7 @@ def test_in_a_kernel_both_widgets_render_as_widgets(tmp_path, monkeypatch):
         for epoch in range(2):
             for batch in meter.track(loader):
                 pass
-        print(panel.state.value, panel.done_label.value, [(e.hits, e.misses) for e in meter.epochs])
+        print(panel.state.value, panel.counts[0], [(e.hits, e.misses) for e in meter.epochs])
         import ipywidgets; print(ipywidgets.__version__)
         """
     )
