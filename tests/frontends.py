@@ -492,6 +492,12 @@ CLIPPED_JS = """root => {
             const tops = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
             if (tops.size > 1) problems.push(`split across lines: "${m[0]}" in ${describe(el)}`);
         }
+        const dot = node.data.indexOf('·');
+        if (dot >= 0 && !node.data.slice(0, dot).trim()) {  // a text that starts with a separator
+            const range = document.createRange(); range.setStart(node, dot); range.setEnd(node, dot + 1);
+            const box = range.getBoundingClientRect(), line = (el.closest('.widget-html-content, .widget-label, td, li') || el).getBoundingClientRect();
+            if (box.width > 0 && box.left - line.left < 2) problems.push(`"·" starts a line in ${describe(el)}`);
+        }
     }
     for (const el of root.querySelectorAll('.widget-label, .widget-html-content span')) {
         const text = el.innerText.trim();

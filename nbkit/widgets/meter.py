@@ -170,9 +170,10 @@ class HitRateMeter(View):
         self._last_render = now
         self.renders += 1
         cur, tot = self.current, self.overall()
+        # Two units; the "·" ends the first, so it never starts a line.
         self.headline.value = (
-            f"<b>Hit rate</b> epoch {cur.epoch}: <b>{_pct(cur)}</b>"
-            f" <span style='color:{GREY};white-space:nowrap'>· overall {_pct(tot)}</span>&nbsp;"
+            f"<span style='white-space:nowrap'><b>Hit rate</b> epoch {cur.epoch}: <b>{_pct(cur)}</b> ·</span>"
+            f" <span style='color:{GREY};white-space:nowrap'>overall {_pct(tot)}</span>&nbsp;"
         )
         self.rate_bar.value = cur.hit_rate
         self.rate_bar.bar_style = "success" if cur.reads and cur.hit_rate >= 0.999 else "info"

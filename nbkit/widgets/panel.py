@@ -443,7 +443,7 @@ class WarmupPanel(View):
         if stats.complete:
             self._set_status(f"Cache complete: {format_count(total)} samples, {format_bytes(stats.bytes)} stored.", GREEN, bold=True)
         elif self.ds.source is None:
-            self._set_status(f"{partial_text(stats)} {self._warmup_unavailable(stats)}", AMBER)
+            self._set_status(f"{_partial_text(stats)} {self._warmup_unavailable(stats)}", AMBER)
         else:
             missing = format_count(total - int(stats.cached))
             self._set_status(f"Ready: {missing} of {format_count(total)} samples to compute. Click Warm up.")
@@ -585,12 +585,12 @@ _BUTTON = {"warmup": "Warm up", "export": "Export tar", "upload": "Upload"}
 _ENDED = frozenset({"done", "stopped", "already complete", "up to date", "exported", "pushed", "pulled", "imported"})
 
 
-def partial_text(stats) -> str:
+def _partial_text(stats) -> str:
     """What a partly filled cache holds, plainly, for where it is opened.
 
     Example:
         >>> from types import SimpleNamespace
-        >>> partial_text(SimpleNamespace(total=60000, cached=10240))
+        >>> _partial_text(SimpleNamespace(total=60000, cached=10240))
         'This cache holds 10,240 of 60,000 samples; training will stop at the first missing one.'
     """
     return (f"This cache holds {format_count(stats.cached)} of {format_count(stats.total)} samples; "
