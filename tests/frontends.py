@@ -46,7 +46,7 @@ DOCS_SCREENSHOTS = REPO / "docs" / "screenshots"
 # The screenshots ``update-docs`` copies into docs/screenshots/ (the README shows the 600 px ones).
 DOCS_CHOICE = [
     f"{frontend}-{what}-{width}.png"
-    for frontend in ("lab", "classic") for what in ("warmup-panel", "hit-rate-meter") for width in (600, 1000, 1400)
+    for frontend in ("lab", "classic") for what in ("warmup-panel", "hit-rate-meter") for width in (400, 600, 1000, 1400)
 ]
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -453,23 +453,64 @@ class Notebook:
         return path
 
 
-# What a narrow screen must not do to a widget: labels cut, text clipped, table cells wrapped.
+# What a narrow screen must not do to a widget: labels cut, text clipped, a sideways scroller with no
+# visible scrollbar, a word split across lines, table cells wrapped, a separator or a percent alone at
+# the start of a line (rows wrap as units), a panel far narrower than the output area it sits in.
 CLIPPED_JS = """root => {
     const problems = [], describe = el => `${el.tagName.toLowerCase()}.${[...el.classList].join('.')} "${el.innerText.trim().slice(0, 40)}"`;
+    const shown = el => el.offsetParent !== null && el.getClientRects().length > 0;
     const lines = el => {
         const range = document.createRange(); range.selectNodeContents(el);
         return new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top))).size;
     };
     for (const el of root.querySelectorAll('button, .widget-label, .widget-readout, .widget-inline-hbox .widget-html-content')) {
-        if (el.offsetParent === null || !el.innerText.trim()) continue;
+        if (!shown(el) || !el.innerText.trim()) continue;
         if (el.scrollWidth > el.clientWidth + 1) problems.push(`cut: ${describe(el)} (${el.scrollWidth} > ${el.clientWidth} px)`);
     }
     const edge = root.getBoundingClientRect().right;
     for (const el of root.querySelectorAll('button, .widget-label, .widget-readout, .widget-html-content, .widget-hprogress, input, table')) {
-        if (el.offsetParent !== null && el.getBoundingClientRect().right > edge + 1) problems.push(`past the right edge: ${describe(el)}`);
+        if (shown(el) && el.getBoundingClientRect().right > edge + 1) problems.push(`past the right edge: ${describe(el)}`);
     }
     for (const el of root.querySelectorAll('.widget-html table')) {
         for (const cell of el.querySelectorAll('td, th')) if (cell.innerText.trim() && lines(cell) > 1) problems.push(`wraps: ${describe(cell)}`);
+    }
+    for (const el of root.querySelectorAll('*')) {
+        if (!shown(el) || el.scrollWidth <= el.clientWidth + 1 || !el.innerText.trim()) continue;
+        const style = getComputedStyle(el);
+        if (style.overflowX === 'visible') continue;
+        const bar = el.offsetHeight - el.clientHeight - parseFloat(style.borderTopWidth) - parseFloat(style.borderBottomWidth);
+        if (style.overflowX === 'hidden' || style.overflowX === 'clip' || bar < 4)
+            problems.push(`hidden scroller: ${describe(el)} (${el.scrollWidth} > ${el.clientWidth} px, scrollbar ${bar} px)`);
+    }
+    const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        const el = node.parentElement;
+        if (!el || !shown(el)) continue;
+        for (const m of node.data.matchAll(/\\S+/g)) {
+            const range = document.createRange();
+            range.setStart(node, m.index); range.setEnd(node, m.index + m[0].length);
+            const tops = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+            if (tops.size > 1) problems.push(`split across lines: "${m[0]}" in ${describe(el)}`);
+        }
+        const dot = node.data.indexOf('·');
+        if (dot >= 0 && !node.data.slice(0, dot).trim()) {  // a text that starts with a separator
+            const range = document.createRange(); range.setStart(node, dot); range.setEnd(node, dot + 1);
+            const box = range.getBoundingClientRect(), line = (el.closest('.widget-html-content, .widget-label, td, li') || el).getBoundingClientRect();
+            if (box.width > 0 && box.left - line.left < 2) problems.push(`"·" starts a line in ${describe(el)}`);
+        }
+    }
+    for (const el of root.querySelectorAll('.widget-label, .widget-html-content span')) {
+        const text = el.innerText.trim();
+        if (!shown(el) || !(text === '·' || /^\\d+%$/.test(text))) continue;
+        const box = el.getBoundingClientRect(), parent = el.parentElement.getBoundingClientRect();
+        if (box.left - parent.left < 2) problems.push(`alone at the start of a line: ${describe(el)}`);
+    }
+    for (const el of root.querySelectorAll('.widget-vbox')) {
+        if (!shown(el) || (el.parentElement && el.parentElement.closest('.widget-vbox, .widget-hbox'))) continue;
+        const width = el.getBoundingClientRect().width, room = el.parentElement.getBoundingClientRect().width;
+        const max = getComputedStyle(el).maxWidth;
+        if (width < 0.9 * Math.min(room, max.endsWith('px') ? parseFloat(max) : room))
+            problems.push(`narrow: ${describe(el)} is ${Math.round(width)} px in ${Math.round(room)} px`);
     }
     return problems;
 }"""

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import errno
 import gc
+import html
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -373,12 +375,17 @@ def test_panel_shows_size_on_disk_and_where_working_copies_live(tmp_path, cache_
     ds = nbkit.CachedDataset(TensorDataset(torch.randn(64, 8)), str(tmp_path / "local"))
     ds.warmup()
     panel = WarmupPanel(ds)
-    text = panel.disk_label.value
+    text = _shown(panel.disk_label.value)
     assert text.startswith(f"{nbkit.text.format_bytes(ds.stats.disk_bytes)} on disk in {ds.root}. ")
     assert str(cache_dir) in text and "nbkit prune" in text
     assert panel.disk_label in panel.widget.children
     remote = nbkit.CachedDataset(TensorDataset(torch.randn(64, 8)), "memory://nbkit-disk-test/panel")
-    assert f"on disk in the working copy {remote.root}" in WarmupPanel(remote).disk_label.value
+    assert f"on disk in the working copy {remote.root}" in _shown(WarmupPanel(remote).disk_label.value)
+
+
+def _shown(markup: str) -> str:
+    """The text an HTML widget shows."""
+    return html.unescape(re.sub(r"<[^>]+>", "", markup))
 
 
 def test_an_unreadable_cache_or_a_missing_root_is_reported(tmp_path, cache_dir):

@@ -19,6 +19,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import nbkit
+
 from fixtures_gcs import gcs, gcs_server  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,6 +160,50 @@ def test_02_cache_mnist_tar_path(tmp_path):
     # The reopened copy is a complete cache of its own, unpacked from the tar.
     meta = json.loads((tmp_path / "work" / "cache" / "mnist-reopened" / "nbkit.json").read_text())
     assert meta["length"] == 3000
+
+
+def test_02_another_dataset_gets_its_own_cache_and_tar(tmp_path):
+    """The form's cache_dir and tar_path follow the dataset: FashionMNIST after MNIST (whose cache is
+    already at cache/mnist) runs through instead of stopping at StaleCacheError."""
+    import torchvision.transforms as T
+    from nbkit.bench import mnist_like
+
+    work = tmp_path / "work"
+    work.mkdir()
+    transform = T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))])
+    mnist = mnist_like("MNIST", str(work / "data"), transform=transform, download=False, offline_samples=3000)
+    nbkit.CachedDataset(mnist, str(work / "cache" / "mnist")).warmup()  # what the MNIST run left
+    _, out = execute("02_cache_mnist", tmp_path, dataset="FashionMNIST")
+    assert "cache/fashionmnist: 0 of 3,000 samples cached" in out, out
+    assert "reopened from export/fashionmnist-cache.tar: 3,000 samples" in out
+    assert nbkit.CachedDataset.open(str(work / "cache" / "mnist")).stats.complete  # the MNIST cache is untouched
+
+
+def test_02_says_plainly_that_a_reopened_cache_is_partial(tmp_path, capsys):
+    """The reopen cell, given a tar of a partial cache (exported after Stop), says what it holds."""
+    import shutil
+
+    from sources import TupleSource
+
+    ds = nbkit.CachedDataset(TupleSource(12_000), str(tmp_path / "cache"))
+    ds.warmup(chunk_size=10_240, callback=_StopAfterFirstChunk())
+    assert ds.stats.cached == 10_240
+    nbkit.export_tar(ds.root, str(tmp_path / "partial.tar"))
+    nb = nbformat.read(str(REPO / "notebooks" / "02_cache_mnist.ipynb"), as_version=4)
+    cell = next(c.source for c in nb.cells if c.cell_type == "code" and "CachedDataset.open(reopened_dir)" in c.source)
+    exec(cell, {"nbkit": nbkit, "shutil": shutil, "cache_path": str(tmp_path / "cache"), "upload_to": "",
+                "tar_file": str(tmp_path / "partial.tar"), "storage_options": {}})
+    out = capsys.readouterr().out
+    assert ("partial: this cache holds 10,240 of 12,000 samples; training will stop at the first missing one"
+            in out), out
+
+
+class _StopAfterFirstChunk(nbkit.Callback):
+    """A warmup callback that asks to stop once the first chunk is stored."""
+
+    def relative_update(self, inc=1):
+        super().relative_update(inc)
+        self.request_stop()
 
 
 def test_02_cache_mnist_through_gcs(tmp_path, gcs):  # noqa: F811

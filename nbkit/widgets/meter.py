@@ -24,7 +24,7 @@ import time
 from nbkit.stats import EpochCounter, EpochStats
 from nbkit.text import Table, format_count, format_percent, format_seconds
 
-from .view import GREY, View, in_kernel, ipywidgets as _w
+from .view import GREY, View, in_kernel, ipywidgets as _w, units_html
 
 __all__ = ["HitRateMeter"]
 
@@ -81,15 +81,16 @@ class HitRateMeter(View):
 
         self.headline = _w.HTML()
         # Narrow screens (a phone, Colab's side panel): the bar shrinks and wraps under the headline,
-        # the counts line wraps (an HTML, where a Label would clip it), the table is narrow and its box
-        # scrolls sideways on a screen narrower still.
+        # the counts line wraps (an HTML, where a Label would clip it), and the table turns into one
+        # line of whole units per epoch where its columns would not fit (_TABLE_CSS). No scroller:
+        # one without a visible scrollbar hides columns.
         self.rate_bar = _w.FloatProgress(value=0.0, min=0.0, max=1.0,
-                                         layout=_w.Layout(width="300px", max_width="100%"))
+                                         layout=_w.Layout(width="auto", flex="0 1 300px", min_width="6em"))
         self.counts_label = _w.HTML()
-        self.table = _w.HTML()
-        scroller = _w.Box([self.table], layout=_w.Layout(overflow="auto", width="100%"))
+        # As wide as the meter (its margin taken off), so that the table's container query sees that width.
+        self.table = _w.HTML(layout=_w.Layout(width="100%", margin="0"))
         self.widget = _w.VBox([_w.HBox([self.headline, self.rate_bar], layout=_w.Layout(flex_flow="row wrap")),
-                               self.counts_label, scroller], layout=_w.Layout(max_width="100%"))
+                               self.counts_label, self.table], layout=_w.Layout(max_width="100%"))
         self._render(time.perf_counter())
 
     @property
@@ -169,22 +170,24 @@ class HitRateMeter(View):
         self._last_render = now
         self.renders += 1
         cur, tot = self.current, self.overall()
+        # Two units; the "·" ends the first, so it never starts a line.
         self.headline.value = (
-            f"<b>Hit rate</b> epoch {cur.epoch}: <b>{_pct(cur)}</b>"
-            f" <span style='color:{GREY}'>· overall {_pct(tot)}</span>&nbsp;"
+            f"<span style='white-space:nowrap'><b>Hit rate</b> epoch {cur.epoch}: <b>{_pct(cur)}</b> ·</span>"
+            f" <span style='color:{GREY};white-space:nowrap'>overall {_pct(tot)}</span>&nbsp;"
         )
         self.rate_bar.value = cur.hit_rate
         self.rate_bar.bar_style = "success" if cur.reads and cur.hit_rate >= 0.999 else "info"
         budget = self._budget()
-        self.counts_label.value = (
-            f"hits {format_count(tot.hits)} · misses {format_count(tot.misses)} · {format_count(cur.rate)} samples/s this epoch"
-            + (f" · {budget}" if budget else "")
-        )
-        self.table.value = self._table().html(
-            style="border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:92%",
+        self.counts_label.value = units_html(
+            [f"hits {format_count(tot.hits)}", f"misses {format_count(tot.misses)}", f"{format_count(cur.rate)} samples/s this epoch"],
+            color="",
+        ) + (f"<div style='white-space:normal'>{budget}</div>" if budget else "")  # a sentence: it may wrap
+        table = self._table().html(
+            css_class="nbkit-epochs", style="border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:92%",
             cell_style="padding:1px 4px;white-space:nowrap", column_styles=("",) * 6 + (f"color:{GREY}",),
-            note_style=f"margin:4px 0 0 0;padding-left:18px;color:{GREY};white-space:normal",
+            note_style=f"margin:4px 0 0 0;padding-left:18px;color:{GREY};white-space:normal;overflow-wrap:break-word",
         )
+        self.table.value = f"<style>{_TABLE_CSS}</style><div class='nbkit-epochs-box'>{table}</div>"
         if self.terminal:
             self._print(now, final)
 
@@ -217,6 +220,26 @@ class HitRateMeter(View):
         elif final or now - self._last_print >= max(self.min_interval, 5.0):
             self._last_print = now
             print(self.text(), file=out, flush=True)
+
+
+#: Where the table's columns do not fit (under 420 px: a phone, Colab's side panel), each epoch is one
+#: line of whole units that wraps between them ("epoch 2 · 3,000 samples · … · from the cache"); the
+#: header then goes, its words move next to the numbers. A container query: the width that counts is
+#: the output area's, not the window's.
+_TABLE_CSS = (
+    ".nbkit-epochs-box{container-type:inline-size}"
+    "@container (max-width: 420px){"
+    ".nbkit-epochs,.nbkit-epochs tbody{display:block}.nbkit-epochs thead{display:none}"
+    ".nbkit-epochs tr{display:block;margin:0 0 3px 0}"
+    ".nbkit-epochs td{display:inline-block;padding:0 0.25em 0 0 !important}"
+    ".nbkit-epochs td:nth-child(1)::before{content:'epoch '}"
+    ".nbkit-epochs td:nth-child(2)::after{content:' samples \\b7'}"
+    ".nbkit-epochs td:nth-child(3)::after{content:' hits \\b7'}"
+    ".nbkit-epochs td:nth-child(4)::after{content:' misses \\b7'}"
+    ".nbkit-epochs td:nth-child(5)::after{content:' hit rate \\b7'}"
+    ".nbkit-epochs td:nth-child(1)::after,.nbkit-epochs td:nth-child(6):not(:last-child)::after{content:' \\b7'}"
+    "}"
+)
 
 
 def _cut(e: EpochStats) -> str:

@@ -31,7 +31,7 @@ from nbkit.stores.mirror import cache_dir
 from nbkit.text import format_amount, format_bytes, format_count, format_rate, format_seconds
 
 from .poll import wait_until, why_not_live
-from .view import AMBER, GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html
+from .view import AMBER, GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html, units_html
 
 __all__ = ["WarmupPanel", "PanelState", "OPERATIONS", "disk_text"]
 
@@ -138,16 +138,15 @@ class WarmupPanel(View):
         self.url_field = _w.Text(value=upload_url, placeholder="gs://my-bucket/my-cache", layout=self._field_layout())
         self.progress = _w.FloatProgress(
             value=0.0, min=0.0, max=1.0, description="Cache", style={"description_width": "4em"},
-            layout=_w.Layout(width="auto", flex="1 1 16em", min_width="10em"),
+            layout=_w.Layout(width="auto", flex="1 1 12em", min_width="8em"),
         )
         self.percent_label = _w.Label(value="0%", layout=_w.Layout(min_width="3.5em", flex="0 0 auto"))
-        self.done_label = _w.Label()
-        self.rate_label = _w.Label(value="– samples/s")
-        self.eta_label = _w.Label(value="ETA –")
-        self.bytes_label = _w.Label()
+        # What the line under the bar says, one unit each ("512/3,000 samples", "1,200 samples/s", ...).
+        self._counts = ()
+        self.counters = _w.HTML(layout=_w.Layout(width="auto"))
         self.status = _w.HTML(layout=_w.Layout(width="auto"))
         self.title = _w.HTML(layout=_w.Layout(width="auto"))
-        self.disk_label = _w.Label(layout=_w.Layout(width="auto"))  # disk_text(): size on disk, where copies live
+        self.disk_label = _w.HTML(layout=_w.Layout(width="auto"))  # disk_text(): size on disk, where copies live
 
         self.warmup_button.on_click(lambda _: self.warmup())
         self.stop_button.on_click(lambda _: self.stop())
@@ -160,12 +159,14 @@ class WarmupPanel(View):
         def caption(text):
             return _w.Label(value=text, layout=_w.Layout(min_width="5.5em", flex="0 0 auto"))
 
-        sep = lambda: _w.Label(value="·")  # noqa: E731 - a tiny separator factory
+        # The bar and its percent wrap as one unit: a percent never sits alone on a line.
+        bar = _w.HBox([self.progress, self.percent_label],
+                      layout=_w.Layout(flex_flow="row nowrap", align_items="center", flex="1 1 14em", min_width="12em"))
         self.widget = _w.VBox(
             [
                 self.title,
-                row(self.warmup_button, self.stop_button, self.progress, self.percent_label),
-                row(self.done_label, sep(), self.rate_label, sep(), self.eta_label, sep(), self.bytes_label),
+                row(self.warmup_button, self.stop_button, bar),
+                self.counters,
                 row(caption("Tar file"), self.tar_field, self.export_button),
                 row(caption("Upload to"), self.url_field, self.upload_button),
                 self.status,
@@ -314,8 +315,8 @@ class WarmupPanel(View):
             raise error
         job = self._jobs[operation]
         if job.state is JobState.STOPPED:
-            again = "to resume" if operation == "warmup" else "to start it again"
-            raise RuntimeError(f"The {operation} was stopped before it finished ({self.status_text()}). Run this cell again {again}.")
+            again = "to resume" if operation == "warmup" else f"to {operation} again"
+            raise RuntimeError(f"{self._stopped_text(job)} Run this cell again {again}.")
         return job.report
 
     def _press(self, operation: str) -> bool:
@@ -379,12 +380,14 @@ class WarmupPanel(View):
 
     def text(self) -> str:
         """The panel as one line of text (what a terminal shows)."""
-        if self.state in (PanelState.RUNNING, PanelState.STOPPING):
-            parts = [self.done_label.value, self.rate_label.value, self.eta_label.value, self.bytes_label.value]
-        else:
-            parts = [self.done_label.value]
-        parts.append(self.status_text())
-        return "nbkit: " + "  ".join(p for p in parts if p)
+        counts = self.counts if self.running else self.counts[:1]  # an idle status says what is stored
+        return "nbkit: " + "  ".join(p for p in (*counts, self.status_text()) if p)
+
+    @property
+    def counts(self) -> tuple:
+        """What the line under the bar says, one unit each: a running operation's progress, rate and
+        time left; else how full the cache is and what it stores."""
+        return self._counts
 
     def status_text(self) -> str:
         """The status line without markup (an error's details, one click away in the widget, left out)."""
@@ -404,37 +407,59 @@ class WarmupPanel(View):
         return ""
 
     def _show_title(self, stats) -> None:
-        if stats.complete:
-            fill = f"<span style='color:{GREEN}'>complete</span>"
-        else:
-            fill = f"{format_count(stats.cached)} cached"
-        self.title.value = (
-            f"<b>nbkit cache</b> <code style='word-break:break-all'>{html.escape(str(getattr(self.ds, 'path', '')))}</code>"
-            f" <span style='color:{GREY}'>· {format_count(stats.total)} samples · {fill}</span>"
+        fill = f"<span style='color:{GREEN}'>complete</span>" if stats.complete else f"{format_count(stats.cached)} cached"
+        path = html.escape(str(getattr(self.ds, "path", "")))
+        # Only a path too long for the line breaks inside itself; the counts wrap as whole units.
+        self.title.value = units_html(
+            [f"<b>nbkit cache</b> <code style='overflow-wrap:anywhere'>{path}</code>",
+             f"{format_count(stats.total)} samples", fill],
+            path_first=True,
         )
 
+    def _show_counts(self, *units: str) -> None:
+        self._counts = tuple(u for u in units if u)
+        self.counters.value = units_html([html.escape(u) for u in self._counts], color=GREY)
+
     def _show_fill(self, stats) -> None:
-        """The bar as the cache's fill (what it shows before and between operations)."""
+        """The bar as the cache's fill, and the counts line as what the cache holds."""
         total = int(stats.total)
         self.progress.description = "Cache"
         self.progress.value = (stats.cached / total) if total else 1.0
         self.percent_label.value = f"{_floor_percent(stats.cached, total)}%"
-        self.done_label.value = f"{format_count(stats.cached)}/{format_count(total)} samples"
+        self._show_counts(f"{format_count(stats.cached)}/{format_count(total)} samples", f"{format_bytes(stats.bytes)} stored")
+
+    def _show_idle(self, stats, ended: Job | None = None) -> None:
+        """Nothing runs: buttons on, the bar and counts show the cache (not the last operation, whose
+        outcome is the status line's)."""
+        self._finish_buttons(stats)
+        self._show_fill(stats)
+        if stats.complete:
+            self.progress.bar_style = "success"
+        elif ended is not None and ended.name == "warmup" and ended.error is not None:
+            self.progress.bar_style = "danger"
+        else:  # partial after an operation (a stopped warmup, a partial export): amber, never green
+            self.progress.bar_style = "warning" if ended is not None else ""
 
     def _show_cache_state(self) -> None:
         """The panel before its first operation: how full the cache is and what Warm up would do."""
         stats = self.ds.stats
-        self._finish_buttons(stats)
-        self._show_fill(stats)
-        self.progress.bar_style = "success" if stats.complete else ""
+        self._show_idle(stats)
         total = int(stats.total)
-        missing = format_count(total - int(stats.cached))
         if stats.complete:
             self._set_status(f"Cache complete: {format_count(total)} samples, {format_bytes(stats.bytes)} stored.", GREEN, bold=True)
         elif self.ds.source is None:
-            self._set_status(self._warmup_unavailable(stats) + f" {missing} samples are missing.", GREY)
+            self._set_status(f"{_partial_text(stats)} {self._warmup_unavailable(stats)}", AMBER)
         else:
+            missing = format_count(total - int(stats.cached))
             self._set_status(f"Ready: {missing} of {format_count(total)} samples to compute. Click Warm up.")
+
+    def _stopped_text(self, job: Job) -> str:
+        """One sentence: what a stopped operation left (the status and :meth:`run`'s error add the fix)."""
+        if job.name == "warmup":
+            stats = self.ds.stats
+            return f"The warmup stopped at {format_count(stats.cached)} of {format_count(stats.total)} samples."
+        where = self.tar_field.value.strip() if job.name == "export" else self.url_field.value.strip()
+        return f"The {job.name} stopped before it finished: {where} holds no complete copy."
 
     def _start(self, name: str, unit: str, fn, *, done=None, value=0) -> None:
         with self._lock:
@@ -452,12 +477,13 @@ class WarmupPanel(View):
             self.progress.bar_style = "info"
             if name == "warmup":  # resume from the cached fraction, never from 0%
                 self._show_fill(stats)
-            else:  # the bar now measures this transfer, not how full the cache is
+                self._show_counts(self._counts[0], f"– {unit}/s", "ETA –", self._counts[1])
+            else:  # the bar, labelled so, now measures this transfer, not how full the cache is
                 self.progress.description = name.capitalize()
                 self.progress.value = 0.0
                 self.percent_label.value = "0%"
-            self.rate_label.value, self.eta_label.value = f"– {unit}/s", "ETA –"
-            self._set_status(f"{name.capitalize()}…", GREY)
+                self._show_counts(f"– {unit}/s", "ETA –")
+            self._set_status(_RUNNING[name] + "…", GREY)
             self.job = Job(name, fn, callback=_PanelProgress(self, name, unit, value=value),
                            on_end=lambda job: self._show_end(job, done))
             self._jobs[name] = self.job
@@ -468,45 +494,28 @@ class WarmupPanel(View):
             cb, stats = job.callback, self.ds.stats
             if job.error is not None:
                 self._show_error(job.error)
-                self.rate_label.value = "–"
-                self.eta_label.value = f"failed after {format_seconds(cb.elapsed())}"
+                self._show_idle(stats, ended=job)
                 return
-            stopped = job.state is JobState.STOPPED
-            self._render_progress(cb)
-            self._finish_buttons(stats)
-            # A finished operation shows what it did, not a live rate or a time left.
-            rate = cb.rate()
-            self.rate_label.value = f"average {format_rate(rate, cb.unit)}" if rate else "–"
-            self.eta_label.value = f"{'stopped after' if stopped else 'took'} {format_seconds(cb.elapsed())}"
-            if job.name == "warmup":
-                if stopped:
-                    self.progress.bar_style = "warning"
-                    self._set_status(
-                        f"Stopped at {format_count(stats.cached)}/{format_count(stats.total)} samples. Click Warm up to resume.",
-                        GREY, bold=True,
-                    )
-                else:
-                    seconds = getattr(job.report, "seconds", cb.elapsed())
-                    computed = getattr(job.report, "computed", cb.moved)
-                    self.progress.bar_style = "success"
-                    self._set_status(
-                        f"Cache complete: {format_count(stats.total)} samples, {format_bytes(stats.bytes)} stored "
-                        f"({format_count(computed)} computed in {format_seconds(seconds)}).",
-                        GREEN, bold=True,
-                    )
-            elif stopped:
-                self.progress.bar_style = "warning"
-                where = self.tar_field.value.strip() if job.name == "export" else self.url_field.value.strip()
-                self._set_status(f"Stopped: the {job.name} was interrupted; {where} holds no complete copy.", GREY, bold=True)
+            self._show_idle(stats, ended=job)
+            if job.state is JobState.STOPPED:
+                fix = "Click Warm up to resume." if job.name == "warmup" else f"Click {_BUTTON[job.name]} to start it again."
+                self._set_status(f"{self._stopped_text(job)} {fix}", GREY, bold=True)
+            elif job.name == "warmup":
+                seconds = getattr(job.report, "seconds", cb.elapsed())
+                computed = getattr(job.report, "computed", cb.moved)
+                rate = f", {format_rate(computed / seconds, 'samples')}" if computed and seconds > 0 else ""
+                self._set_status(
+                    f"Cache complete: {format_count(stats.total)} samples, {format_bytes(stats.bytes)} stored "
+                    f"({format_count(computed)} computed in {format_seconds(seconds)}{rate}).",
+                    GREEN, bold=True,
+                )
             else:
                 text, verb = done(cb)
                 copied = self._stats_at_start or stats
                 if copied.complete:
-                    self.progress.bar_style = "success"
                     self._set_status(text + ".", GREEN, bold=True)
                 else:
                     # The copy is only as full as the cache was: say so, in amber, never as a plain success.
-                    self.progress.bar_style = "warning"
                     fix = ("Warm up, then " + verb + " again." if self.ds.source is not None
                            else "This cache has no source to fill it.")
                     self._set_status(
@@ -536,7 +545,7 @@ class WarmupPanel(View):
             print(self.text(), file=sys.stderr, flush=True)
 
     def _finish_buttons(self, stats) -> None:
-        """Buttons, stored bytes and title for a panel with nothing running."""
+        """Buttons and title for a panel with nothing running."""
         self.stop_button.disabled = True
         self.stop_button.tooltip = ""
         self.export_button.disabled = False
@@ -544,30 +553,32 @@ class WarmupPanel(View):
         unavailable = self._warmup_unavailable(stats)
         self.warmup_button.disabled = bool(unavailable)
         self.warmup_button.tooltip = unavailable
-        self.bytes_label.value = f"{format_bytes(stats.bytes)} stored"
-        self.disk_label.value = disk_text(self.ds, stats)
+        self.disk_label.value = status_html(disk_text(self.ds, stats))
         self._show_title(stats)
 
     def _render_progress(self, cb: Callback) -> None:
+        job = self.job
+        if job is None or job.callback is not cb or job.state not in (JobState.RUNNING, JobState.STOPPING):
+            return  # a late redraw: the panel already shows how the operation ended
         size, value, unit = cb.size, cb.value, cb.unit
         suffix = "" if unit == "bytes" else f" {unit}"
         if size:
             self.progress.value = min(value / size, 1.0)
             self.percent_label.value = f"{_floor_percent(value, size)}%"
-            self.done_label.value = f"{format_amount(value, unit)}/{format_amount(size, unit)}{suffix}"
+            done = f"{format_amount(value, unit)}/{format_amount(size, unit)}{suffix}"
         else:
-            self.done_label.value = f"{format_amount(value, unit)}{suffix}"
-        if cb.ended is None:  # live numbers only while it runs; _show_end writes the final ones
-            rate = cb.rate()
-            self.rate_label.value = format_rate(rate, unit) if rate else f"0 {unit}/s"
-            eta = cb.eta()
-            self.eta_label.value = f"ETA {format_seconds(eta)}" if eta is not None else "ETA –"
+            done = f"{format_amount(value, unit)}{suffix}"
+        rate, eta = cb.rate(), cb.eta()
+        live = (format_rate(rate, unit) if rate else f"0 {unit}/s", f"ETA {format_seconds(eta)}" if eta is not None else "ETA –")
         if cb.phase == "warmup":
             stats = self.ds.stats
-            self.bytes_label.value = f"{format_bytes(stats.bytes)} stored"
+            self._show_counts(done, *live, f"{format_bytes(stats.bytes)} stored")
             self._show_title(stats)
-        if self.state is PanelState.RUNNING and cb.description:
-            self._set_status(f"{cb.phase.capitalize()}: {cb.description}…", GREY)
+        else:
+            self._show_counts(done, *live)
+        if job.state is JobState.RUNNING and cb.description and cb.description not in _ENDED:
+            # The engine's words for what it does now ("warming up", "hashing", "pushing to gs://…").
+            self._set_status(f"{cb.description[:1].upper()}{cb.description[1:]}…", GREY)
 
     def _set_status(self, text: str, color: str = GREY, *, bold: bool = False) -> None:
         self.status.value = status_html(text, color, bold=bold)
@@ -622,6 +633,25 @@ def disk_text(ds, stats) -> str:
     size = "" if stats.disk_bytes is None else f"{format_bytes(stats.disk_bytes)} on disk {where} {root}. "
     return (f"{size}Working copies of remote caches live in {cache_dir()} ($NBKIT_CACHE_DIR): "
             "nbkit ls lists every cache, nbkit rm and nbkit prune free the space.")
+
+
+#: What the status line says while an operation starts, and each operation's button.
+_RUNNING = {"warmup": "Warming up", "export": "Exporting", "upload": "Uploading"}
+_BUTTON = {"warmup": "Warm up", "export": "Export tar", "upload": "Upload"}
+#: The engine's descriptions of an operation that has ended (the status then says how it ended).
+_ENDED = frozenset({"done", "stopped", "already complete", "up to date", "exported", "pushed", "pulled", "imported"})
+
+
+def _partial_text(stats) -> str:
+    """What a partly filled cache holds, plainly, for where it is opened.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> _partial_text(SimpleNamespace(total=60000, cached=10240))
+        'This cache holds 10,240 of 60,000 samples; training will stop at the first missing one.'
+    """
+    return (f"This cache holds {format_count(stats.cached)} of {format_count(stats.total)} samples; "
+            "training will stop at the first missing one.")
 
 
 def _floor_percent(done, total) -> int:

@@ -14,13 +14,14 @@ Example:
 from __future__ import annotations
 
 import html
+import re
 import sys
 
 from nbkit.extras import require
 
 ipywidgets = require("ipywidgets", extra="notebook", feature="nbkit.widgets")
 
-__all__ = ["View", "in_kernel", "status_html", "ipywidgets", "RENDER_INTERVAL", "RED", "GREEN", "GREY", "AMBER"]
+__all__ = ["View", "in_kernel", "status_html", "units_html", "ipywidgets", "RENDER_INTERVAL", "RED", "GREEN", "GREY", "AMBER"]
 
 #: Front ends redraw a few times a second at most; more only costs kernel messages.
 RENDER_INTERVAL = 0.2
@@ -41,7 +42,35 @@ def in_kernel() -> bool:
 def status_html(text: str, color: str = GREY, *, bold: bool = False) -> str:
     """One status line as HTML: ``text`` escaped, in ``color``."""
     weight = "bold" if bold else "normal"
-    return f'<span style="color:{color};font-weight:{weight}">{html.escape(text)}</span>'
+    # Lines break between words, never at a path's "-" or "/"; only a word longer than a narrow
+    # line (a long URL) may break inside itself.
+    words = re.sub(r"(?<!\S)\S{1,40}(?!\S)", lambda m: _nowrap(m.group(0)), html.escape(text))
+    return (f'<div style="white-space:normal;word-break:normal;overflow-wrap:break-word;line-height:1.5">'
+            f'<span style="color:{color};font-weight:{weight}">{words}</span></div>')
+
+
+def units_html(units, *, color: str = GREY, path_first: bool = False) -> str:
+    """Units (HTML) joined by " · ", each kept whole on one line: a narrow screen wraps between
+    units, never inside one, and a separator never starts a line. ``path_first``: the first unit
+    holds a path, which may break inside itself when it is longer than the line.
+
+    Example:
+        >>> units_html(["1,000 samples", "1.2 MB stored"]).count("white-space:nowrap")
+        2
+    """
+    spans = []
+    for i, unit in enumerate(units):
+        style = "display:inline-block" if i or not path_first else "display:inline"
+        style += "" if i == 0 and path_first else ";white-space:nowrap"
+        style += f";color:{color}" if color and (i or not path_first) else ""
+        # Inside the unit, so never at the start of a line (bound to a path that may itself break).
+        sep = ("&nbsp;·" if i == 0 and path_first else " ·") if i < len(units) - 1 else ""
+        spans.append(f"<span style='{style}'>{unit}{sep}</span>")
+    return "<div style='white-space:normal;line-height:1.6'>" + " ".join(spans) + "</div>"
+
+
+def _nowrap(word: str) -> str:
+    return f"<span style='white-space:nowrap'>{word}</span>" if re.search(r"[-/]", word) else word
 
 
 class View:

@@ -37,11 +37,10 @@ def test_warmup_click_fills_the_cache_and_shows_counters(tmp_path):
     assert panel.report.computed == 1000 and not panel.report.stopped
     assert panel.progress.value == 1.0 and panel.progress.bar_style == "success"
     assert panel.percent_label.value == "100%"
-    assert panel.done_label.value == "1,000/1,000 samples"
-    assert panel.rate_label.value.endswith("samples/s") and panel.rate_label.value != "0 samples/s"
-    assert panel.eta_label.value.startswith("took ")
-    assert panel.bytes_label.value.endswith("stored")
+    # Idle again: the line under the bar is the cache (no rate or ETA); the status has the warmup's numbers.
+    assert panel.counts[0] == "1,000/1,000 samples" and panel.counts[1].endswith("stored") and len(panel.counts) == 2
     assert panel.status_text().startswith("Cache complete: 1,000 samples")
+    assert re.search(r"\(1,000 computed in [\d.]+ ?m?s, [\d,]+ samples/s\)\.$", panel.status_text()), panel.status_text()
     assert "#2e7d32" in panel.status.value  # green
     # Nothing left to do: Warm up is off and says why; the transfers are available.
     assert panel.warmup_button.disabled and "already cached" in panel.warmup_button.tooltip
@@ -67,7 +66,7 @@ def test_stop_then_warm_up_resumes(tmp_path):
     assert panel.last_error is None, panel.last_error
     assert panel.state is PanelState.STOPPED and panel.report.stopped
     assert ds.stats.cached == 512  # the chunk that was running finished; no further one started
-    assert panel.status_text() == "Stopped at 512/3,000 samples. Click Warm up to resume."
+    assert panel.status_text() == "The warmup stopped at 512 of 3,000 samples. Click Warm up to resume."
     assert panel.progress.bar_style == "warning"
     assert panel.progress.value == pytest.approx(512 / 3000)
     assert not panel.warmup_button.disabled and panel.stop_button.disabled
@@ -84,7 +83,7 @@ def test_stop_then_warm_up_resumes(tmp_path):
 def test_already_complete_cache_says_so(tmp_path):
     ds = _filled(tmp_path)
     panel = WarmupPanel(ds)
-    assert panel.status_text() == f"Cache complete: 300 samples, {panel.bytes_label.value}."
+    assert panel.status_text() == f"Cache complete: 300 samples, {panel.counts[1]}."
     assert panel.progress.value == 1.0 and panel.progress.bar_style == "success"
     assert panel.warmup_button.disabled
     panel.warmup_button.click()  # click() runs the handler even on a disabled button
@@ -100,8 +99,7 @@ def test_cache_opened_without_source_disables_warmup(tmp_path):
     assert panel.warmup_button.disabled
     assert "opened without its source dataset" in panel.warmup_button.tooltip
     assert "opened without its source dataset" in panel.status_text()
-    assert "700 samples are missing" in panel.status_text()
-    assert panel.done_label.value == "300/1,000 samples"
+    assert panel.counts[0] == "300/1,000 samples"
     panel.warmup_button.click()
     assert not panel.running and panel.last_error is None
 
@@ -159,8 +157,9 @@ def test_export_tar_writes_an_archive_that_opens_as_a_cache(tmp_path):
     assert panel.wait(timeout=60)
     assert panel.last_error is None, panel.last_error
     assert panel.state is PanelState.DONE
-    assert panel.status_text() == f"Exported {panel.done_label.value.split('/')[0]} to {tar}."
-    assert panel.progress.description == "Export" and panel.progress.value == 1.0
+    assert re.fullmatch(rf"Exported [\d.]+ [KM]B to {re.escape(str(tar))}\.", panel.status_text()), panel.status_text()
+    # Idle after the export: the bar is the cache again, not "Export 100%".
+    assert panel.progress.description == "Cache" and panel.progress.value == 1.0
     nbkit.import_tar(str(tar), str(tmp_path / "restored"))
     restored = nbkit.CachedDataset.open(str(tmp_path / "restored"))
     assert restored.stats.complete and torch.equal(restored[5][0], ds[5][0])
@@ -287,13 +286,15 @@ class _PublishingCache(nbkit.CachedDataset):
 def test_a_second_phase_is_shown_in_its_own_unit(tmp_path):
     ds = _PublishingCache(TupleSource(300), str(tmp_path / "c"))
     panel = WarmupPanel(ds)
+    seen = []
+    panel.counters.observe(lambda change: seen.append(panel.counts), names="value")
     panel.warmup_button.click()
     assert panel.wait(timeout=60)
     assert panel.state is PanelState.DONE and panel.report.computed == 300
     cb = panel.job.callback
     assert (cb.phase, cb.unit, cb.value) == ("publish", "bytes", 3_000_000)
-    assert panel.done_label.value == "3.0 MB/3.0 MB"  # bytes, not 3,000,000 "samples"
-    assert panel.rate_label.value.endswith("B/s")
+    published = [c for c in seen if c[0] == "3.0 MB/3.0 MB"]  # bytes, not 3,000,000 "samples"
+    assert published and published[-1][1].endswith("B/s"), seen
     assert panel.status_text().startswith("Cache complete: 300 samples")
 
 
@@ -384,8 +385,8 @@ def test_run_raises_when_stop_is_clicked_while_it_waits(tmp_path):
     source.release.set()
     t.join(timeout=60)
     assert "report" not in outcome, outcome
-    assert "The warmup was stopped before it finished (Stopped at 512/3,000 samples" in str(outcome["error"])
-    assert "Run this cell again to resume" in str(outcome["error"])
+    # One clean sentence and the fix, not the status line quoted in brackets.
+    assert str(outcome["error"]) == "The warmup stopped at 512 of 3,000 samples. Run this cell again to resume."
     source.at = None
     assert panel.run("warmup").computed == 2488  # running the cell again resumes
 
@@ -406,7 +407,7 @@ def test_partial_export_is_amber_with_the_cached_fraction(tmp_path):
     ds, panel = _stopped_midway(tmp_path, tar_path=str(tar))
     panel.export_button.click()
     assert panel.wait(timeout=60) and panel.error("export") is None
-    size = panel.done_label.value.split("/")[0]
+    size = re.match(r"Exported ([\d.]+ [KM]B)", panel.status_text()).group(1)
     assert panel.status_text() == (
         f"Exported {size} to {tar} — partial: 17% of samples cached (512 of 3,000). Warm up, then export again."
     )
@@ -449,7 +450,7 @@ def test_a_refused_upload_does_not_repaint_the_export_bar(tmp_path):
     panel = WarmupPanel(ds, tar_path=str(tmp_path / "x.tar"))
     panel.run("export")
     bar = (panel.progress.description, panel.progress.bar_style, panel.progress.value, panel.percent_label.value)
-    assert bar == ("Export", "success", 1.0, "100%")
+    assert bar == ("Cache", "success", 1.0, "100%")
     panel.upload_button.click()
     assert (panel.progress.description, panel.progress.bar_style, panel.progress.value, panel.percent_label.value) == bar
     assert panel.status_text().startswith("Error: ValueError: Upload needs a URL") and "#c62828" in panel.status.value
@@ -458,25 +459,26 @@ def test_a_refused_upload_does_not_repaint_the_export_bar(tmp_path):
 
 def test_a_stopped_panel_shows_no_eta_or_live_rate(tmp_path):
     ds, panel = _stopped_midway(tmp_path)
-    assert panel.eta_label.value.startswith("stopped after ") and "ETA" not in panel.eta_label.value
-    assert panel.rate_label.value.startswith("average ")
+    idle = ("512/3,000 samples", f"{panel.counts[1]}")
+    assert panel.counts == idle and panel.counts[1].endswith(" stored")
     rate, elapsed = panel.job.callback.rate(), panel.job.callback.elapsed()
     panel._render_progress(panel.job.callback)  # a late redraw changes nothing: the clock stopped
-    assert panel.rate_label.value.startswith("average ") and panel.eta_label.value.startswith("stopped after ")
+    assert panel.counts == idle and "ETA" not in panel.counters.value
     assert (panel.job.callback.rate(), panel.job.callback.elapsed()) == (rate, elapsed)
     panel.warmup_button.click()
     assert panel.wait(timeout=60)
-    assert panel.eta_label.value.startswith("took ") and panel.rate_label.value.startswith("average ")
+    assert panel.counts == ("3,000/3,000 samples", panel.counts[1]) and "samples/s" not in panel.counters.value
 
 
 def test_resume_starts_the_bar_from_the_cached_fraction(tmp_path):
     ds, panel = _stopped_midway(tmp_path, tar_path=str(tmp_path / "x.tar"))
-    panel.run("export")  # the bar now shows the export (100%)
+    panel.run("export")
+    assert (panel.progress.description, panel.progress.value) == ("Cache", pytest.approx(512 / 3000))
     seen = []
     panel.progress.observe(lambda change: seen.append(change["new"]), names="value")
     panel.run("warmup")
     assert seen and min(seen) >= 512 / 3000, seen[:5]  # never back to 0%
-    assert seen[0] == pytest.approx(512 / 3000) and panel.progress.value == 1.0
+    assert panel.progress.value == 1.0
     assert panel.progress.description == "Cache"
 
 
@@ -491,6 +493,93 @@ def test_layout_has_no_fixed_widths(tmp_path):
     widths = [(type(w).__name__, w.layout.width) for w in walk(panel.widget) if w.layout.width]
     assert widths and not [w for w in widths if w[1].endswith("px")], widths
     rows = [w for w in walk(panel.widget) if type(w).__name__ == "HBox"]
-    assert rows and all(r.layout.flex_flow == "row wrap" for r in rows)
+    bar = next(r for r in rows if panel.progress in r.children)
+    assert bar.layout.flex_flow == "row nowrap" and bar.children == (panel.progress, panel.percent_label)
+    assert all(r.layout.flex_flow == "row wrap" for r in rows if r is not bar)
     for b in (panel.warmup_button, panel.stop_button, panel.export_button, panel.upload_button):
         assert b.layout.width == "auto" and b.layout.min_width.endswith("em")
+
+
+# -- what the bar and texts say in every state (issue 21, point 8) ---------------------------------------
+
+
+def _says(panel) -> str:
+    return " | ".join((panel.progress.description, panel.percent_label.value, *panel.counts, panel.status_text()))
+
+
+def _idle_truths(panel, ds):
+    """An idle panel's bar is the cache (labelled so) and its counts line holds no live numbers."""
+    stats = ds.stats
+    says = _says(panel)
+    assert panel.progress.description == "Cache" and panel.progress.value == pytest.approx(stats.cached / stats.total), says
+    assert panel.counts == (f"{stats.cached:,}/{stats.total:,} samples", panel.counts[1]), says
+    assert panel.counts[1].endswith(" stored"), says
+    assert "–" not in panel.counters.value and "ETA" not in says and "/s" not in " ".join(panel.counts), says
+    assert "Warmup:" not in says and ".)." not in says and says.count("to resume") <= 1, says
+
+
+def test_every_idle_state_shows_the_cache_and_what_is_true(tmp_path):
+    complete = _filled(tmp_path, name="complete")
+    panel = WarmupPanel(complete, tar_path=str(tmp_path / "x.tar"))  # idle, complete cache
+    _idle_truths(panel, complete)
+    assert panel.progress.bar_style == "success"
+    panel.run("export")  # after export: the bar is the cache again, the status the export's outcome
+    _idle_truths(panel, complete)
+    assert panel.status_text().startswith("Exported ") and panel.progress.bar_style == "success"
+
+    partial = nbkit.CachedDataset(TupleSource(1000), str(tmp_path / "partial"))
+    partial.warmup(chunk_size=100, callback=_StopAfter(3))
+    panel = WarmupPanel(partial)  # idle, partial, with its source
+    _idle_truths(panel, partial)
+    assert panel.status_text() == "Ready: 700 of 1,000 samples to compute. Click Warm up."
+    assert panel.progress.bar_style == ""
+
+    ds, panel = _stopped_midway(tmp_path / "stopped")  # stopped
+    _idle_truths(panel, ds)
+    assert panel.status_text() == "The warmup stopped at 512 of 3,000 samples. Click Warm up to resume."
+    assert panel.progress.bar_style == "warning"
+
+    source = FailingSource(1000, bad=700)
+    failing = nbkit.CachedDataset(source, str(tmp_path / "failing"))
+    source.armed = True
+    panel = WarmupPanel(failing)
+    panel.warmup_button.click()
+    assert panel.wait(timeout=60) and panel.state is PanelState.ERROR  # failed
+    _idle_truths(panel, failing)
+    assert panel.progress.bar_style == "danger" and "source image 700 is unreadable" in panel.status_text()
+
+
+def test_a_partial_cache_without_source_is_said_plainly(tmp_path):
+    ds = nbkit.CachedDataset(TupleSource(1000), str(tmp_path / "c"))
+    ds.warmup(chunk_size=100, callback=_StopAfter(3))
+    panel = WarmupPanel(nbkit.CachedDataset.open(str(tmp_path / "c")))
+    assert panel.status_text().startswith(
+        "This cache holds 300 of 1,000 samples; training will stop at the first missing one. Warm up is off:")
+    assert "#a15c00" in panel.status.value  # amber: usable, but not whole
+
+
+def test_while_it_runs_the_status_says_what_it_does_once(tmp_path):
+    source = GatedSource(3000)
+    ds = nbkit.CachedDataset(source, str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    source.at = 300
+    panel.warmup_button.click()
+    assert source.reached.wait(timeout=60)
+    panel._render_progress(panel.job.callback)  # what the next throttled redraw shows
+    try:
+        assert panel.status_text() == "Warming up…"
+        assert panel.progress.description == "Cache" and panel.counts[0] == "256/3,000 samples"
+        assert panel.counts[1].endswith("samples/s") and panel.counts[2].startswith("ETA ")
+    finally:
+        source.release.set()
+        assert panel.wait(timeout=60)
+
+
+def test_the_counts_line_wraps_between_whole_units(tmp_path):
+    panel = WarmupPanel(_filled(tmp_path))
+    spans = re.findall(r"<span style='([^']*)'>([^<]*)</span>", panel.counters.value)
+    assert [text for _, text in spans] == [f"{panel.counts[0]} ·", panel.counts[1]]
+    assert all("white-space:nowrap" in style and "inline-block" in style for style, _ in spans)
+    # The title: the path may break inside itself (when longer than the line), its counts may not.
+    title = re.findall(r"<span style='(display:[^']*)'>", panel.title.value)
+    assert len(title) == 3 and "nowrap" not in title[0] and all("nowrap" in t for t in title[1:])

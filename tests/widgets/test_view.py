@@ -113,7 +113,7 @@ def test_in_a_kernel_both_widgets_render_as_widgets(tmp_path, monkeypatch):
         for epoch in range(2):
             for batch in meter.track(loader):
                 pass
-        print(panel.state.value, panel.done_label.value, [(e.hits, e.misses) for e in meter.epochs])
+        print(panel.state.value, panel.counts[0], [(e.hits, e.misses) for e in meter.epochs])
         import ipywidgets; print(ipywidgets.__version__)
         """
     )
@@ -187,3 +187,13 @@ def test_this_directory_passes_with_ipywidgets_7_7_1(request):
     assert r.returncode == 0, f"tests/widgets/ failed under ipywidgets 7.7.1:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
     assert re.search(r"\d+ passed", r.stdout), r.stdout[-3000:]
 
+
+
+def test_status_lines_break_between_words_never_inside_a_path():
+    from nbkit.widgets.view import status_html
+
+    line = status_html("Exported 9.5 MB to export/mnist-cache.tar.", "#2e7d32", bold=True)
+    assert "to <span style='white-space:nowrap'>export/mnist-cache.tar.</span>" in line  # not "mnist-" / "cache"
+    assert "Exported 9.5 MB" in line and "word-break:normal" in line and "overflow-wrap:break-word" in line
+    url = "gs://" + "b" * 60  # longer than a phone's line: it may break inside itself rather than be cut
+    assert url in status_html(url) and f"nowrap'>{url}" not in status_html(url)
