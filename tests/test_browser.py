@@ -218,10 +218,11 @@ def _bar_label(nb: Notebook, panel: int) -> str:
 def _idle_panel_is_true(nb: Notebook, panel: int):
     """An idle panel's bar is the cache, and no live number (a rate, an ETA) is left on it."""
     # The front end applies the kernel's last updates a moment after the job's end: wait for them.
-    _until(lambda: not nb.widget_text(panel).rstrip().endswith("…"), 30, "the operation's end",
+    # (The status is not the panel's last line: the disk line follows it.)
+    _until(lambda: not any(line.rstrip().endswith("…") for line in nb.widget_text(panel).splitlines())
+           and _bar_label(nb, panel) == "Cache", 30, "the operation's end, the bar back on the cache",
            lambda: nb.widget_text(panel))
     text = nb.widget_text(panel)
-    assert _bar_label(nb, panel) == "Cache", text
     assert "ETA" not in text and "–" not in text and "/s" not in text, text
     assert "Warmup:" not in text and ".)." not in text, text
 
