@@ -25,7 +25,7 @@ from . import format as fmt
 from . import trust
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .files import file_lock
-from .gather import take_rows
+from .gather import gather_rows, resident, will_need
 
 __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "remove_cache", "check_replaceable",
            "swap_into_place", "open_files"]
@@ -189,13 +189,16 @@ class CacheFiles(fmt.Store):
         self.len = self.records["len"]
         self.columns = []
         self.column_fds = []
+        self._column_files = []  # (fd, path) of each column file, for explicit reads
         for k, leaf in enumerate(self.schema.columns):
             dtype = self.schema.column_dtype(leaf)
             shape = (self.capacity, *leaf.shape)
             nbytes = self.capacity * self.schema.row_bytes(leaf)  # bounded by parse_meta
-            cm, cfd = _map(trust.cache_file_path(root, fmt.column_file(k), self._where), nbytes, writable)
+            cpath = trust.cache_file_path(root, fmt.column_file(k), self._where)
+            cm, cfd = _map(cpath, nbytes, writable)
             self._fds.append(cfd)
             self.column_fds.append(cfd)
+            self._column_files.append((cfd, cpath))
             if cm is None:
                 self.columns.append(np.zeros(shape, dtype))
             else:
@@ -234,8 +237,23 @@ class CacheFiles(fmt.Store):
     def gather(self, idx: np.ndarray, out: list | None = None, threads: int | None = None) -> list:
         """The column rows of stored samples ``idx``: one vectorised read per column, split over
         several threads for large batches (into ``out`` when given)."""
+        return self.gather_checked(idx, out, threads)[0]
+
+    def gather_checked(self, idx: np.ndarray, out: list | None = None, threads: int | None = None, *,
+                       crc: bool = False, mode: str | None = None):
+        """``(column rows, crcs or None)`` of stored samples ``idx``: copied from the memory maps
+        when their pages are resident, else read with many concurrent ``preadv`` calls, which with
+        ``crc`` also checksum each sample on the bytes read (:func:`nbkit.gather.gather_rows`;
+        ``mode`` forces a path). The rows lie inside the files: their sizes were checked at open."""
         rows = idx if self.slot_of is None else self.slot_of[idx]
-        return take_rows(self.columns, rows, out, threads)
+        return gather_rows(self.columns, rows, out, threads, files=self._column_files, crc=crc, mode=mode)
+
+    def will_need(self, idx: np.ndarray) -> None:
+        """Start reading the rows of ``idx`` into the page cache in the background when they are
+        not resident (read-ahead of a batch gathered later)."""
+        rows = idx if self.slot_of is None else self.slot_of[idx]
+        if len(rows) and not resident(self.columns, rows):
+            will_need(self._column_files, self.columns, rows)
 
     def put(self, idx: np.ndarray, flags: np.ndarray, crc: np.ndarray, cpos: np.ndarray, stacked: list,
             bpos: np.ndarray, blobs: list):

@@ -232,9 +232,13 @@ class _Pipeline:
             if self.kind == "cuda":
                 torch.cuda.set_device(self.device)
             k = self.loader.chunk
+            read_ahead = getattr(self.loader.dataset, "read_ahead", None) if self.loader._columnar else None
             for c, first in enumerate(range(0, len(self.batches), k)):
                 group = self.batches[first:first + k]
                 b = first
+                if read_ahead is not None and first + k < len(self.batches):
+                    # Rows not in the page cache: the disk starts on the next group while this one is read.
+                    read_ahead(np.concatenate(self.batches[first + k:first + 2 * k]))
                 for item in self._make(c, group):  # a generator: batches go out as they are made
                     if self.stop.is_set() or not self._put(item):
                         return
