@@ -37,6 +37,7 @@ from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
 from .fingerprint import fingerprint
+from .gather import auto_threads
 from .stats import SharedCounters, Stats
 from .transforms import apply_transform
 
@@ -396,7 +397,8 @@ class CachedDataset(Dataset):
             except CorruptCacheError:  # a damaged record (past the heap): its sample fails the check below
                 blobs = [fmt.read_blob_or_none(f, int(i)) for i in idx]
                 self._verified[idx[[b is None for b in blobs]]] = False
-        failed = self._check_new(idx, columns, blobs, crcs=crcs)
+        failed = self._check_new(idx, columns, blobs, crcs=crcs,
+                                 threads=auto_threads(sum(c.nbytes for c in columns)) if crcs is None else 1)
         if len(failed):
             unkept = {}
             for i in failed:

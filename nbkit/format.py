@@ -23,7 +23,7 @@ import numpy as np
 
 from . import trust
 from .codec import Schema, storage_dtype
-from .gather import pool, spans
+from .gather import crc_rows, pool, spans
 from .errors import CorruptCacheError, StaleCacheError
 from .files import atomic_write
 from .progress import as_callback
@@ -258,9 +258,9 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1
             # Small rows: lay them side by side, one call per sample. (Large rows: chain per column
             # rather than copy them.)
             parts = [np.concatenate(parts, axis=1)]
-        out = np.fromiter(map(zlib.crc32, parts[0]), dtype=np.uint32, count=n)
+        out = crc_rows(parts[0])
         for p in parts[1:]:
-            out = np.fromiter(map(zlib.crc32, p, out.tolist()), dtype=np.uint32, count=n)
+            out = crc_rows(p, out)
     else:
         out = np.zeros(n, np.uint32)
     for j, blob in (blobs or {}).items():

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import mmap
 import os
 import threading
@@ -39,8 +40,8 @@ from torch.utils.data import get_worker_info
 
 from .errors import CorruptCacheError
 
-__all__ = ["take_rows", "gather_rows", "read_rows", "resident", "will_need", "spans", "auto_threads", "pool",
-           "io_pool", "empty_rows", "pinned_rows", "READ_MODES"]
+__all__ = ["take_rows", "gather_rows", "read_rows", "resident", "will_need", "crc_rows", "spans", "auto_threads",
+           "pool", "io_pool", "empty_rows", "pinned_rows", "READ_MODES"]
 
 # Batches at least this large are gathered straight into pinned memory when this process uses CUDA.
 PIN_MIN_BYTES = 64 << 10
@@ -179,6 +180,51 @@ def _mincore():
 
 _MINCORE = _mincore()
 
+#: Rows at least this large are checksummed with libdeflate's CRC-32 when the system has it (the
+#: same CRC-32 as zlib's, 3x faster on large buffers here); smaller rows stay with ``zlib.crc32``,
+#: whose call costs less. ``NBKIT_CRC=zlib`` turns libdeflate off.
+FAST_CRC_MIN = 16 << 10
+
+
+def _libdeflate_crc32():
+    if os.environ.get("NBKIT_CRC") == "zlib":
+        return None
+    name = ctypes.util.find_library("deflate")
+    try:
+        f = ctypes.CDLL(name).libdeflate_crc32 if name else None
+    except (OSError, AttributeError):
+        return None
+    if f is not None:
+        f.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
+        f.restype = ctypes.c_uint32  # a CDLL call releases the GIL: threads checksum in parallel
+    return f
+
+
+_FAST_CRC = _libdeflate_crc32()
+
+
+def _crc_at(value: int, address: int, size: int) -> int:
+    """CRC-32 of ``size`` bytes at ``address`` continued from ``value`` (needs libdeflate)."""
+    return _FAST_CRC(value, address, size)
+
+
+def crc_rows(rows: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
+    """CRC-32 (``zlib.crc32``'s) of each row of a 2-D uint8 array, continued from ``start``.
+
+    Example:
+        >>> rows = np.arange(6, dtype=np.uint8).reshape(2, 3)
+        >>> crc_rows(rows).tolist() == [zlib.crc32(bytes([0, 1, 2])), zlib.crc32(bytes([3, 4, 5]))]
+        True
+    """
+    n, width = rows.shape
+    if _FAST_CRC is None or width < FAST_CRC_MIN or not rows.flags.c_contiguous:
+        if start is None:
+            return np.fromiter(map(zlib.crc32, rows), dtype=np.uint32, count=n)
+        return np.fromiter(map(zlib.crc32, rows, start.tolist()), dtype=np.uint32, count=n)
+    base = rows.ctypes.data
+    init = [0] * n if start is None else start.tolist()
+    return np.fromiter((_FAST_CRC(c, base + i * width, width) for i, c in enumerate(init)), dtype=np.uint32, count=n)
+
 
 def resident(columns: list, rows: np.ndarray, samples: int = RESIDENCY_SAMPLES) -> bool:
     """Whether the pages of ``samples`` of ``rows`` (spread over the batch) are all in the page
@@ -286,6 +332,8 @@ def read_rows(files: list, columns: list, rows: np.ndarray, out: list | None = N
         out = empty_rows(n, columns)
     sizes = [_row_bytes(c) for c in columns]
     flats = [memoryview(o.reshape(-1).view(np.uint8)) if rb else None for o, rb in zip(out, sizes)]
+    bases = [o.ctypes.data for o in out]
+    fast = [_FAST_CRC is not None and rb >= FAST_CRC_MIN for rb in sizes]
     uniq, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
     crc_u = np.zeros(len(uniq), np.uint32) if crc else None
     # Runs of adjacent rows, cut at MAX_RUN, then dealt out to the threads in offset order.
@@ -296,8 +344,11 @@ def read_rows(files: list, columns: list, rows: np.ndarray, out: list | None = N
     first_l = first.tolist()
     uniq_l = uniq.tolist()
 
-    def work(part):
-        for a, b in part:
+    todo = iter(runs)  # taken run by run (``next`` on a list iterator is atomic): no thread idles
+    # while another still has a queue of reads, as a fixed split would leave it at a batch's end
+
+    def work():
+        for a, b in todo:
             for (fd, path), flat, rb in zip(files, flats, sizes):
                 if not rb:
                     continue
@@ -306,16 +357,17 @@ def read_rows(files: list, columns: list, rows: np.ndarray, out: list | None = N
             if crc:
                 for j in range(a, b):
                     p, c = first_l[j], 0
-                    for flat, rb in zip(flats, sizes):
-                        if rb:
+                    for flat, rb, base, by_address in zip(flats, sizes, bases, fast):
+                        if by_address:
+                            c = _crc_at(c, base + p * rb, rb)
+                        elif rb:
                             c = zlib.crc32(flat[p * rb:(p + 1) * rb], c)
                     crc_u[j] = c
 
     if width <= 1:
-        work(runs)
+        work()
     else:
-        parts = [runs[a:b] for a, b in spans(len(runs), width)]
-        for f in [io_pool().submit(work, p) for p in parts]:
+        for f in [io_pool().submit(work) for _ in range(width)]:
             f.result()
     if len(uniq) < n:  # rows asked more than once: copy the one read
         src = first[inverse]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -232,17 +233,23 @@ class _Pipeline:
             if self.kind == "cuda":
                 torch.cuda.set_device(self.device)
             k = self.loader.chunk
-            read_ahead = getattr(self.loader.dataset, "read_ahead", None) if self.loader._columnar else None
-            for c, first in enumerate(range(0, len(self.batches), k)):
-                group = self.batches[first:first + k]
-                b = first
-                if read_ahead is not None and first + k < len(self.batches):
-                    # Rows not in the page cache: the disk starts on the next group while this one is read.
-                    read_ahead(np.concatenate(self.batches[first + k:first + 2 * k]))
-                for item in self._make(c, group):  # a generator: batches go out as they are made
-                    if self.stop.is_set() or not self._put(item):
-                        return
-                    b += 1
+            groups = [self.batches[first:first + k] for first in range(0, len(self.batches), k)]
+            # The next group's rows are read while this one is handed out (and while the queue is
+            # full): reads of a cache that is not in the page cache then never pause between batches.
+            ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbkit-read-ahead") if self.loader._columnar else None
+            try:
+                pending = self._read_soon(ahead, 0, groups[0])
+                for c, group in enumerate(groups):
+                    b = c * k
+                    read = pending.result() if pending is not None else None
+                    pending = self._read_soon(ahead, c + 1, groups[c + 1]) if c + 1 < len(groups) else None
+                    for item in self._make(c, group, read):  # a generator: batches go out as they are made
+                        if self.stop.is_set() or not self._put(item):
+                            return
+                        b += 1
+            finally:
+                if ahead is not None:
+                    ahead.shutdown(wait=True, cancel_futures=True)
             self._put(_DONE)
         except BaseException as e:  # handed to the caller's thread, which raises it
             self._put(_Failure(e, b))
@@ -270,15 +277,26 @@ class _Pipeline:
             slot["event"].synchronize()  # its previous chunk's copy must be done before we overwrite it
         return slot
 
-    def _make(self, c: int, group: list):
-        """The queue items for a group of consecutive batches: gathered together in one read and
-        sent in one copy when they are all stored (small rows: per-batch overhead amortised), else
-        batch by batch through the dataset's own batch path."""
+    def _read_soon(self, ahead, c: int, group: list):
+        """The read of group ``c``'s columns started on ``ahead`` (``None`` when not columnar)."""
+        return None if ahead is None else ahead.submit(self._read, c, group)
+
+    def _read(self, c: int, group: list):
+        """``(slot, columns or None)``: group ``c``'s rows gathered in one read (``None``: the batch
+        cannot be served column-wise)."""
+        idx = group[0] if len(group) == 1 else np.concatenate(group)
+        slot = self._slot(c)
+        return slot, self.loader.dataset.read_columns(idx, out=None if slot is None else slot["arrays"],
+                                                      threads=self.loader.threads)
+
+    def _make(self, c: int, group: list, read=None):
+        """The queue items for a group of consecutive batches: gathered together in one read
+        (``read``, from :meth:`_read`) and sent in one copy when they are all stored (small rows:
+        per-batch overhead amortised), else batch by batch through the dataset's own batch path."""
         loader, ds = self.loader, self.loader.dataset
         if loader._columnar:
+            slot, cols = read if read is not None else self._read(c, group)
             idx = group[0] if len(group) == 1 else np.concatenate(group)
-            slot = self._slot(c)
-            cols = ds.read_columns(idx, out=None if slot is None else slot["arrays"], threads=loader.threads)
             if cols is not None:
                 n = len(idx)
                 if slot is not None:
