@@ -25,7 +25,7 @@ from . import format as fmt
 from . import trust
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .files import file_lock
-from .gather import gather_rows, resident, will_need
+from .gather import gather_rows, physical_memory, resident, will_need
 
 __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "remove_cache", "check_replaceable",
            "swap_into_place", "open_files"]
@@ -203,6 +203,11 @@ class CacheFiles(fmt.Store):
                 self.columns.append(np.zeros(shape, dtype))
             else:
                 self.columns.append(np.frombuffer(cm, dtype=dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape))
+        # Columns larger than this host's memory are always read with explicit reads: their pages can
+        # never all be resident, and copies through the map would count every page read in this
+        # process's resident set.
+        ram = physical_memory()
+        self._past_ram = 0 < ram < sum(c.nbytes for c in self.columns)
         self._heap_fd = None
         self._heap_size = 0  # bytes of heap.bin known to exist (refreshed when a record points further)
         if os.path.lexists(os.path.join(root, fmt.HEAP)):
@@ -246,6 +251,8 @@ class CacheFiles(fmt.Store):
         ``crc`` also checksum each sample on the bytes read (:func:`nbkit.gather.gather_rows`;
         ``mode`` forces a path). The rows lie inside the files: their sizes were checked at open."""
         rows = idx if self.slot_of is None else self.slot_of[idx]
+        if mode is None and self._past_ram:
+            mode = "pread"  # never all resident: reads from the page cache cost no more than copies from the map
         return gather_rows(self.columns, rows, out, threads, files=self._column_files, crc=crc, mode=mode)
 
     def will_need(self, idx: np.ndarray) -> None:

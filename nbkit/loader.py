@@ -46,6 +46,7 @@ from .stats import Consumed
 __all__ = ["DeviceLoader"]
 
 CHUNK_BYTES = 8 << 20  # batches smaller than this are gathered and copied several at a time
+READ_AHEAD = 2  # groups of batches being read at once (their reads overlap: the disk never waits between them)
 
 # DataLoader arguments people carry over, and what DeviceLoader does instead.
 _DATALOADER_ARGS = {
@@ -234,15 +235,18 @@ class _Pipeline:
                 torch.cuda.set_device(self.device)
             k = self.loader.chunk
             groups = [self.batches[first:first + k] for first in range(0, len(self.batches), k)]
-            # The next group's rows are read while this one is handed out (and while the queue is
-            # full): reads of a cache that is not in the page cache then never pause between batches.
-            ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbkit-read-ahead") if self.loader._columnar else None
+            # READ_AHEAD groups are read at once, and this one is handed out while the next ones
+            # are read: reads of a cache that is not in the page cache never drain between batches.
+            ahead = (ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="nbkit-read-ahead")
+                     if self.loader._columnar else None)
             try:
-                pending = self._read_soon(ahead, 0, groups[0])
+                pending = [self._read_soon(ahead, c, groups[c]) for c in range(min(READ_AHEAD, len(groups)))]
                 for c, group in enumerate(groups):
                     b = c * k
-                    read = pending.result() if pending is not None else None
-                    pending = self._read_soon(ahead, c + 1, groups[c + 1]) if c + 1 < len(groups) else None
+                    read = pending.pop(0)
+                    read = read.result() if read is not None else None
+                    if c + READ_AHEAD < len(groups):
+                        pending.append(self._read_soon(ahead, c + READ_AHEAD, groups[c + READ_AHEAD]))
                     for item in self._make(c, group, read):  # a generator: batches go out as they are made
                         if self.stop.is_set() or not self._put(item):
                             return
@@ -258,7 +262,7 @@ class _Pipeline:
         """Pinned host buffers for chunk ``c`` (reused round-robin once their copy has finished)."""
         if self.kind != "cuda":
             return None
-        n_slots = min(self.loader.prefetch + 1, 3)
+        n_slots = min(self.loader.prefetch + 1, 3) + READ_AHEAD - 1  # and those being read ahead
         if len(self.slots) < n_slots:
             schema = self.loader.dataset.schema
             rows = self.loader.batch_size * self.loader.chunk

@@ -6,6 +6,7 @@ whose pages were evicted with ``posix_fadvise(DONTNEED)``."""
 
 import multiprocessing as mp
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -184,3 +185,18 @@ def test_dataloader_workers_read_with_pread(tmp_path, monkeypatch, method):
         assert torch.equal(x, want_x) and torch.equal(y, want_y)
         seen += len(y)
     assert seen == 48
+
+
+@pytest.mark.fuzz
+@given(st.integers(1, 5), st.integers(1, 300), st.booleans())
+def test_crc_rows_is_zlibs_crc32(n, width, chained):
+    rows = np.random.default_rng(n * width).integers(0, 256, (n, width), dtype=np.uint8)
+    start = np.arange(n, dtype=np.uint32) * 7919 if chained else None
+    want = [zlib.crc32(r.tobytes(), 0 if start is None else int(start[i])) for i, r in enumerate(rows)]
+    old = gather.FAST_CRC_MIN
+    try:
+        for limit in (0, 1 << 30):  # libdeflate (when the system has it), then zlib
+            gather.FAST_CRC_MIN = limit
+            assert gather.crc_rows(rows, start).tolist() == want
+    finally:
+        gather.FAST_CRC_MIN = old
