@@ -61,6 +61,8 @@ _pool_lock = threading.Lock()
 IO_THREADS = 32
 #: The most rows one ``preadv`` call reads (below every system's IOV_MAX of 1024 buffers).
 MAX_RUN = 512
+#: Rows at least this large are announced to the kernel (``posix_fadvise(WILLNEED)``) before they are read.
+ADVISE_MIN_BYTES = 64 << 10
 #: Rows of a batch whose pages ``mincore`` inspects to decide the path.
 RESIDENCY_SAMPLES = 8
 #: How :func:`gather_rows` reads: ``auto`` (per batch, by residency), ``mmap`` (copy from the
@@ -398,6 +400,14 @@ def read_rows(files: list, columns: list, rows: np.ndarray, out: list | None = N
     first_l = first.tolist()
     uniq_l = uniq.tolist()
 
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        # Every large row of the batch is asked of the kernel at once, so the disk sees the whole
+        # batch queued (deeper than the threads alone keep it); the reads below then wait on those pages.
+        for (fd, _), rb in zip(files, sizes):
+            if rb >= ADVISE_MIN_BYTES:
+                for a, b in runs:
+                    advise(fd, uniq_l[a] * rb, (b - a) * rb, os.POSIX_FADV_WILLNEED)
     todo = iter(runs)  # taken run by run (``next`` on a list iterator is atomic): no thread idles
     # while another still has a queue of reads, as a fixed split would leave it at a batch's end
 
