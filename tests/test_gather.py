@@ -200,3 +200,34 @@ def test_crc_rows_is_zlibs_crc32(n, width, chained):
             assert gather.crc_rows(rows, start).tolist() == want
     finally:
         gather.FAST_CRC_MIN = old
+
+
+def test_a_cache_larger_than_memory_is_always_read_with_preads(tmp_path, monkeypatch):
+    nbkit.CachedDataset(TupleSource(16), tmp_path).warmup()
+    monkeypatch.setattr("nbkit.cachedir.physical_memory", lambda: 1024)  # a host smaller than this cache
+    store = nbkit.CachedDataset.open(tmp_path).store
+    calls = []
+    real = gather.read_rows
+    monkeypatch.setattr(gather, "read_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got, crcs = store.gather_checked(np.array([3, 1]), crc=True)  # resident, yet read with preads
+    assert calls == [1] and crcs.tolist() == store.crc_of(np.array([3, 1])).tolist()
+    store.gather_checked(np.array([3, 1]), mode="mmap")
+    assert calls == [1]
+    store.close()
+
+
+def test_output_buffers_are_reused_only_once_nothing_holds_them():
+    a = gather.recycled_rows(64, (3, 64, 64), np.uint8)
+    address = a.ctypes.data
+    a[:] = 7
+    t = torch.from_numpy(a)[1:]
+    view = a[2:]
+    del a
+    b = gather.recycled_rows(64, (3, 64, 64), np.uint8)
+    assert b.ctypes.data != address and int(t[0, 0, 0, 0]) == 7
+    del t, b
+    c = gather.recycled_rows(64, (3, 64, 64), np.uint8)
+    assert c.ctypes.data != address and int(view[0, 0, 0, 0]) == 7
+    del c
+    del view  # the last one freed is the next one given
+    assert gather.recycled_rows(64, (3, 64, 64), np.uint8).ctypes.data == address
