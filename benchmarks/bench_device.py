@@ -308,8 +308,9 @@ def render(results, meta) -> str:
     lines.append(f"Machine: {meta['machine']}. Batch {BATCH}, `shuffle=True`; best of {meta['epochs']} epochs after one "
                  "untimed epoch (raw JPEG: one epoch). The on-device limit is SPDL's *headspace* (the training loop fed "
                  "by batches already on the device: the most any loader can give); data wait = `1 - on-device limit / epoch`. "
-                 f"Samples/s at {meta.get('cpus', '?')} CPUs; peak host memory: the benchmark process plus its largest "
-                 "DataLoader worker, highest so far in the run (so it never falls down the table). "
+                 + (f"Samples/s at {meta['cpus']} CPUs" if "cpus" in meta else "Samples/s at the CPU count named above")
+                 + "; peak host memory: the benchmark process plus its largest DataLoader worker, highest so far in the "
+                 "run (so it never falls down the table; not recorded by runs before issue 20). "
                  + ("" if cuda else f"No GPU here: the training step is a {SIM_STEP_S * 1000:.0f} ms sleep (it releases the GIL, as a "
                     "GPU step does), so 'training' shows overlap, not device speed. ")
                  + ("Quick mode: small data, a smoke test." if meta["quick"] else ""))
