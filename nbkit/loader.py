@@ -211,6 +211,7 @@ class _Pipeline:
         self.queue = queue.Queue(maxsize=max(loader.prefetch, loader.chunk))
         self.stop = threading.Event()
         self.slots = []
+        self.slot_lock = threading.Lock()
         self.stream = None
         if self.kind == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
@@ -237,8 +238,12 @@ class _Pipeline:
             groups = [self.batches[first:first + k] for first in range(0, len(self.batches), k)]
             # READ_AHEAD groups are read at once, and this one is handed out while the next ones
             # are read: reads of a cache that is not in the page cache never drain between batches.
-            ahead = (ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="nbkit-read-ahead")
-                     if self.loader._columnar else None)
+            cuda = {"initializer": torch.cuda.set_device, "initargs": (self.device,)} if self.kind == "cuda" else {}
+            # Only a memory-mapped store is read from several threads at once (a read-through or Redis
+            # store is read by this thread alone, as before).
+            mapped = getattr(getattr(self.loader.dataset, "store", None), "memory_mapped", False)
+            ahead = (ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="nbkit-read-ahead", **cuda)
+                     if self.loader._columnar and mapped else None)
             try:
                 pending = [self._read_soon(ahead, c, groups[c]) for c in range(min(READ_AHEAD, len(groups)))]
                 for c, group in enumerate(groups):
@@ -263,26 +268,27 @@ class _Pipeline:
         if self.kind != "cuda":
             return None
         n_slots = min(self.loader.prefetch + 1, 3) + READ_AHEAD - 1  # and those being read ahead
-        if len(self.slots) < n_slots:
-            schema = self.loader.dataset.schema
-            rows = self.loader.batch_size * self.loader.chunk
-            arrays, tensors = [], []
-            for leaf in schema.columns:
-                dtype = schema.column_dtype(leaf)
-                if dtype.kind in "SU":  # strings stay on the host: no pinned path for this dataset
-                    return None
-                buf, array = pinned_rows(rows, leaf.shape, dtype)
-                arrays.append(array)
-                tdtype = column_tensor(leaf, np.empty((0, *leaf.shape), dtype)).dtype
-                tensors.append(buf.view(tdtype).view(rows, *leaf.shape))
-            self.slots.append({"arrays": arrays, "tensors": tensors, "event": None})
-        slot = self.slots[c % n_slots]
+        with self.slot_lock:  # READ_AHEAD threads ask for slots at once
+            while len(self.slots) < n_slots:
+                schema = self.loader.dataset.schema
+                rows = self.loader.batch_size * self.loader.chunk
+                arrays, tensors = [], []
+                for leaf in schema.columns:
+                    dtype = schema.column_dtype(leaf)
+                    if dtype.kind in "SU":  # strings stay on the host: no pinned path for this dataset
+                        return None
+                    buf, array = pinned_rows(rows, leaf.shape, dtype)
+                    arrays.append(array)
+                    tdtype = column_tensor(leaf, np.empty((0, *leaf.shape), dtype)).dtype
+                    tensors.append(buf.view(tdtype).view(rows, *leaf.shape))
+                self.slots.append({"arrays": arrays, "tensors": tensors, "event": None})
+            slot = self.slots[c % n_slots]
         if slot["event"] is not None:
             slot["event"].synchronize()  # its previous chunk's copy must be done before we overwrite it
         return slot
 
     def _read_soon(self, ahead, c: int, group: list):
-        """The read of group ``c``'s columns started on ``ahead`` (``None`` when not columnar)."""
+        """The read of group ``c``'s columns started on ``ahead`` (``None``: read in this thread by :meth:`_make`)."""
         return None if ahead is None else ahead.submit(self._read, c, group)
 
     def _read(self, c: int, group: list):
