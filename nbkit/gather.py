@@ -227,7 +227,7 @@ def _mincore():
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         f = libc.mincore
-    except (OSError, AttributeError):  # no mincore (Windows): residency unknown, the map is used
+    except (OSError, AttributeError, TypeError):  # no mincore (Windows): residency unknown, the map is used
         return None
     f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     f.restype = ctypes.c_int
