@@ -18,6 +18,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from . import format as fmt
 from . import trust
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .files import file_lock
-from .gather import gather_rows, physical_memory, resident, will_need
+from .gather import gather_rows, physical_memory, read_mode, resident, will_need
 
 __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "remove_cache", "check_replaceable",
            "swap_into_place", "open_files"]
@@ -164,6 +165,10 @@ def _preallocate(fd: int, path: str, actual: int, size: int) -> None:
             raise
 
 
+#: How long a batch found resident makes the next ones be taken as resident too.
+RESIDENT_SECONDS = 1.0
+
+
 class CacheFiles(fmt.Store):
     """The memory-mapped files of one cache directory, opened in one process.
 
@@ -206,6 +211,7 @@ class CacheFiles(fmt.Store):
         # Columns larger than this host's memory are always read with explicit reads: their pages can
         # never all be resident, and copies through the map would count every page read in this
         # process's resident set.
+        self._resident_until = 0.0  # until then (time.monotonic), batches are taken to be resident
         ram = physical_memory()
         self._past_ram = 0 < ram < sum(c.nbytes for c in self.columns)
         self._heap_fd = None
@@ -251,8 +257,17 @@ class CacheFiles(fmt.Store):
         ``crc`` also checksum each sample on the bytes read (:func:`nbkit.gather.gather_rows`;
         ``mode`` forces a path). The rows lie inside the files: their sizes were checked at open."""
         rows = idx if self.slot_of is None else self.slot_of[idx]
-        if mode is None and self._past_ram:
-            mode = "pread"  # never all resident: reads from the page cache cost no more than copies from the map
+        if mode is None and read_mode() == "auto":
+            if self._past_ram:
+                mode = "pread"  # never all resident: reads from the page cache cost no more than copies from the map
+            elif time.monotonic() < self._resident_until or resident(self.columns, rows):
+                # Once resident, a cache that fits stays so: look again in a second, not every batch
+                # (eight mincore calls are a tenth of a small batch's gather).
+                if time.monotonic() >= self._resident_until:
+                    self._resident_until = time.monotonic() + RESIDENT_SECONDS
+                mode = "mmap"
+            else:
+                mode = "pread"
         return gather_rows(self.columns, rows, out, threads, files=self._column_files, crc=crc, mode=mode)
 
     def will_need(self, idx: np.ndarray) -> None:

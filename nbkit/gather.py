@@ -43,7 +43,7 @@ from torch.utils.data import get_worker_info
 from .errors import CorruptCacheError
 
 __all__ = ["take_rows", "gather_rows", "read_rows", "resident", "will_need", "crc_rows", "spans", "auto_threads",
-           "pool", "io_pool", "empty_rows", "pinned_rows", "READ_MODES"]
+           "pool", "io_pool", "empty_rows", "pinned_rows", "recycled_rows", "physical_memory", "read_mode", "READ_MODES"]
 
 # Batches at least this large are gathered straight into pinned memory when this process uses CUDA.
 PIN_MIN_BYTES = 64 << 10
@@ -441,7 +441,8 @@ def read_rows(files: list, columns: list, rows: np.ndarray, out: list | None = N
     return out, (crc_u[inverse] if crc else None)
 
 
-def _read_mode(mode: str | None) -> str:
+def read_mode(mode: str | None = None) -> str:
+    """``mode``, or ``$NBKIT_READ``, or ``"auto"``; a ValueError for anything else."""
     if mode is None:
         mode = os.environ.get(READ_ENV) or "auto"
     if mode not in READ_MODES:
@@ -469,7 +470,7 @@ def gather_rows(columns: list, rows: np.ndarray, out: list | None = None, thread
         >>> gather_rows([col], np.array([2, 0]))[0][0].tolist()
         [[4, 5], [0, 1]]
     """
-    mode = _read_mode(mode)
+    mode = read_mode(mode)
     usable = files is not None and hasattr(os, "preadv") and len(rows) and all(
         o is None or o.flags.c_contiguous for o in (out or [None]))
     if usable and (mode == "pread" or (mode == "auto" and not resident(columns, rows))):
