@@ -300,7 +300,7 @@ def main(argv=None) -> int:
                      f"{'PASS' if ratio[k] >= TARGET_DATALOADER else 'MISS'} |")
     if size < 1.2 * ram:
         lines += ["", f"The cache is {size / ram:.2f}× RAM, below the 1.2× of the issue's target: run `--full` for that figure."]
-    lines += ["", "Full size: `.venv/bin/python benchmarks/bench_scale.py --full` (as root, ~15 min; needs 1.2 × RAM of free disk)."]
+    lines += ["", "Full size: `.venv/bin/python benchmarks/bench_scale.py --full` (as root, ~10 minutes here; needs 1.2 × RAM of free disk)."]
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.md").write_text("\n".join(lines) + "\n")
