@@ -165,6 +165,10 @@ def _preallocate(fd: int, path: str, actual: int, size: int) -> None:
             raise
 
 
+#: Samples smaller than this (all columns) of a cache that fits in RAM are copied from the map even
+#: when not resident: the kernel's read-ahead of a page fault brings in their neighbours too (a
+#: cold MNIST epoch: 0.46 s through the map, 1.3 s with one pread a row).
+PREAD_MIN_ROW_BYTES = 64 << 10
 #: How long a batch found resident makes the next ones be taken as resident too.
 RESIDENT_SECONDS = 1.0
 
@@ -214,6 +218,7 @@ class CacheFiles(fmt.Store):
         self._resident_until = 0.0  # until then (time.monotonic), batches are taken to be resident
         ram = physical_memory()
         self._past_ram = 0 < ram < sum(c.nbytes for c in self.columns)
+        self._small_rows = sum(c.strides[0] if c.ndim else 0 for c in self.columns) < PREAD_MIN_ROW_BYTES
         self._heap_fd = None
         self._heap_size = 0  # bytes of heap.bin known to exist (refreshed when a record points further)
         if os.path.lexists(os.path.join(root, fmt.HEAP)):
@@ -260,6 +265,8 @@ class CacheFiles(fmt.Store):
         if mode is None and read_mode() == "auto":
             if self._past_ram:
                 mode = "pread"  # never all resident: reads from the page cache cost no more than copies from the map
+            elif self._small_rows:
+                mode = "mmap"  # a fault reads ahead many small rows at once; a pread reads one
             elif time.monotonic() < self._resident_until or resident(self.columns, rows):
                 # Once resident, a cache that fits stays so: look again in a second, not every batch
                 # (eight mincore calls are a tenth of a small batch's gather).

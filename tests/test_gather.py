@@ -127,7 +127,7 @@ def test_a_file_truncated_under_the_reader_is_a_clean_error(tmp_path):
 
 
 def test_residency_decides_the_path(tmp_path, monkeypatch):
-    nbkit.CachedDataset(TupleSource(64, shape=(3, 32, 32)), tmp_path).warmup()
+    nbkit.CachedDataset(TupleSource(64, shape=(3, 96, 96)), tmp_path).warmup()  # 108 KiB rows
     store = nbkit.CachedDataset.open(tmp_path).store
     idx = np.arange(0, 64, 3)
     calls = []
@@ -231,3 +231,17 @@ def test_output_buffers_are_reused_only_once_nothing_holds_them():
     del c
     del view  # the last one freed is the next one given
     assert gather.recycled_rows(64, (3, 64, 64), np.uint8).ctypes.data == address
+
+
+def test_small_rows_of_a_cache_that_fits_are_copied_from_the_map(tmp_path, monkeypatch):
+    nbkit.CachedDataset(TupleSource(64), tmp_path).warmup()  # 256-byte rows
+    store = nbkit.CachedDataset.open(tmp_path).store
+    calls = []
+    real = gather.read_rows
+    monkeypatch.setattr(gather, "read_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _evict(tmp_path)
+    store.gather_checked(np.arange(0, 64, 5))
+    assert calls == []
+    store.gather_checked(np.arange(0, 64, 5), mode="pread")
+    assert calls == [1]
+    store.close()
