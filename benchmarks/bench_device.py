@@ -13,8 +13,13 @@ one run:
 * the **on-device limit**: the same training with the whole preprocessed dataset already in
   device memory, batches taken by index.
 
-"Data wait" is the share of the epoch the device spends beyond the on-device limit:
-``1 - limit / epoch``. Each row is the best of 2 epochs after one untimed epoch (raw JPEG: one
+The on-device limit is what SPDL calls *headspace*: SPDL measures it with a loader that replays
+batches it has already cached, nbkit with the dataset already in device memory; either way it is
+the speed of the training loop when loading costs nothing, the most any loader can give.
+"Data wait" is the share of the epoch the device spends beyond it: ``1 - limit / epoch``. Like
+FFCV, LitData and SPDL, each row also gives samples per second with the machine's CPU count, and
+the peak host memory (resident set of the benchmark process, and its largest DataLoader worker)
+reached so far. Each row is the best of 2 epochs after one untimed epoch (raw JPEG: one
 epoch). On a machine without a GPU the training step is simulated by a 5 ms sleep (it releases the
 GIL, as a GPU step does), and the overlap target applies instead.
 
@@ -30,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import sys
 import time
 from pathlib import Path
@@ -127,6 +133,13 @@ def time_epoch(batches, trainer: Trainer, train: bool) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def peak_host_memory() -> int:
+    """Peak resident bytes so far: this process, and the largest of its finished children (workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (own + children) * 1024
+
+
 def measure(make, trainer, train, epochs, warm=1):
     """Best of ``epochs`` timed epochs after ``warm`` untimed ones; ``make()`` gives the iterable."""
     it = make()
@@ -205,7 +218,7 @@ def bench_workload(name, args, device, log):
     def add(key, label, make, train=True, epochs=None, warm=1, kind="nbkit"):
         e = epochs or args.epochs
         r = measure(make, trainer, train, e, warm)
-        r.update(key=key, label=label, train=train, kind=kind)
+        r.update(key=key, label=label, train=train, kind=kind, peak_rss=peak_host_memory())
         rows.append(r)
         log(f"  {label} [{'train' if train else 'data'}]: {r['best']:.3f}s (epochs {', '.join(f'{t:.3f}' for t in r['epochs'])})")
         return r
@@ -293,7 +306,11 @@ def render(results, meta) -> str:
     cuda = meta["device"] == "cuda"
     lines = ["## Device: training epochs on the accelerator", ""]
     lines.append(f"Machine: {meta['machine']}. Batch {BATCH}, `shuffle=True`; best of {meta['epochs']} epochs after one "
-                 "untimed epoch (raw JPEG: one epoch). Data wait = `1 - on-device limit / epoch`. "
+                 "untimed epoch (raw JPEG: one epoch). The on-device limit is SPDL's *headspace* (the training loop fed "
+                 "by batches already on the device: the most any loader can give); data wait = `1 - on-device limit / epoch`. "
+                 + (f"Samples/s at {meta['cpus']} CPUs" if "cpus" in meta else "Samples/s at the CPU count named above")
+                 + "; peak host memory: the benchmark process plus its largest DataLoader worker, highest so far in the "
+                 "run (so it never falls down the table; not recorded by runs before issue 20). "
                  + ("" if cuda else f"No GPU here: the training step is a {SIM_STEP_S * 1000:.0f} ms sleep (it releases the GIL, as a "
                     "GPU step does), so 'training' shows overlap, not device speed. ")
                  + ("Quick mode: small data, a smoke test." if meta["quick"] else ""))
@@ -302,7 +319,8 @@ def render(results, meta) -> str:
         rows = res["rows"]
         limit = _get(rows, "limit-train")
         lines += [f"### {name}: {res['n']:,} samples, {res['row_bytes']:,} bytes a cached sample", "",
-                  "| loader | training epoch | × on-device limit | data wait | data-only epoch |", "|---|---|---|---|---|"]
+                  "| loader | training epoch | samples/s | × on-device limit | data wait | data-only epoch | data-only samples/s "
+                  "| peak host memory |", "|---|---|---|---|---|---|---|---|"]
         labels = []
         for r in rows:
             if r["label"] not in labels and r["kind"] != "ref":
@@ -311,10 +329,13 @@ def render(results, meta) -> str:
             tr = next((r for r in rows if r["label"] == label and r["train"]), None)
             do = next((r for r in rows if r["label"] == label and not r["train"]), None)
             t = tr["best"] if tr else None
-            cells = [label, _s(t) if t else "—",
+            n = res["n"]
+            peak = max((r.get("peak_rss", 0) for r in (tr, do) if r), default=0)
+            cells = [label, _s(t) if t else "—", f"{n / t:,.0f}" if t else "—",
                      f"{t / limit:.2f}×" if t and limit else "—",
                      f"{max(0.0, 1 - limit / t):.0%}" if t and limit else "—",
-                     _s(do["best"]) if do else "—"]
+                     _s(do["best"]) if do else "—", f"{n / do['best']:,.0f}" if do else "—",
+                     f"{peak / 2**30:.2f} GiB" if peak else "—"]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["### Targets", "", "| target | measured | result | |", "|---|---|---|---|"]
@@ -366,7 +387,7 @@ def main(argv=None) -> int:
     results = {}
     for name in args.only or workloads.WORKLOADS:
         results[name] = bench_workload(name, args, device, log)
-    meta = {"device": device.type, "machine": machine(), "epochs": args.epochs, "quick": args.quick,
+    meta = {"device": device.type, "machine": machine(), "epochs": args.epochs, "quick": args.quick, "cpus": cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(write(Path(args.results), f"device-{device.type}", meta, results))
     return 0

@@ -156,7 +156,7 @@ def assemble(results_dir: Path = RESULTS, output: Path = OUTPUT, failures: list[
     """Write ``output`` from its kept introduction, the machine section and every results file."""
     parts = [read_intro(output), MARKER, "", machine_info()]
     # The engine first (issue 2's targets), the device benchmark (issue 11), then the issues in order.
-    order = {name: k for k, name in enumerate(("engine", "device-cuda", "device-cpu", "transfer", "trust", "budget", "redis",
+    order = {name: k for k, name in enumerate(("engine", "device-cuda", "device-cpu", "scale", "transfer", "trust", "budget", "redis",
                                                "readthrough"))}
     for md in sorted(results_dir.glob("*.md"), key=lambda p: (order.get(p.stem, len(order)), p.stem)):
         parts.append(_relink(md.read_text(), md.parent, output.parent).rstrip() + "\n")

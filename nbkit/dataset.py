@@ -37,6 +37,7 @@ from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
 from .fingerprint import fingerprint
+from .gather import auto_threads
 from .stats import SharedCounters, Stats
 from .transforms import apply_transform
 
@@ -265,8 +266,17 @@ class CachedDataset(Dataset):
         self._check_generation(every=_READ_CHECK_SECONDS)
         if self.transform is None and get_worker_info() is not None and self._column_ready(idx):
             self._counters.add(hits=len(idx))
+            self.read_ahead(idx)  # the main process gathers it later: start reading it now
             return DeferredBatch(self.store.schema, idx, self._stored_batch, BatchHandle(self._token, idx))
         return self._fetch(idx, single=False)
+
+    def read_ahead(self, idx) -> None:
+        """Start reading the stored rows of ``idx`` into the page cache in the background when they
+        are not there (a batch gathered later: DataLoader workers, ``DeviceLoader``'s next batch)."""
+        will_need = getattr(self.store, "will_need", None)
+        if will_need is not None:
+            idx = self._index_array(idx)
+            will_need(idx[self.store.is_stored(idx)])
 
     def _column_ready(self, idx: np.ndarray, local: bool = True) -> bool:
         """Whether every sample of ``idx`` is stored whole in fixed-shape columns (so the batch is
@@ -312,29 +322,33 @@ class CachedDataset(Dataset):
         f = self.store
         n = len(idx)
         dest = None if out is None else [o[:n] for o in out]
+        crcs = None
         if getattr(f, "memory_mapped", False):
-            columns = f.gather(idx, out=dest, threads=threads)
+            columns, crcs = f.gather_checked(idx, out=dest, threads=threads, crc=not self._verified[idx].all())
         else:
             columns = f.gather(idx)
             if dest is not None:
                 for d, c in zip(dest, columns):
                     np.copyto(d, c)
                 columns = dest
-        if len(self._check_new(idx, columns, threads=threads or 1)):
+        if len(self._check_new(idx, columns, threads=threads or 1, crcs=crcs)):
             return None
         self._counters.add(hits=n)
         return columns
 
-    def _check_new(self, idx: np.ndarray, columns: list, blobs: list | None = None, threads: int = 1) -> np.ndarray:
+    def _check_new(self, idx: np.ndarray, columns: list, blobs: list | None = None, threads: int = 1,
+                   crcs: np.ndarray | None = None) -> np.ndarray:
         """Verify the checksums of the samples of ``idx`` not yet verified in this process, given
-        their gathered ``columns`` (and heap ``blobs``); return the indices that fail."""
+        their gathered ``columns`` (and heap ``blobs``, and the columns' ``crcs`` when the read took
+        them on the bytes it read); return the indices that fail."""
         unverified = ~self._verified[idx]
         if not unverified.any():
             return idx[:0]
         pos = np.flatnonzero(unverified)
-        sub = columns if len(pos) == len(idx) else [c[pos] for c in columns]
+        sub = columns if len(pos) == len(idx) or crcs is not None else [c[pos] for c in columns]
         sub_blobs = {m: blobs[j] for m, j in enumerate(pos)} if blobs else {}
-        ok = fmt.verify(self.store, idx[pos], columns=sub, blobs=sub_blobs, threads=threads)
+        sub_crcs = None if crcs is None else crcs[pos]
+        ok = fmt.verify(self.store, idx[pos], columns=sub, blobs=sub_blobs, threads=threads, column_crcs=sub_crcs)
         self._verified[idx[pos[ok]]] = True
         return idx[pos[~ok]]
 
@@ -371,7 +385,11 @@ class CachedDataset(Dataset):
         schema = f.schema
         if schema.structure is None or (f.flags_of(idx) & fmt.FLAG_FREEFORM).any():
             return [self._read_one(int(i)) for i in idx]
-        columns = f.gather(idx)
+        crcs = None
+        if getattr(f, "memory_mapped", False):
+            columns, crcs = f.gather_checked(idx, crc=not self._verified[idx].all())
+        else:
+            columns = f.gather(idx)
         blobs = None
         if schema.has_var:
             try:
@@ -379,7 +397,8 @@ class CachedDataset(Dataset):
             except CorruptCacheError:  # a damaged record (past the heap): its sample fails the check below
                 blobs = [fmt.read_blob_or_none(f, int(i)) for i in idx]
                 self._verified[idx[[b is None for b in blobs]]] = False
-        failed = self._check_new(idx, columns, blobs)
+        failed = self._check_new(idx, columns, blobs, crcs=crcs,
+                                 threads=auto_threads(sum(c.nbytes for c in columns)) if crcs is None else 1)
         if len(failed):
             unkept = {}
             for i in failed:

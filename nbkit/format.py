@@ -23,7 +23,7 @@ import numpy as np
 
 from . import trust
 from .codec import Schema, storage_dtype
-from .gather import pool, spans
+from .gather import crc_rows, pool, spans
 from .errors import CorruptCacheError, StaleCacheError
 from .files import atomic_write
 from .progress import as_callback
@@ -258,9 +258,9 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1
             # Small rows: lay them side by side, one call per sample. (Large rows: chain per column
             # rather than copy them.)
             parts = [np.concatenate(parts, axis=1)]
-        out = np.fromiter(map(zlib.crc32, parts[0]), dtype=np.uint32, count=n)
+        out = crc_rows(parts[0])
         for p in parts[1:]:
-            out = np.fromiter(map(zlib.crc32, p, out.tolist()), dtype=np.uint32, count=n)
+            out = crc_rows(p, out)
     else:
         out = np.zeros(n, np.uint32)
     for j, blob in (blobs or {}).items():
@@ -282,9 +282,11 @@ def check_compatible(root: str, existing: dict, wanted: dict) -> None:
         )
 
 
-def sample_crcs(columns: list, flags: np.ndarray, blobs: dict | None = None, threads: int = 1) -> np.ndarray:
+def sample_crcs(columns: list, flags: np.ndarray, blobs: dict | None = None, threads: int = 1,
+                column_crcs: np.ndarray | None = None) -> np.ndarray:
     """CRC-32 of each sample as stored: its column rows, then its variable-length blob; a free-form
     sample (``FLAG_FREEFORM``) is its blob alone. ``blobs`` maps a position to that sample's heap blob.
+    ``column_crcs``: the CRC-32s of the samples' column rows when the read already took them.
 
     Example:
         >>> rows = np.arange(6, dtype=np.uint8).reshape(2, 3)
@@ -294,13 +296,20 @@ def sample_crcs(columns: list, flags: np.ndarray, blobs: dict | None = None, thr
     blobs = blobs or {}
     n = len(flags)
     free = {m for m in blobs if flags[m] & FLAG_FREEFORM}
-    crc = batch_crc(columns, n, {m: b for m, b in blobs.items() if m not in free}, threads=threads)
+    chained = {m: b for m, b in blobs.items() if m not in free}
+    if column_crcs is None:
+        crc = batch_crc(columns, n, chained, threads=threads)
+    else:
+        crc = np.array(column_crcs, dtype=np.uint32)
+        for m, b in chained.items():
+            crc[m] = zlib.crc32(b, int(crc[m]))
     for m in free:
         crc[m] = row_crc([], blobs[m])
     return crc
 
 
-def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict | None = None, threads: int = 1) -> np.ndarray:
+def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict | None = None, threads: int = 1,
+           column_crcs: np.ndarray | None = None) -> np.ndarray:
     """Which of the stored samples ``idx`` of ``store`` match their checksum (a bool per sample).
 
     Args:
@@ -309,6 +318,7 @@ def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict |
         columns: their column rows if already gathered (``store.gather(idx)``); read otherwise.
         blobs: ``position -> heap blob`` if already read; read otherwise (an unreadable blob fails).
         threads: split the checksums of large rows over the gather pool.
+        column_crcs: the CRC-32s of the column rows, taken by the read on the bytes it read.
     """
     flags = store.flags_of(idx)
     if columns is None:
@@ -318,7 +328,7 @@ def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict |
     unreadable = [m for m, b in blobs.items() if b is None]
     if unreadable:
         blobs = {m: (b"" if b is None else b) for m, b in blobs.items()}
-    ok = sample_crcs(columns, flags, blobs, threads=threads) == store.crc_of(idx)
+    ok = sample_crcs(columns, flags, blobs, threads=threads, column_crcs=column_crcs) == store.crc_of(idx)
     ok &= _consistent(flags, store.schema)
     ok[unreadable] = False
     return ok

@@ -35,6 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from .stats import Consumed
 __all__ = ["DeviceLoader"]
 
 CHUNK_BYTES = 8 << 20  # batches smaller than this are gathered and copied several at a time
+READ_AHEAD = 2  # groups of batches being read at once (their reads overlap: the disk never waits between them)
 
 # DataLoader arguments people carry over, and what DeviceLoader does instead.
 _DATALOADER_ARGS = {
@@ -276,6 +278,7 @@ class _Pipeline:
         self.queue = queue.Queue(maxsize=max(loader.prefetch, loader.chunk))
         self.stop = threading.Event()
         self.slots = []
+        self.slot_lock = threading.Lock()
         self.stream = None
         if self.kind == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
@@ -299,13 +302,30 @@ class _Pipeline:
             if self.kind == "cuda":
                 torch.cuda.set_device(self.device)
             k = self.loader.chunk
-            for c, first in enumerate(range(0, len(self.batches), k)):
-                group = self.batches[first:first + k]
-                b = first
-                for item in self._make(c, group):  # a generator: batches go out as they are made
-                    if self.stop.is_set() or not self._put(item):
-                        return
-                    b += 1
+            groups = [self.batches[first:first + k] for first in range(0, len(self.batches), k)]
+            # READ_AHEAD groups are read at once, and this one is handed out while the next ones
+            # are read: reads of a cache that is not in the page cache never drain between batches.
+            cuda = {"initializer": torch.cuda.set_device, "initargs": (self.device,)} if self.kind == "cuda" else {}
+            # Only a memory-mapped store is read from several threads at once (a read-through or Redis
+            # store is read by this thread alone, as before).
+            mapped = getattr(getattr(self.loader.dataset, "store", None), "memory_mapped", False)
+            ahead = (ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="nbkit-read-ahead", **cuda)
+                     if self.loader._columnar and mapped else None)
+            try:
+                pending = [self._read_soon(ahead, c, groups[c]) for c in range(min(READ_AHEAD, len(groups)))]
+                for c, group in enumerate(groups):
+                    b = c * k
+                    read = pending.pop(0)
+                    read = read.result() if read is not None else None
+                    if c + READ_AHEAD < len(groups):
+                        pending.append(self._read_soon(ahead, c + READ_AHEAD, groups[c + READ_AHEAD]))
+                    for item in self._make(c, group, read):  # a generator: batches go out as they are made
+                        if self.stop.is_set() or not self._put(item):
+                            return
+                        b += 1
+            finally:
+                if ahead is not None:
+                    ahead.shutdown(wait=True, cancel_futures=True)
             self._put(_DONE)
         except BaseException as e:  # handed to the caller's thread, which raises it
             self._put(_Failure(e, b))
@@ -314,34 +334,46 @@ class _Pipeline:
         """Pinned host buffers for chunk ``c`` (reused round-robin once their copy has finished)."""
         if self.kind != "cuda":
             return None
-        n_slots = min(self.loader.prefetch + 1, 3)
-        if len(self.slots) < n_slots:
-            schema = self.loader.dataset.schema
-            rows = self.loader.batch_size * self.loader.chunk
-            arrays, tensors = [], []
-            for leaf in schema.columns:
-                dtype = schema.column_dtype(leaf)
-                if dtype.kind in "SU":  # strings stay on the host: no pinned path for this dataset
-                    return None
-                buf, array = pinned_rows(rows, leaf.shape, dtype)
-                arrays.append(array)
-                tdtype = column_tensor(leaf, np.empty((0, *leaf.shape), dtype)).dtype
-                tensors.append(buf.view(tdtype).view(rows, *leaf.shape))
-            self.slots.append({"arrays": arrays, "tensors": tensors, "event": None})
-        slot = self.slots[c % n_slots]
+        n_slots = min(self.loader.prefetch + 1, 3) + READ_AHEAD - 1  # and those being read ahead
+        with self.slot_lock:  # READ_AHEAD threads ask for slots at once
+            while len(self.slots) < n_slots:
+                schema = self.loader.dataset.schema
+                rows = self.loader.batch_size * self.loader.chunk
+                arrays, tensors = [], []
+                for leaf in schema.columns:
+                    dtype = schema.column_dtype(leaf)
+                    if dtype.kind in "SU":  # strings stay on the host: no pinned path for this dataset
+                        return None
+                    buf, array = pinned_rows(rows, leaf.shape, dtype)
+                    arrays.append(array)
+                    tdtype = column_tensor(leaf, np.empty((0, *leaf.shape), dtype)).dtype
+                    tensors.append(buf.view(tdtype).view(rows, *leaf.shape))
+                self.slots.append({"arrays": arrays, "tensors": tensors, "event": None})
+            slot = self.slots[c % n_slots]
         if slot["event"] is not None:
             slot["event"].synchronize()  # its previous chunk's copy must be done before we overwrite it
         return slot
 
-    def _make(self, c: int, group: list):
-        """The queue items for a group of consecutive batches: gathered together in one read and
-        sent in one copy when they are all stored (small rows: per-batch overhead amortised), else
-        batch by batch through the dataset's own batch path."""
+    def _read_soon(self, ahead, c: int, group: list):
+        """The read of group ``c``'s columns started on ``ahead`` (``None``: read in this thread by :meth:`_make`)."""
+        return None if ahead is None else ahead.submit(self._read, c, group)
+
+    def _read(self, c: int, group: list):
+        """``(slot, columns or None)``: group ``c``'s rows gathered in one read (``None``: the batch
+        cannot be served column-wise)."""
+        idx = group[0] if len(group) == 1 else np.concatenate(group)
+        slot = self._slot(c)
+        return slot, self.loader.dataset.read_columns(idx, out=None if slot is None else slot["arrays"],
+                                                      threads=self.loader.threads)
+
+    def _make(self, c: int, group: list, read=None):
+        """The queue items for a group of consecutive batches: gathered together in one read
+        (``read``, from :meth:`_read`) and sent in one copy when they are all stored (small rows:
+        per-batch overhead amortised), else batch by batch through the dataset's own batch path."""
         loader, ds = self.loader, self.loader.dataset
         if loader._columnar:
+            slot, cols = read if read is not None else self._read(c, group)
             idx = group[0] if len(group) == 1 else np.concatenate(group)
-            slot = self._slot(c)
-            cols = ds.read_columns(idx, out=None if slot is None else slot["arrays"], threads=loader.threads)
             if cols is not None:
                 n = len(idx)
                 if slot is not None:

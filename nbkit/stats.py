@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -35,6 +36,17 @@ try:
     import fcntl
 except ImportError:  # Windows: no POSIX record locks; a thread lock and per-process rows still apply
     fcntl = None
+
+_add_lock = threading.Lock()
+
+
+def _new_add_lock() -> None:
+    global _add_lock
+    _add_lock = threading.Lock()  # a child forked while another thread held it starts with it free
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_add_lock)
 
 __all__ = ["Stats", "SharedCounters", "EpochStats", "EpochCounter", "HitRate", "Consumed", "batch_size_of"]
 
@@ -500,6 +512,10 @@ class SharedCounters:
         return self._row
 
     def add(self, hits: int = 0, misses: int = 0, recomputed: int = 0, stored: int = 0, refused: int = 0) -> None:
+        with _add_lock:  # threads of one process share its row (DeviceLoader reads two groups at once)
+            self._add(hits, misses, recomputed, stored, refused)
+
+    def _add(self, hits, misses, recomputed, stored, refused) -> None:
         row = self._my_row()
         if hits:
             row[1] += hits

@@ -163,3 +163,20 @@ def test_bench_cacheloader_quick_writes_a_table(tmp_path):
         assert row in table, row
     assert "WRONG DATA" not in table
     assert table.count("| ok |") == len([ln for ln in table.splitlines() if ln.startswith("| ") and "µs" not in ln])
+
+
+@pytest.mark.slow
+def test_bench_scale_quick_writes_a_table(tmp_path):
+    results = tmp_path / "results"
+    cmd = [sys.executable, str(BENCH / "bench_scale.py"), "--quick", "--scratch", str(tmp_path), "--results", str(results)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (results / "scale.md").read_text()
+    for row in ("sequential", "1 thread", "8 threads", "32 threads", "`ds.loader(256, device=None)`",
+                "collate_fn=nbkit.collate", "num_workers=2", "first epoch, cold", "### Targets (issue 20)"):
+        assert row in table, row
+    data = json.loads((results / "scale.json").read_text())
+    assert data["samples"] == 1024 and data["best_random"] > 0
+    for r in data["figures"].values():
+        assert r["samples"] > 0 and r["peak_rss"] > 0 and r["evict"]
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]  # the caches are gone
