@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import threading
@@ -242,7 +243,15 @@ _MINCORE = _mincore()
 FAST_CRC_MIN = 16 << 10
 
 
-def _libdeflate_crc32():
+@functools.lru_cache(maxsize=None)
+def fast_crc():
+    """libdeflate's ``libdeflate_crc32`` when the system has it and it agrees with ``zlib.crc32``
+    (looked up on first use, not at import), else ``None``.
+
+    Example:
+        >>> fast_crc() is None or fast_crc()(0, ctypes.addressof(ctypes.create_string_buffer(b"ab", 2)), 2) == zlib.crc32(b"ab")
+        True
+    """
     if os.environ.get("NBKIT_CRC") == "zlib":
         return None
     name = ctypes.util.find_library("deflate")
@@ -250,18 +259,21 @@ def _libdeflate_crc32():
         f = ctypes.CDLL(name).libdeflate_crc32 if name else None
     except (OSError, AttributeError):
         return None
-    if f is not None:
-        f.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
-        f.restype = ctypes.c_uint32  # a CDLL call releases the GIL: threads checksum in parallel
+    if f is None:
+        return None
+    f.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
+    f.restype = ctypes.c_uint32  # a CDLL call releases the GIL: threads checksum in parallel
+    # A library of that name that computes anything else would make every sample look damaged.
+    probe = bytes(range(256)) * 67
+    buf = ctypes.create_string_buffer(probe, len(probe))
+    if f(0, ctypes.addressof(buf), len(probe)) != zlib.crc32(probe) or f(7, ctypes.addressof(buf), 3) != zlib.crc32(probe[:3], 7):
+        return None
     return f
-
-
-_FAST_CRC = _libdeflate_crc32()
 
 
 def _crc_at(value: int, address: int, size: int) -> int:
     """CRC-32 of ``size`` bytes at ``address`` continued from ``value`` (needs libdeflate)."""
-    return _FAST_CRC(value, address, size)
+    return fast_crc()(value, address, size)
 
 
 def crc_rows(rows: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
@@ -273,13 +285,14 @@ def crc_rows(rows: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
         True
     """
     n, width = rows.shape
-    if _FAST_CRC is None or width < FAST_CRC_MIN or not rows.flags.c_contiguous:
+    fast = fast_crc()
+    if fast is None or width < FAST_CRC_MIN or not rows.flags.c_contiguous:
         if start is None:
             return np.fromiter(map(zlib.crc32, rows), dtype=np.uint32, count=n)
         return np.fromiter(map(zlib.crc32, rows, start.tolist()), dtype=np.uint32, count=n)
     base = rows.ctypes.data
     init = [0] * n if start is None else start.tolist()
-    return np.fromiter((_FAST_CRC(c, base + i * width, width) for i, c in enumerate(init)), dtype=np.uint32, count=n)
+    return np.fromiter((fast(c, base + i * width, width) for i, c in enumerate(init)), dtype=np.uint32, count=n)
 
 
 def resident(columns: list, rows: np.ndarray, samples: int = RESIDENCY_SAMPLES) -> bool:
@@ -389,7 +402,7 @@ def read_rows(files: list, columns: list, rows: np.ndarray, out: list | None = N
     sizes = [_row_bytes(c) for c in columns]
     flats = [memoryview(o.reshape(-1).view(np.uint8)) if rb else None for o, rb in zip(out, sizes)]
     bases = [o.ctypes.data for o in out]
-    fast = [_FAST_CRC is not None and rb >= FAST_CRC_MIN for rb in sizes]
+    fast = [fast_crc() is not None and rb >= FAST_CRC_MIN for rb in sizes]
     uniq, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
     crc_u = np.zeros(len(uniq), np.uint32) if crc else None
     # Runs of adjacent rows, cut at MAX_RUN, then dealt out to the threads in offset order.
