@@ -201,48 +201,35 @@ def _verify(args) -> int:
     return OK
 
 
-def _export(args) -> int:
-    from .archive import export_tar
+def _copy(args, verb: str, source: str, target: str) -> int:
+    """export, import, push or pull ``source`` to ``target`` with a progress bar, then report."""
+    from .archive import export_tar, import_tar
+    from .transfer import pull, push
 
-    cb = _progress(args, "export", "bytes")
+    run = {"export": export_tar, "import": import_tar, "push": push, "pull": pull}[verb]
+    cb = _progress(args, verb, "bytes")
     try:
-        report = export_tar(args.path, args.tar, callback=cb, storage_options=args.options)
+        report = run(source, target, callback=cb, storage_options=args.options)
     finally:
         _done(cb)
-    return _report(args, f"exported {args.path} to {args.tar}", report)
+    done = {"export": "exported", "import": "imported", "push": "pushed", "pull": "pulled"}[verb]
+    return _report(args, f"{done} {source} {'to' if verb in ('export', 'push') else 'into'} {target}", report)
+
+
+def _export(args) -> int:
+    return _copy(args, "export", args.path, args.tar)
 
 
 def _import(args) -> int:
-    from .archive import import_tar
-
-    cb = _progress(args, "import", "bytes")
-    try:
-        report = import_tar(args.tar, args.path, callback=cb, storage_options=args.options)
-    finally:
-        _done(cb)
-    return _report(args, f"imported {args.tar} into {args.path}", report)
+    return _copy(args, "import", args.tar, args.path)
 
 
 def _push(args) -> int:
-    from .transfer import push
-
-    cb = _progress(args, "push", "bytes")
-    try:
-        report = push(args.path, args.url, callback=cb, storage_options=args.options)
-    finally:
-        _done(cb)
-    return _report(args, f"pushed {args.path} to {args.url}", report)
+    return _copy(args, "push", args.path, args.url)
 
 
 def _pull(args) -> int:
-    from .transfer import pull
-
-    cb = _progress(args, "pull", "bytes")
-    try:
-        report = pull(args.url, args.path, callback=cb, storage_options=args.options)
-    finally:
-        _done(cb)
-    return _report(args, f"pulled {args.url} into {args.path}", report)
+    return _copy(args, "pull", args.url, args.path)
 
 
 def _removals(args, removed: list, verb: str) -> int:

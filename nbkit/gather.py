@@ -53,8 +53,7 @@ PIN_MIN_BYTES = 64 << 10
 PARALLEL_MIN_BYTES = 2 << 20
 MAX_THREADS = 8
 
-_pool = None
-_pool_pid = None
+_pools = {}  # name: (pool, the pid that made it)
 _pool_lock = threading.Lock()
 
 #: Concurrent reads of rows that are not in the page cache: an SSD (or a cloud disk) reaches its
@@ -71,9 +70,6 @@ RESIDENCY_SAMPLES = 8
 READ_MODES = ("auto", "mmap", "pread")
 READ_ENV = "NBKIT_READ"
 
-_io_pool = None
-_io_pool_pid = None
-
 
 def cpu_count() -> int:
     """CPUs this process may run on (the affinity mask, not the machine's total)."""
@@ -83,17 +79,21 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _process_pool(name: str, threads: int) -> ThreadPoolExecutor:
+    """This process's pool called ``name`` (a forked child builds its own: threads do not survive fork)."""
+    pid = os.getpid()
+    pool_ = _pools.get(name)
+    if pool_ is None or pool_[1] != pid:
+        with _pool_lock:
+            pool_ = _pools.get(name)
+            if pool_ is None or pool_[1] != pid:
+                pool_ = _pools[name] = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name), pid)
+    return pool_[0]
+
+
 def pool() -> ThreadPoolExecutor:
     """This process's gather pool (a forked child builds its own: threads do not survive fork)."""
-    global _pool, _pool_pid
-    pid = os.getpid()
-    if _pool is None or _pool_pid != pid:
-        with _pool_lock:
-            if _pool is None or _pool_pid != pid:
-                _pool = ThreadPoolExecutor(max_workers=max(1, min(MAX_THREADS, cpu_count())),
-                                           thread_name_prefix="nbkit-gather")
-                _pool_pid = pid
-    return _pool
+    return _process_pool("nbkit-gather", max(1, min(MAX_THREADS, cpu_count())))
 
 
 def physical_memory() -> int:
@@ -106,14 +106,7 @@ def physical_memory() -> int:
 
 def io_pool() -> ThreadPoolExecutor:
     """This process's pool of :data:`IO_THREADS` threads for explicit reads (rebuilt after fork)."""
-    global _io_pool, _io_pool_pid
-    pid = os.getpid()
-    if _io_pool is None or _io_pool_pid != pid:
-        with _pool_lock:
-            if _io_pool is None or _io_pool_pid != pid:
-                _io_pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="nbkit-read")
-                _io_pool_pid = pid
-    return _io_pool
+    return _process_pool("nbkit-read", IO_THREADS)
 
 
 def auto_threads(batch_bytes: int) -> int:

@@ -247,3 +247,12 @@ class DtypeSource(Dataset):
         if self.dtype == torch.bool:
             raw = raw % 2
         return raw.view(self.dtype).reshape(rows, 3), i
+
+
+def flip_byte(path, offset):
+    """Damage one byte of a file (as a bad disk or a tampered copy would)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

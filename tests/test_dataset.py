@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 import nbkit
-from sources import (BareTensorSource, CollatableDictSource, DictSource, DtypeSource, IrregularSource, NamedSource, PickleSource,
+from sources import (BareTensorSource, flip_byte, CollatableDictSource, DictSource, DtypeSource, IrregularSource, NamedSource, PickleSource,
                      PilSource, RandomSource, TupleSource, VarShapeSource, assert_equal, Opaque)
 
 SOURCES = [TupleSource, DictSource, VarShapeSource, IrregularSource, BareTensorSource]
@@ -172,18 +172,10 @@ def test_nondeterministic_source_points_to_transform(tmp_path):
     assert not (tmp_path / "nbkit.json").exists()
 
 
-def _flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_corrupt_sample_recomputed_with_source_and_refused_without(tmp_path):
     src = TupleSource(20)
     nbkit.CachedDataset(src, tmp_path).warmup()
-    _flip_byte(tmp_path / "col-0.bin", 7 * 8 * 8 * 4 + 5)  # a byte inside sample 7's image
+    flip_byte(tmp_path / "col-0.bin", 7 * 8 * 8 * 4 + 5)  # a byte inside sample 7's image
     without = nbkit.CachedDataset.open(tmp_path)
     assert_equal(without[6], src[6])
     with pytest.raises(nbkit.CorruptCacheError, match=r"sample 7 .*checksum"):
@@ -202,7 +194,7 @@ def test_corrupt_sample_recomputed_with_source_and_refused_without(tmp_path):
 def test_corrupt_heap_blob_detected(tmp_path):
     src = DictSource(10)
     nbkit.CachedDataset(src, tmp_path).warmup()
-    _flip_byte(tmp_path / "heap.bin", os.path.getsize(tmp_path / "heap.bin") - 3)
+    flip_byte(tmp_path / "heap.bin", os.path.getsize(tmp_path / "heap.bin") - 3)
     with pytest.raises(nbkit.CorruptCacheError):
         nbkit.CachedDataset.open(tmp_path).verify()
 

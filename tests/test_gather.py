@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 import nbkit
 import nbkit.gather as gather
 from nbkit import format as fmt
-from sources import TupleSource
+from sources import TupleSource, flip_byte
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, strategies as st  # noqa: E402
@@ -90,19 +90,11 @@ def test_every_read_path_serves_the_same_batches(mixed, mode, monkeypatch):
     assert torch.equal(torch.cat([b[2] for b in batches]), torch.arange(N))
 
 
-def _flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_a_flipped_byte_is_caught_on_the_pread_path(tmp_path, monkeypatch):
     monkeypatch.setenv("NBKIT_READ", "pread")
     src = TupleSource(20)
     nbkit.CachedDataset(src, tmp_path).warmup()
-    _flip_byte(tmp_path / "col-0.bin", 7 * 8 * 8 * 4 + 5)  # a byte inside sample 7's image
+    flip_byte(tmp_path / "col-0.bin", 7 * 8 * 8 * 4 + 5)  # a byte inside sample 7's image
     without = nbkit.CachedDataset.open(tmp_path)
     assert without.read_columns(np.array([6, 7])) is None  # refused: the caller takes the checking path
     with pytest.raises(nbkit.CorruptCacheError, match=r"sample 7 .*checksum"):
