@@ -621,6 +621,8 @@ def _cut(line: str, n: int) -> str:
 
 def disk_text(ds, stats) -> str:
     """Where the panel's cache lives and what it takes on disk, and where working copies live.
+    Paths are shown as the user gave them (a local cache) or under ``~`` (a working copy), so a
+    narrow screen wraps the line between words.
 
     Example:
         >>> import torch, tempfile, nbkit
@@ -629,10 +631,19 @@ def disk_text(ds, stats) -> str:
         True
     """
     root = str(getattr(ds, "root", ""))
-    where = "in the working copy" if os.path.dirname(root) == cache_dir() else "in"
-    size = "" if stats.disk_bytes is None else f"{format_bytes(stats.disk_bytes)} on disk {where} {root}. "
-    return (f"{size}Working copies of remote caches live in {cache_dir()} ($NBKIT_CACHE_DIR): "
+    if os.path.dirname(root) == cache_dir():
+        where = f"in the working copy {_home_short(root)}"
+    else:
+        where = f"in {os.fspath(getattr(ds, 'path', None) or root)}"
+    size = "" if stats.disk_bytes is None else f"{format_bytes(stats.disk_bytes)} on disk {where}. "
+    return (f"{size}Working copies of remote caches live in {_home_short(cache_dir())} ($NBKIT_CACHE_DIR): "
             "nbkit ls lists every cache, nbkit rm and nbkit prune free the space.")
+
+
+def _home_short(path: str) -> str:
+    """``path`` with the home directory written ``~``."""
+    home = os.path.expanduser("~").rstrip(os.sep)
+    return "~" + path[len(home):] if home and (path == home or path.startswith(home + os.sep)) else path
 
 
 #: What the status line says while an operation starts, and each operation's button.
