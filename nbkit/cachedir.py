@@ -121,6 +121,33 @@ def remove_cache(root: str) -> None:
             pass
 
 
+#: ``flock`` errors that mean the filesystem has no locks (some FUSE mounts): use cannot be tracked there.
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+
+
+def _lock_meta(root: str, exclusive: bool) -> tuple[int | None, bool | None]:
+    """``(fd, locked)``: ``root/nbkit.json`` opened and ``flock``-ed, shared (waiting while an
+    exclusive holder has it) or exclusive without waiting. ``locked`` is ``False`` when the exclusive
+    lock was refused (a process has the cache open), ``None`` when use cannot be known (no ``flock``,
+    no metadata, a filesystem without locks); the caller closes ``fd`` when it is not ``None``."""
+    if fcntl is None:
+        return None, None
+    try:
+        fd = trust.open_regular(os.path.join(root, fmt.META))
+    except FileNotFoundError:
+        return None, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+    except BlockingIOError:
+        return fd, False
+    except OSError as e:
+        if e.errno in _NO_LOCKS:
+            return fd, None
+        os.close(fd)
+        raise
+    return fd, True
+
+
 def hold_in_use(root: str) -> int | None:
     """A descriptor of ``root/nbkit.json`` holding a shared ``flock``: the cache is in use while it is open.
 
@@ -128,19 +155,10 @@ def hold_in_use(root: str) -> int | None:
     hold their own (forked ones also share their parent's until they exit). ``None`` where there is
     no metadata yet (a cache being created) or the filesystem has no ``flock``.
     """
-    if fcntl is None:
-        return None
-    try:
-        fd = trust.open_regular(os.path.join(root, fmt.META))
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while nbkit.remove holds the cache
-    except OSError as e:
+    fd, locked = _lock_meta(root, exclusive=False)  # waits only while nbkit.remove holds the cache
+    if fd is not None and not locked:
         os.close(fd)
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-            return None  # a filesystem without locks (some FUSE mounts): use cannot be tracked there
-        raise
+        return None
     return fd
 
 
@@ -151,26 +169,12 @@ def unused(root: str):
     ``True`` also where use cannot be known (no ``flock``, no metadata). While the block runs and
     holds the lock, processes opening the cache wait.
     """
-    if fcntl is None:
-        yield True
-        return
+    fd, locked = _lock_meta(root, exclusive=True)
     try:
-        fd = trust.open_regular(os.path.join(root, fmt.META))
-    except FileNotFoundError:
-        yield True
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        except OSError as e:
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                raise
-        yield True
+        yield locked is not False
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def in_use(root: str) -> bool:
