@@ -66,8 +66,7 @@ class ProgressBar(TextProgress):
             display(self.widget)
         self.bar.max = max(1, int(self.size or 0))
         self.bar.value = min(int(self.value), self.bar.max)
-        # white-space:normal: the line wraps at spaces in a narrow column, never inside a word.
-        self.note.value = f'<div style="white-space:normal">{status_html(self.text())}</div>'
+        self.note.value = status_html(self.text())  # wraps at spaces in a narrow column, never inside a word
 
     def close(self):
         if self.terminal:
