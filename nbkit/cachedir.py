@@ -36,7 +36,7 @@ except ImportError:  # Windows: no flock, so whether a cache is in use cannot be
     fcntl = None
 
 __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "remove_cache", "check_replaceable",
-           "swap_into_place", "open_files", "hold_in_use", "unused", "in_use"]
+           "swap_into_place", "open_files", "hold_in_use", "unused", "in_use", "allocated"]
 
 
 def cache_root(cache_path) -> str:
@@ -146,6 +146,20 @@ def _lock_meta(root: str, exclusive: bool) -> tuple[int | None, bool | None]:
         os.close(fd)
         raise
     return fd, True
+
+
+def allocated(st: os.stat_result) -> int:
+    """Bytes a file takes on disk: its allocated blocks (a preallocated, sparse column counts what
+    is written), or its size where the system does not say.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.truncate(1 << 30)      # 1 GiB long, nothing written
+        ...     allocated(os.fstat(f.fileno())) < 1 << 20
+        True
+    """
+    return st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
 
 
 def hold_in_use(root: str) -> int | None:
@@ -481,14 +495,14 @@ class CacheFiles(fmt.Store):
         return self.stored_count() * rows + (os.path.getsize(heap) if os.path.exists(heap) else 0)
 
     def stored_bytes(self) -> int:
-        """Bytes the cache occupies on disk (allocated blocks, preallocated columns included)."""
+        """Bytes the cache occupies on disk (allocated blocks, preallocated columns included; as
+        ``nbkit ls`` counts them)."""
         total = 0
         for name in os.listdir(self.root):
             try:
-                st = os.stat(os.path.join(self.root, name))
+                total += allocated(os.lstat(os.path.join(self.root, name)))
             except FileNotFoundError:
                 continue
-            total += getattr(st, "st_blocks", 0) * 512 or st.st_size
         return total
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from . import format as fmt
 from . import trust
-from .cachedir import in_use, remove_cache, stored_count, unused
+from .cachedir import allocated, in_use, remove_cache, stored_count, unused
 from .stores.mirror import ORIGIN_SUFFIX, cache_dir, read_origin
 from .stores.readthrough.location import AREA_SUFFIX
 from .text import Table, format_bytes, format_count, format_seconds
@@ -125,10 +125,6 @@ class Removal:
         return {"path": self.path, "bytes": self.bytes, "left": list(self.left)}
 
 
-def _allocated(st: os.stat_result) -> int:
-    return st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
-
-
 def _files_of(root: str) -> list[tuple[str, os.stat_result]]:
     """``(name, lstat)`` of the plain entries directly in ``root`` (links are not followed)."""
     out = []
@@ -162,7 +158,7 @@ def describe(root: str) -> CacheInfo:
     except OSError as e:  # unreadable (permissions), or removed meanwhile
         return CacheInfo(path=root, url=None, working_copy=working_copy, stored=None, length=None, bytes=0,
                          version=None, last_used=None, in_use=False, problem=_first_line(e))
-    size = sum(_allocated(st) for _, st in files)
+    size = sum(allocated(st) for _, st in files)
     last_used = max((st.st_mtime for _, st in files), default=None)
     url = None
     if working_copy:
@@ -283,7 +279,7 @@ def remove(path, *, dry_run: bool = False) -> Removal:
             raise OSError(errno.EBUSY, f"refusing to remove {root}: a process has the cache open (a dataset, a "
                           "DataLoader worker, a training run). Close it (or end that process) and remove it again.")
         files = _files_of(root)
-        size = sum(_allocated(s) for name, s in files if trust.is_cache_file(name) or name == fmt.LOCK)
+        size = sum(allocated(s) for name, s in files if trust.is_cache_file(name) or name == fmt.LOCK)
         if dry_run:
             return Removal(root, size)
         remove_cache(root)  # metadata first; never follows a link
