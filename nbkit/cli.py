@@ -35,6 +35,8 @@ OK, FAILED, USAGE = 0, 1, 2
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgtp]?)(i?)b?\s*\Z", re.I)
 _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(s|m|h|d|w)?\s*\Z", re.I)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_MAX_SIZE = float(2**63)  # bytes: above any disk, and what an int64 offset holds
+_MAX_SECONDS = 100 * 365.25 * 86400
 
 
 def parse_size(text: str) -> int:
@@ -49,7 +51,10 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: write it like 10GB, 500MB or 2GiB")
     number, prefix, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
     power = "kmgtp".find(prefix) + 1 if prefix else 0
-    return int(number * (1024 if binary else 1000) ** power)
+    size = number * (1024 if binary else 1000) ** power
+    if not size < _MAX_SIZE:  # also inf, from a number too long for a float
+        raise argparse.ArgumentTypeError(f"{text!r} is larger than any disk: write it like 10GB, 500MB or 2GiB")
+    return int(size)
 
 
 def parse_duration(text: str) -> float:
@@ -62,7 +67,10 @@ def parse_duration(text: str) -> float:
     m = _DURATION.match(text)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration: write it like 7d, 12h, 30m or 45s")
-    return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+    seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+    if not seconds < _MAX_SECONDS:  # also inf, from a number too long for a float
+        raise argparse.ArgumentTypeError(f"{text!r} is longer than a century: write it like 7d, 12h, 30m or 45s")
+    return seconds
 
 
 def _option(text: str) -> tuple:

@@ -102,6 +102,30 @@ def test_sizes_and_durations():
 # -- ls, info, verify -----------------------------------------------------------------------------
 
 
+@pytest.mark.fuzz
+def test_fuzz_any_size_or_duration_text_reads_or_is_a_usage_error():
+    import argparse
+    import math
+
+    from hypothesis import given, strategies as st
+
+    number = st.from_regex(r"[0-9]{1,400}(\.[0-9]{0,5})?", fullmatch=True)
+    text = st.one_of(st.text(max_size=30), st.builds(lambda n, u: n + u, number, st.sampled_from(
+        ["", "b", "KB", "mib", "GB", "TiB", "PB", "s", "m", "h", "d", "w", "x"])))
+
+    @given(text)
+    def check(t):
+        for parse, limit in ((parse_size, 2**63), (parse_duration, 100 * 365.25 * 86400)):
+            try:
+                value = parse(t)
+            except argparse.ArgumentTypeError as e:
+                assert repr(t) in str(e)  # names what it got, and says how to write it
+                continue
+            assert math.isfinite(value) and 0 <= value < limit, (t, value)
+
+    check()
+
+
 def test_ls_lists_caches_as_a_table_and_as_json(tmp_path, env):
     root = make_cache(tmp_path / "one")
     broken = tmp_path / "two"
