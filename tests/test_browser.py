@@ -295,6 +295,34 @@ def test_02_upload_with_an_empty_url_then_the_rest(open_02):
     assert "Upload" not in printed and "Error" not in printed, printed
 
 
+def test_02_upload_to_an_unreachable_endpoint_short_error_details_on_click_then_retry(open_02):
+    """Upload to an endpoint that refuses connections: a short classified error at once, its
+    details (the cause) one click away, and Upload again says the same, with no stale text."""
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nb = open_02(upload_url="gs://nbkit-nowhere/cache",
+                 storage_options={"endpoint_url": f"http://127.0.0.1:{port}", "token": "anon"})
+    panel, _ = _landmarks(nb)
+    nb.run(0, panel + 1)
+    nb.wait(panel, timeout=120)
+    for attempt in range(2):  # the first try, then a retry
+        nb.click(panel, "Upload")
+        # The cause stays in the closed details (so a retry's fresh error is told from the opened one).
+        text = _until(lambda: "cannot reach" in (t := nb.widget_text(panel)) and "ConnectionRefusedError" not in t
+                      and nb.button(panel, "Stop").is_disabled() and t, 60, "the Upload's error", lambda: nb.widget_text(panel))
+        assert f"cannot reach the endpoint 127.0.0.1:{port} (connection refused)" in text and "Traceback" not in text, text
+        assert "it resumes" not in text, text  # nothing was uploaded
+        error = text[text.index("Error: OSError"):].splitlines()
+        assert error[3:4] == ["details"], text  # three lines, then the disclosure
+        nb.output(panel).locator("summary", has_text="details").first.click()
+        opened = _until(lambda: "ConnectionRefusedError" in (t := nb.widget_text(panel)) and t, 10,
+                        "the details shown", lambda: nb.widget_text(panel))
+        assert opened.count("cannot reach the endpoint") == 2, opened  # the line, and the whole message once
+
+
 def test_02_stop_while_a_cell_waits_for_the_panel(open_02):
     """Run All blocks in panel.wait(); a Stop click must stop the warmup there and then."""
     nb = open_02(offline_samples=LONG_SAMPLES)
