@@ -218,6 +218,14 @@ class DeviceLoader:
         Raises:
             ValueError: the state is damaged, or was made for another dataset length, cache, batch
                 size, rank, world size, seed, shuffle or ``drop_last`` (the message names the field).
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(6)), tempfile.mkdtemp())
+            >>> state = {**ds.loader(2, shuffle=False).state_dict(), "position": 2}   # 2 batches trained
+            >>> again = ds.loader(2, shuffle=False); again.load_state_dict(state)
+            >>> [x.tolist() for (x,) in again]
+            [[4, 5]]
         """
         state = check_resume_state(state, "nbkit.DeviceLoader", self._settings(), len(self))
         epoch, position = state["epoch"], state["position"]

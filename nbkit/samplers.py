@@ -163,6 +163,12 @@ class EpochSampler(Sampler):
         Args:
             consumed: indices of this epoch the training loop has used, when that is fewer than the
                 sampler has yielded (a ``DataLoader`` with workers draws indices ahead of the loop).
+
+        Example:
+            >>> s = EpochSampler(10, seed=0); s.set_epoch(2)
+            >>> state = s.state_dict(consumed=4)      # the loop trained on 4 indices of epoch 2
+            >>> state["epoch"], state["position"], state["length"]
+            (2, 4, 10)
         """
         if self._pass is not None:
             epoch, it, length = self._pass
@@ -183,6 +189,12 @@ class EpochSampler(Sampler):
         Raises:
             ValueError: the state is damaged, or was made for another dataset length, cache, rank,
                 world size, seed, shuffle or ``drop_last`` (the message names the field).
+
+        Example:
+            >>> state = EpochSampler(6, shuffle=False).state_dict(consumed=4)
+            >>> resumed = EpochSampler(6, shuffle=False); resumed.load_state_dict(state)
+            >>> list(resumed)
+            [4, 5]
         """
         state = check_resume_state(state, "nbkit.EpochSampler", self._settings(), self.per_rank)
         self.epoch = state["epoch"]

@@ -33,6 +33,12 @@ class ProgressBar(TextProgress):
         label: what runs, e.g. ``"benchmark"``.
         unit: what the size counts (``"batches"``).
         kwargs: for :class:`TextProgress` (``file``, ``min_interval``).
+
+    Example:
+        >>> import io
+        >>> bar = ProgressBar("benchmark", file=io.StringIO())  # then e.g. compare_epochs(raw, cached, callback=bar)
+        >>> bar.set_size(2); bar.relative_update(1); bar.text()
+        'benchmark: 1 of 2 batches'
     """
 
     def __init__(self, label: str = "", *, unit: str = "batches", **kwargs):
