@@ -279,6 +279,13 @@ def main(argv=None) -> int:
     ]
     for name, (label, _) in FIGURES.items():
         lines.append(_row(label, rows[name], best))
+
+    def verdict(measured: float, target: float) -> str:
+        # The targets are about a cache larger than RAM; a smaller one's seconds-long figures are not judged.
+        if size < 1.2 * ram:
+            return "not judged (the cache fits in RAM)"
+        return "PASS" if measured >= target else "MISS"
+
     lines += [
         "",
         f"A cache that fits ({fits:,} samples, {small_size / 1e9:.2f} GB), `ds.loader(256, device=None)`, whole epoch:",
@@ -293,11 +300,11 @@ def main(argv=None) -> int:
         "| target | measured | result |",
         "|---|---|---|",
         f"| `ds.loader` ≥ {TARGET_LOADER:.0%} of the best random read | {ratio['loader']:.0%} | "
-        f"{'PASS' if ratio['loader'] >= TARGET_LOADER else 'MISS'} |",
+        f"{verdict(ratio['loader'], TARGET_LOADER)} |",
     ]
     for k in ("collate", "workers"):
         lines.append(f"| {FIGURES[k][0]} ≥ {TARGET_DATALOADER:.0%} | {ratio[k]:.0%} | "
-                     f"{'PASS' if ratio[k] >= TARGET_DATALOADER else 'MISS'} |")
+                     f"{verdict(ratio[k], TARGET_DATALOADER)} |")
     if size < 1.2 * ram:
         lines += ["", f"The cache is {size / ram:.2f}× RAM, below the 1.2× of the issue's target: run `--full` for that figure."]
     lines += ["", "Full size: `.venv/bin/python benchmarks/bench_scale.py --full` (as root, ~10 minutes here; needs 1.2 × RAM of free disk)."]

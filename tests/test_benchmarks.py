@@ -175,6 +175,7 @@ def test_bench_scale_quick_writes_a_table(tmp_path):
     for row in ("sequential", "1 thread", "8 threads", "32 threads", "`ds.loader(256, device=None)`",
                 "collate_fn=nbkit.collate", "num_workers=2", "first epoch, cold", "### Targets (issue 20)"):
         assert row in table, row
+    assert table.count("| not judged (the cache fits in RAM) |") == 3 and "MISS" not in table  # targets are past RAM
     data = json.loads((results / "scale-small.json").read_text())
     assert data["samples"] == 1024 and data["best_random"] > 0
     for r in data["figures"].values():
