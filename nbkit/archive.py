@@ -35,7 +35,7 @@ from . import format as fmt
 from .cachedir import cache_root, check_replaceable, data_files, stored_count, swap_into_place
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .extras import require
-from .files import CHUNK
+from .commit import CHUNK
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
                        manifest_bytes, parse_manifest, sha256_file)
 from .progress import as_callback

@@ -16,9 +16,7 @@ import contextlib
 import errno
 import mmap
 import os
-import shutil
 import stat
-import tempfile
 import time
 import weakref
 
@@ -27,7 +25,7 @@ import numpy as np
 from . import format as fmt
 from . import trust
 from .errors import CorruptCacheError, UnsafeArchiveError
-from .files import file_lock
+from .commit import Dir, disk_full, file_lock, leftover_of, recover, staging_name, swap_in, sync_tree, write_all
 from .gather import gather_rows, physical_memory, read_mode, resident, will_need
 
 try:
@@ -36,12 +34,13 @@ except ImportError:  # Windows: no flock, so whether a cache is in use cannot be
     fcntl = None
 
 __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "remove_cache", "check_replaceable",
-           "swap_into_place", "open_files", "hold_in_use", "unused", "in_use", "allocated"]
+           "swap_into_place", "stage_dir", "create_cache", "has_cache_files", "frozen", "open_files", "hold_in_use", "unused", "in_use", "allocated"]
 
 
 def cache_root(cache_path) -> str:
     """The absolute local directory of a cache, or ``FileNotFoundError`` naming the fix."""
     root = os.path.abspath(os.path.expanduser(os.fspath(cache_path)))
+    recover(root)  # a swap interrupted by a crash: put the moved-aside cache back
     fmt.read_meta(root)  # raises FileNotFoundError / CorruptCacheError with the fix
     return root
 
@@ -90,35 +89,85 @@ def check_replaceable(dest: str) -> None:
 
 
 def swap_into_place(tmp: str, dest: str) -> None:
-    """Rename the directory ``tmp`` (made by ``tempfile.mkdtemp`` beside ``dest``) to ``dest``, replacing it."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
-    if os.path.exists(dest):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.old-", dir=os.path.dirname(dest))
-        os.rename(dest, os.path.join(old, "cache"))
-        os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, dest)
+    """Make the directory ``tmp`` (staged beside ``dest`` under :func:`nbkit.commit.staging_name`)
+    durable, then put it at ``dest`` in place of what is there (:func:`nbkit.commit.swap_in`: a whole
+    cache is at ``dest`` at every instant, even across a crash or a power loss)."""
+    sync_tree(tmp)
+    swap_in(tmp, dest)
+
+
+def stage_dir(dest: str, op: str) -> str:
+    """A new empty directory beside ``dest`` for ``op`` (``"import"``, ``"pull"``) to build a copy in,
+    named so that ``nbkit ls`` lists it and ``nbkit rm`` removes it if the process dies."""
+    parent, name = os.path.split(os.path.abspath(dest))
+    path = os.path.join(parent, staging_name(name, op))
+    os.mkdir(path, 0o700)
+    return path
 
 
 def remove_cache(root: str) -> None:
-    """Delete the cache files in ``root`` (metadata first, so nobody sees a cache with half its data).
+    """Delete the cache files in ``root``: metadata first and durably, so that from then on the
+    directory is not a cache, then the data files (a crash in between leaves data files without
+    metadata, which :func:`create_cache` wipes before it builds anything there: never adopted).
 
-    Only names of the fixed pattern (:data:`nbkit.trust.CACHE_FILE`) directly in ``root`` are removed,
-    never a name that metadata carries; a symbolic link is removed itself, never what it points to.
+    Works through the directory's descriptor (a ``root`` swapped for a link is refused, never
+    followed). Only names of the fixed pattern (:data:`nbkit.trust.CACHE_FILE`), the lock and
+    nbkit's own temporary files directly in ``root`` are removed, never a name that metadata carries;
+    a symbolic link is removed itself, never what it points to.
     """
-    if not os.path.isdir(root):
+    try:
+        d = Dir(root)
+    except (FileNotFoundError, NotADirectoryError):
         return
-    names = [n for n in os.listdir(root) if trust.is_cache_file(n) and n != fmt.META]
-    for name in [fmt.META] + sorted(names) + [fmt.LOCK]:
-        p = os.path.join(root, name)
-        try:
-            if not stat.S_ISDIR(os.lstat(p).st_mode):
-                os.unlink(p)  # never follows a link
-        except FileNotFoundError:
-            pass
+    with d:
+        if d.unlink(fmt.META):
+            d.sync()
+        _remove_data(d)
+        d.sync()
+
+
+def _remove_data(d: Dir) -> None:
+    """Unlink the data files, the lock and leftover temporary files in ``d`` (never a directory)."""
+    names = d.names()
+    doomed = sorted(n for n in names if n != fmt.META and trust.is_cache_file(n))
+    doomed += [n for n in names if (left := leftover_of(n)) is not None and trust.is_cache_file(left[0])]
+    for name in doomed + [fmt.LOCK]:
+        st = d.lstat(name)
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            d.unlink(name)  # never follows a link
+
+
+def has_cache_files(root: str) -> bool:
+    """Whether ``root`` holds data files of a cache (with or without its ``nbkit.json``)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return False
+    return any(trust.is_cache_file(n) and n != fmt.META for n in names)
+
+
+def create_cache(root: str, meta: dict) -> dict:
+    """Create the cache ``meta`` at ``root`` unless one is there already; return the metadata that is there.
+
+    Under the cache's lock: if ``nbkit.json`` exists, it wins (another process created the cache
+    first). Else any data files in ``root`` belong to no cache (an interrupted removal or creation, or
+    a ``nbkit.json`` deleted by hand): they are removed, never adopted. Then the files are created and
+    sized, made durable, and ``nbkit.json`` is published last, durably.
+    """
+    os.makedirs(root, exist_ok=True)
+    recover(root)
+    with file_lock(os.path.join(root, fmt.LOCK)):
+        with Dir(root) as d:
+            if d.exists(fmt.META):
+                return fmt.read_meta(root)
+            _remove_data(d)
+            files = CacheFiles(root, meta, writable=True, create=True)
+            try:
+                files.sync()
+            finally:
+                files.close()
+            d.sync()
+        return fmt.publish_meta(root, meta)
 
 
 #: ``flock`` errors that mean the filesystem has no locks (some FUSE mounts): use cannot be tracked there.
@@ -191,6 +240,32 @@ def unused(root: str):
             os.close(fd)
 
 
+@contextlib.contextmanager
+def frozen(root: str):
+    """Hold off every writer of the cache at ``root`` for the block (``flock`` on ``index.bin``, which
+    :meth:`CacheFiles.put` holds shared while it writes): what is read inside is one consistent state.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+        >>> with frozen(ds.root):
+        ...     stored_count(ds.root)
+        (0, 4)
+    """
+    with Dir(root) as d:
+        fd = d.open(fmt.INDEX)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    raise
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def in_use(root: str) -> bool:
     """Whether a process (this one included) has the cache at ``root`` open now.
 
@@ -217,16 +292,27 @@ def _close_fds(fds: list) -> None:
     fds.clear()
 
 
-def _map(path: str, size: int, writable: bool):
-    """``(mmap, fd)`` of ``path`` holding exactly ``size`` bytes, creating/extending it if writable."""
-    if writable:
-        fd = trust.open_regular(path, os.O_RDWR | os.O_CREAT)
-    else:
-        fd = trust.open_regular(path, os.O_RDONLY)
+def _map(path: str, size: int, writable: bool, create: bool = False):
+    """``(mmap, fd)`` of ``path`` holding exactly ``size`` bytes; ``create`` makes and sizes it.
+
+    A cache's files are made only when it is created (:func:`create_cache`): a writer opening an
+    existing cache never creates one (a cache removed under it is an error, not a new orphan file),
+    and never writes into a file with other names (a hard link to a file outside the cache)."""
+    flags = os.O_RDWR | (os.O_CREAT if create else 0) if writable else os.O_RDONLY
     try:
-        actual = os.fstat(fd).st_size
+        fd = trust.open_regular(path, flags)
+    except FileNotFoundError:
+        raise CorruptCacheError(f"{path} is missing: the cache was removed or is incomplete. Open it again "
+                                "(nbkit.CachedDataset(source, path) re-creates it), or re-import it.") from None
+    try:
+        st = os.fstat(fd)
+        if writable and st.st_nlink > 1:
+            raise UnsafeArchiveError(
+                f"{path} has {st.st_nlink} names (a hard link): writing samples into it would change a file outside "
+                "the cache. nbkit refuses to: remove the cache (nbkit rm) and create it again.")
+        actual = st.st_size
         if actual < size:
-            if not writable:
+            if not create:
                 raise CorruptCacheError(f"{path} is {actual} bytes, expected {size}: the cache is truncated. Re-import or re-create it.")
             _preallocate(fd, path, actual, size)
         elif actual > size:
@@ -242,11 +328,7 @@ def _map(path: str, size: int, writable: bool):
 def _preallocate(fd: int, path: str, actual: int, size: int) -> None:
     free = os.statvfs(os.path.dirname(path) or ".")
     if size - actual > free.f_bavail * free.f_frsize:
-        raise OSError(
-            errno.ENOSPC,
-            f"not enough disk space for the cache file {path}: it needs {size / 2**20:.1f} MiB, "
-            f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB are free. Choose a path on a larger disk or free some space.",
-        )
+        raise disk_full(path, size - actual, doing="create the cache file")
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, actual, size - actual)
@@ -254,12 +336,7 @@ def _preallocate(fd: int, path: str, actual: int, size: int) -> None:
             os.ftruncate(fd, size)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            free = os.statvfs(os.path.dirname(path) or ".")
-            raise OSError(
-                errno.ENOSPC,
-                f"not enough disk space for the cache file {path}: it needs {size / 2**20:.1f} MiB, "
-                f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB are free. Choose a path on a larger disk or free some space.",
-            ) from e
+            raise disk_full(path, size - actual, e, doing="create the cache file") from e
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
             os.ftruncate(fd, size)
         else:
@@ -280,7 +357,7 @@ class CacheFiles(fmt.Store):
     Not shared between processes: each process (DataLoader worker, TPU process) opens its own.
     """
 
-    def __init__(self, root: str, meta: dict, *, writable: bool):
+    def __init__(self, root: str, meta: dict, *, writable: bool, create: bool = False):
         super().__init__(meta, writable=writable)
         self.root = root
         self._fds = []
@@ -290,8 +367,9 @@ class CacheFiles(fmt.Store):
         if use is not None:
             self._fds.append(use)
         self._where = os.path.join(root, fmt.META)
-        mm, fd = _map(trust.cache_file_path(root, fmt.INDEX, self._where), self.length * fmt.RECORD.itemsize, writable)
+        mm, fd = _map(trust.cache_file_path(root, fmt.INDEX, self._where), self.length * fmt.RECORD.itemsize, writable, create)
         self._fds.append(fd)
+        self._index_fd = fd
         self._index_mmap = mm
         if mm is None:
             self.records = np.zeros(0, fmt.RECORD)
@@ -310,7 +388,7 @@ class CacheFiles(fmt.Store):
             shape = (self.capacity, *leaf.shape)
             nbytes = self.capacity * self.schema.row_bytes(leaf)  # bounded by parse_meta
             cpath = trust.cache_file_path(root, fmt.column_file(k), self._where)
-            cm, cfd = _map(cpath, nbytes, writable)
+            cm, cfd = _map(cpath, nbytes, writable, create)
             self._fds.append(cfd)
             self.column_fds.append(cfd)
             self._column_files.append((cfd, cpath))
@@ -396,7 +474,17 @@ class CacheFiles(fmt.Store):
         ``bpos``), then their records, ``state`` last so no reader trusts a half-written sample.
 
         Returns ``None`` (everything kept); a store that can refuse (a full server) returns a bool
-        mask of the samples it kept."""
+        mask of the samples it kept. Holds the cache's write lock shared (:func:`frozen`: a push
+        waits for the writes in flight, and holds new ones until it has read the files)."""
+        if fcntl is not None:
+            fcntl.flock(self._index_fd, fcntl.LOCK_SH)
+        try:
+            self._put(idx, flags, crc, cpos, stacked, bpos, blobs)
+        finally:
+            if fcntl is not None:
+                fcntl.flock(self._index_fd, fcntl.LOCK_UN)
+
+    def _put(self, idx, flags, crc, cpos, stacked, bpos, blobs) -> None:
         was = self.state[idx] != fmt.EMPTY
         if was.any():
             self.state[idx[was]] = fmt.EMPTY  # a sample being replaced must not look stored meanwhile
@@ -421,7 +509,7 @@ class CacheFiles(fmt.Store):
         if self._heap_fd is None:
             path = trust.cache_file_path(self.root, fmt.HEAP, self._where)
             if self.writable:
-                self._heap_fd = trust.open_regular(path, os.O_RDWR | os.O_CREAT)
+                self._heap_fd = self._open_heap_writable(path)
             else:
                 try:
                     self._heap_fd = trust.open_regular(path, os.O_RDONLY)
@@ -429,6 +517,23 @@ class CacheFiles(fmt.Store):
                     raise CorruptCacheError(f"{path} is missing but the index points into it: the cache is incomplete. Re-import or re-create it.") from None
             self._fds.append(self._heap_fd)
         return self._heap_fd
+
+    def _open_heap_writable(self, path: str) -> int:
+        """``heap.bin`` for appends: made on the first blob, under the cache's lock and only while the
+        cache is still there (a writer racing ``nbkit rm`` leaves no orphan file behind)."""
+        try:
+            fd = trust.open_regular(path, os.O_RDWR)
+        except FileNotFoundError:
+            with file_lock(os.path.join(self.root, fmt.LOCK)):
+                if not os.path.exists(self._where):
+                    raise CorruptCacheError(f"the cache at {self.root} was removed while this process was writing "
+                                            "to it. Open it again (nbkit.CachedDataset(source, path) re-creates it).") from None
+                fd = trust.open_regular(path, os.O_RDWR | os.O_CREAT)
+        if os.fstat(fd).st_nlink > 1:
+            os.close(fd)
+            raise UnsafeArchiveError(f"{path} has other names (a hard link): writing into it would change a file outside "
+                                     "the cache. nbkit refuses to: remove the cache (nbkit rm) and create it again.")
+        return fd
 
     def append_blobs(self, blobs: list[bytes]) -> list[int]:
         """Append ``blobs`` to the heap under an exclusive lock; return their offsets."""
@@ -439,9 +544,11 @@ class CacheFiles(fmt.Store):
             raise UnsafeArchiveError(f"{lock} is a symbolic link; an nbkit cache holds regular files only. Remove it.")
         with file_lock(lock):  # excludes other processes and threads
             start = os.fstat(fd).st_size
-            written = 0
-            while written < len(data):
-                written += os.pwrite(fd, data[written:], start + written)
+            try:
+                write_all(fd, data, start, path=os.path.join(self.root, fmt.HEAP))
+            except OSError:
+                os.ftruncate(fd, start)  # no torn tail: the next append starts where the whole blobs end
+                raise
         offsets, pos = [], start
         for b in blobs:
             offsets.append(pos)
@@ -482,11 +589,8 @@ class CacheFiles(fmt.Store):
         breaks = np.flatnonzero(np.diff(indices) != 1) + 1
         for run in np.split(np.arange(len(indices)), breaks):
             start, stop = int(run[0]), int(run[-1]) + 1
-            data = memoryview(flat[start:stop]).cast("B")
-            offset = int(indices[start]) * row_bytes
-            written = 0
-            while written < len(data):
-                written += os.pwrite(fd, data[written:], offset + written)
+            write_all(fd, memoryview(flat[start:stop]).cast("B"), int(indices[start]) * row_bytes,
+                      path=self._column_files[k][1])
 
     def data_bytes(self) -> int:
         """Bytes of sample data stored so far (column rows of stored samples, plus the heap)."""
@@ -504,6 +608,16 @@ class CacheFiles(fmt.Store):
             except FileNotFoundError:
                 continue
         return total
+
+    def sync(self) -> None:
+        """Make what was stored durable: the data files first, then the index, so that after a power
+        loss no record is stored without its data (a record whose data did not reach the disk fails
+        its CRC and is recomputed)."""
+        for fd in self.column_fds + ([self._heap_fd] if self._heap_fd is not None else []):
+            os.fsync(fd)
+        if self._index_mmap is not None:
+            self._index_mmap.flush()
+        os.fsync(self._index_fd)
 
     def close(self) -> None:
         """Close the files (and end this process's use of the cache: :func:`in_use`)."""

@@ -25,7 +25,7 @@ from . import trust
 from .codec import Schema, storage_dtype
 from .gather import crc_rows, pool, spans
 from .errors import CorruptCacheError, StaleCacheError
-from .files import atomic_write
+from .commit import atomic_write
 from .progress import as_callback
 from .text import format_list
 

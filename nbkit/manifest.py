@@ -28,7 +28,7 @@ import shutil
 from . import format as fmt
 from .cachedir import data_files, stored_count
 from .errors import CorruptCacheError, UnsafeArchiveError
-from .files import CHUNK
+from .commit import CHUNK
 from .trust import MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, load_json, open_readable
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_manifest", "manifest_bytes",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write
+from .commit import atomic_write
 
 __all__ = ["write_mnist", "mnist_raw_folder", "has_mnist"]
 

@@ -40,7 +40,7 @@ import numpy as np
 from . import format as fmt
 from .cachedir import cache_root, check_replaceable, open_files, swap_into_place
 from .errors import CorruptCacheError, UnsafeArchiveError
-from .files import CHUNK
+from .commit import CHUNK
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_listing,
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)

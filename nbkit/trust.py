@@ -353,7 +353,7 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (fifo)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link"))
 
 
-def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644, *, dir_fd: int | None = None) -> int:
     """``os.open(path, flags)`` for a cache file, refusing anything but a regular file.
 
     A copied cache directory may hold a named pipe, a device or a directory under a cache file's
@@ -371,7 +371,7 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
         nbkit.errors.CorruptCacheError: .../index.bin is a named pipe (fifo), not a regular file: an nbkit cache holds regular files only. Remove it and get the cache again (nbkit.pull / nbkit.import_tar), or re-create it.
     """
     try:
-        fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode)
+        fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafeArchiveError(

@@ -16,14 +16,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "nbkit"
 
 # The layers below the engine (nbkit.dataset): none of them may import it, directly or through others.
-BELOW_DATASET = ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.codec",
+BELOW_DATASET = ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.codec",
                  "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms", "nbkit.format",
                  "nbkit.cachedir", "nbkit.manifest", "nbkit.transfer", "nbkit.archive", "nbkit.stores", "nbkit.disk", "nbkit.warmup")
 # The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
 # Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
 LAYERS = {
     # nbkit.tpu.xla, the torch_xla adapter, imports only torch: the engine calls it (lazily) on XLA.
-    0: ("nbkit.errors", "nbkit.trust", "nbkit.tpu.xla", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.files", "nbkit.gather"),
+    0: ("nbkit.errors", "nbkit.trust", "nbkit.tpu.xla", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.gather"),
     1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms"),
     2: ("nbkit.format",),
     3: ("nbkit.cachedir",),

@@ -21,7 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from .. import format as fmt
-from ..cachedir import CacheFiles, remove_cache
+from ..cachedir import CacheFiles, create_cache, remove_cache
+from ..commit import recover
 from ..errors import StaleCacheError
 
 __all__ = ["Location", "Generation", "new_generation"]
@@ -125,7 +126,8 @@ class Location:
     def read_meta(self) -> dict | None:
         """The cache metadata, or ``None`` when no cache exists here yet."""
         if not os.path.exists(os.path.join(self.root, fmt.META)):
-            return None
+            if not recover(self.root):  # a swap interrupted by a crash: the moved-aside cache goes back
+                return None
         return fmt.read_meta(self.root)
 
     def not_found(self) -> Exception:
@@ -138,9 +140,7 @@ class Location:
 
     def publish_meta(self, meta: dict) -> dict:
         """Create the store's files for ``meta``, then publish ``meta`` once; return whichever metadata won."""
-        os.makedirs(self.root, exist_ok=True)
-        CacheFiles(self.root, meta, writable=True).close()  # sized before anyone sees the metadata
-        return fmt.publish_meta(self.root, meta)
+        return create_cache(self.root, meta)  # files made durable and sized before anyone sees the metadata
 
     def open_store(self, meta: dict, *, writable: bool):
         """The sample store (see ``docs/DESIGN.md``, "Store protocol") for this process."""

@@ -35,7 +35,7 @@ import torch
 from .. import format as fmt
 from .. import trust
 from ..errors import CorruptCacheError, UnsafeArchiveError
-from ..files import atomic_write, file_lock
+from ..commit import atomic_write, file_lock
 
 __all__ = ["KEYS_META", "KEYS", "VALUES", "KEYS_LOCK", "FORMAT_NAME", "RECORD", "key_bytes", "key_of", "LocalKeyed"]
 

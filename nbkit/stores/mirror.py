@@ -30,7 +30,7 @@ from .. import format as fmt
 from .. import trust
 from ..cachedir import stored_count
 from ..errors import CorruptCacheError
-from ..files import atomic_write, file_lock
+from ..commit import atomic_write, file_lock
 from ..manifest import LEASE, sha256_file, trusted_remote_manifest
 from ..remote import network_errors, url_to_fs
 from ..transfer import pull, push

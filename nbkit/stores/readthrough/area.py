@@ -22,7 +22,7 @@ import os
 import time
 
 from ... import format as fmt
-from ...files import atomic_write, file_lock, temp_pid
+from ...commit import atomic_write, file_lock, temp_pid
 from ...manifest import MANIFEST, check_bytes, digest, manifest_bytes
 from ...stats import process_alive
 from .geometry import rounded

@@ -24,7 +24,7 @@ import numpy as np
 
 from ... import format as fmt
 from ...errors import CorruptCacheError
-from ...files import temp_name
+from ...commit import temp_name
 from ...remote import is_connection_error, url_to_fs
 from .area import area_lock, area_usage, piece_lock, read_generation, reserve, stamp
 from .geometry import Geometry, rounded

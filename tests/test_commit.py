@@ -1,10 +1,10 @@
-"""nbkit.files: one file lock, one atomic write."""
+"""nbkit.commit: the one commit protocol (atomic writes, directories by descriptor, swaps, leftovers, full disk)."""
 
 import os
 import threading
 import time
 
-from nbkit.files import atomic_write, file_lock, temp_name, temp_pid
+from nbkit.commit import atomic_write, file_lock, temp_name, temp_pid
 
 
 def test_lock_excludes_threads(tmp_path):
