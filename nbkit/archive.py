@@ -21,21 +21,22 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gzip
 import hashlib
 import io
 import os
 import shutil
 import tarfile
-import tempfile
 import time
 import zlib
 
 from . import format as fmt
-from .cachedir import cache_root, check_replaceable, data_files, stored_count, swap_into_place
+from .cachedir import cache_root, check_replaceable, data_files, stage_dir, stored_count, swap_into_place
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .extras import require
-from .commit import CHUNK
+from .commit import CHUNK, Dir, disk_full, remove_tree, staging_name
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
                        manifest_bytes, parse_manifest, sha256_file)
 from .progress import as_callback
@@ -131,11 +132,14 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
 
     fs, path = url_to_fs(tar_path, storage_options)
     local = is_local(fs)
+    # Locally the tar is staged beside its target (never in $TMPDIR on another filesystem: a move
+    # across filesystems is a copy that a crash leaves torn), synced, and renamed over the old tar;
+    # remote uploads (GCS) only appear once finished, and are cancelled on failure.
     if local:
-        fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    # Locally the tar is written under a temporary name and renamed when done; remote uploads
-    # (GCS) only appear once finished, and are cancelled on failure.
-    raw = fs.open(path, "wb", autocommit=False) if local else fs.open(path, "wb", block_size=BLOCK)
+        staged = _StagedFile(path)
+        raw = staged.file
+    else:
+        raw = fs.open(path, "wb", block_size=BLOCK)
     try:
         if compression == "gz":
             stream = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6)
@@ -160,19 +164,56 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
                     _check_unchanged(root, name, files, files[name]["size"] + len(f.read(1)), reader.sha.hexdigest())
         if stream is not raw:
             stream.close()
+        if local:
+            staged.commit(needed=sum(f["size"] for f in files.values()))
     except Stopped:
-        abandon(raw, tell_backend=True)
+        staged.discard() if local else abandon(raw, tell_backend=True)
         describe(cb, "stopped")
         return TransferReport(seconds=time.perf_counter() - start, stopped=True)
     except BaseException as e:
-        abandon(raw, tell_backend=not is_connection_error(e))
+        if local:
+            staged.discard()
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC and not str(e).startswith("not enough disk space"):
+                raise disk_full(path, sum(f["size"] for f in files.values()), e, doing="export the cache to") from e
+        else:
+            abandon(raw, tell_backend=not is_connection_error(e))
         raise
-    raw.close()
-    if local:
-        raw.commit()
+    if not local:
+        raw.close()
     describe(cb, "exported")
     return TransferReport(tuple(names) + (MANIFEST, fmt.META), (), sum(f["size"] for f in files.values()),
                           time.perf_counter() - start)
+
+
+class _StagedFile:
+    """A local file written under a leftover name beside ``path`` (:func:`nbkit.commit.staging_name`),
+    then synced and renamed over ``path`` with the directory synced: the old file or the whole new one."""
+
+    def __init__(self, path: str):
+        head, self.name = os.path.split(os.path.abspath(path))
+        os.makedirs(head, exist_ok=True)
+        self.dir = Dir(head)
+        self.tmp = staging_name(self.name, "export")
+        self.file = os.fdopen(self.dir.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb", buffering=CHUNK)
+
+    def commit(self, needed: int) -> None:
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise disk_full(self.dir.join(self.name), needed, e, doing="export the cache to") from e
+            raise
+        self.file.close()
+        self.dir.rename(self.tmp, self.name)
+        self.dir.sync()
+        self.dir.close()
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        self.dir.unlink(self.tmp)
+        self.dir.close()
 
 
 def _check_unchanged(root: str, name: str, files: dict, size: int, sha: str) -> None:
@@ -329,17 +370,17 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
         cb.set_size(size)
         cb.absolute_update(0)
         describe(cb, f"importing {tar_path}")
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.import-", dir=parent)
+        tmp = stage_dir(dest, "import")  # beside dest: a crash leaves a leftover nbkit ls lists and nbkit rm removes
         try:
             names = _extract(raw, tar_path, tmp, free, cb)
             check_whole(tmp, tar_path, _REEXPORT, cb, describe_as="verifying checksums")
-            swap_into_place(tmp, dest)
+            swap_into_place(tmp, dest)  # durable first, then in place in one step
         except Stopped:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
             describe(cb, "stopped")
             return TransferReport(seconds=time.perf_counter() - start, stopped=True)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
             raise
     describe(cb, "imported")
     files = tuple(n for n in names if n not in (MANIFEST, fmt.META)) + (fmt.META,)

@@ -240,8 +240,8 @@ class Dir:
     Example:
         >>> import tempfile
         >>> with Dir(tempfile.mkdtemp()) as d:
-        ...     d.write("a.bin", b"hello"); d.read("a.bin"), d.names()
-        (b'hello', ['a.bin'])
+        ...     d.write("a.bin", b"hello"), d.read("a.bin"), d.names()
+        (True, b'hello', ['a.bin'])
     """
 
     def __init__(self, path: str, *, create: bool = False, parent: "Dir | None" = None):

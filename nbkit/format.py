@@ -225,6 +225,10 @@ class Store:
         idx = np.arange(self.length) if idx is None else np.asarray(idx, dtype=np.int64)
         return idx[self.admitted(idx) & ~self.stored_mask(idx)]
 
+    def sync(self) -> None:
+        """Make what was stored durable (a power loss keeps it); called at the end of a warmup.
+        Default: nothing to do (a server keeps what it acknowledged)."""
+
 
 def admission_slots(length: int, capacity: int, seed: int) -> np.ndarray:
     """Slot of each index under a byte budget (``-1``: not admitted).

@@ -28,7 +28,6 @@ import hashlib
 import os
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from collections import deque
@@ -38,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import format as fmt
-from .cachedir import cache_root, check_replaceable, open_files, swap_into_place
+from .cachedir import cache_root, check_replaceable, frozen, open_files, stage_dir, swap_into_place
 from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import CHUNK
+from .commit import CHUNK, remove_tree
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_listing,
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
@@ -229,7 +228,10 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
     except Stopped:
         describe(cb, "stopped")
         return TransferReport(seconds=time.perf_counter() - start, stopped=True)
-    return _push(root, url, fs, rroot, cb, max_workers, start, rerun)
+    # Writers (a warmup in this or another process) wait while the push reads the files, so what is
+    # uploaded is one consistent state: exactly the bytes that were hashed.
+    with frozen(root):
+        return _push(root, url, fs, rroot, cb, max_workers, start, rerun)
 
 
 def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport:
@@ -295,12 +297,19 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
         def job(report, stop):
             with open_readable(cache_file_path(root, name, root, error=UnsafeArchiveError)) as src:
                 dst = fs.open(f"{rroot}/{name}", "wb", block_size=BLOCK)
+                sha, size = hashlib.sha256(), 0
                 try:
                     while chunk := src.read(CHUNK):
                         if stop.is_set():
                             raise Stopped()
+                        sha.update(chunk)
+                        size += len(chunk)
                         dst.write(chunk)
                         report(len(chunk))
+                    if size != files[name]["size"] or sha.hexdigest() != files[name]["sha256"]:
+                        # Never finalised: the object is not replaced by bytes the manifest does not describe.
+                        raise RuntimeError(f"{root}/{name} changed while it was being pushed (something other than nbkit "
+                                           f"wrote to the cache); nothing was published. {rerun} once it is done.")
                 except BaseException as e:
                     abandon(dst, tell_backend=not is_connection_error(e))
                     raise
@@ -439,7 +448,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         parsed = fmt.parse_meta(meta, f"{url}/{fmt.META}", REPUSH)
         check_file_set(parsed, files, url)
         check_meta_sizes(parsed, {n: e["size"] for n, e in files.items()}, url)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.pull-", dir=parent)
+    tmp = stage_dir(dest, "pull")  # beside dest: a crash leaves a leftover nbkit ls lists and nbkit rm removes
     try:
         reused = []
         for name, entry in files.items():
@@ -475,6 +484,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
             raise OSError(f"pull of {url} failed while downloading {name} ({type(exc).__name__}: {first})\n"
                           f"{dest} is unchanged.\nTo try again, {fix}." + (f"\n{rest.strip()}" if rest.strip() else "")) from exc
         if stopped:
+            remove_tree(tmp)
             describe(cb, "stopped")
             return TransferReport(tuple(done), tuple(reused), sum(files[n]["size"] for n in done), time.perf_counter() - start, stopped=True)
         with open(os.path.join(tmp, fmt.META), "wb") as f:
@@ -482,9 +492,9 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         cb.relative_update(len(meta))
         describe(cb, "verifying checksums")  # progress stays in bytes: the report's unit
         check_whole(tmp, url, REPUSH)
-        swap_into_place(tmp, dest)
+        swap_into_place(tmp, dest)  # durable first, then in place in one step
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         raise
     describe(cb, "pulled")
     return TransferReport(tuple(todo) + (fmt.META,), tuple(reused), nbytes, time.perf_counter() - start)

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pickle
 import queue
@@ -108,16 +109,26 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
     cb.absolute_update(skipped)
     cb.set_description("warming up" if len(missing) else "already complete")
     chunks = [missing[s : s + chunk_size] for s in range(0, len(missing), chunk_size)]
-    if num_workers == 0 or not chunks:
-        done = 0
-        for chunk in chunks:
-            if cb.stop_requested is True:
-                break
-            n = _fill(cached, chunk)
-            done += n
-            cb.relative_update(n)
-    else:
-        done = _Workers(cached, chunks, min(num_workers, len(chunks)), context).run(cb)
+    try:
+        if num_workers == 0 or not chunks:
+            done = 0
+            for chunk in chunks:
+                if cb.stop_requested is True:
+                    break
+                n = _fill(cached, chunk)
+                done += n
+                cb.relative_update(n)
+        else:
+            done = _Workers(cached, chunks, min(num_workers, len(chunks)), context).run(cb)
+    except BaseException:
+        if chunks:
+            with contextlib.suppress(Exception):  # what was stored before the failure is kept; the failure is the news
+                files.sync()
+        raise
+    if chunks:
+        # Once per warmup (stopped too): data files, then the index, so records never outlive their
+        # data across a power loss. Per batch it would cost a sync per write.
+        files.sync()
     stopped = done < len(missing)
     seconds = time.perf_counter() - start
     cb.set_description("stopped" if stopped else "done")
