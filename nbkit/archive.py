@@ -34,7 +34,7 @@ import zlib
 
 from . import format as fmt
 from .cachedir import cache_root, check_replaceable, data_files, stage_dir, stored_count, swap_into_place
-from .errors import CorruptCacheError, UnsafeArchiveError
+from .errors import CorruptCacheError, DiskFullError, UnsafeArchiveError
 from .extras import require
 from .commit import CHUNK, Dir, disk_full, remove_tree, staging_name
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
@@ -173,7 +173,7 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
     except BaseException as e:
         if local:
             staged.discard()
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC and not str(e).startswith("not enough disk space"):
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, DiskFullError):
                 raise disk_full(path, sum(f["size"] for f in files.values()), e, doing="export the cache to") from e
         else:
             abandon(raw, tell_backend=not is_connection_error(e))

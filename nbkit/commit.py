@@ -145,7 +145,8 @@ def _mib(n: int) -> str:
 
 
 def disk_full(path: str, needed: int | None = None, cause: BaseException | None = None, *, doing: str = "write") -> OSError:
-    """The ``ENOSPC`` error for ``path``: which file, how much it needed, what is free, and what to do.
+    """The :class:`nbkit.errors.DiskFullError` (``ENOSPC``) for ``path``: which file, how much it
+    needed, what is free, and what to do.
 
     Example:
         >>> str(disk_full("/tmp/c/col-0.bin", 3 << 20)).startswith("not enough disk space to write /tmp/c/col-0.bin: it needs 3.0 MiB")
@@ -154,7 +155,9 @@ def disk_full(path: str, needed: int | None = None, cause: BaseException | None 
     free = _free_bytes(os.path.dirname(path) or ".")
     need = f": it needs {_mib(needed)}" if needed is not None else ""
     have = f", {_mib(free)} {'is' if free == 1 else 'are'} free there" if free is not None else ""
-    e = OSError(errno.ENOSPC,
+    from .errors import DiskFullError  # noqa: PLC0415 - errors imports nothing; kept local for the layering test
+
+    e = DiskFullError(errno.ENOSPC,
                 f"not enough disk space to {doing} {path}{need}{have}. Nothing stored before was lost. Free some space "
                 "(nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes them) or choose a path "
                 "on a larger disk, then run it again.")
@@ -176,7 +179,7 @@ def _named_enospc(path: str, needed: int | None = None):
     try:
         yield
     except OSError as e:
-        if e.errno == errno.ENOSPC and not str(e).startswith("not enough disk space"):
+        if e.errno == errno.ENOSPC and type(e).__name__ != "DiskFullError":
             raise disk_full(path, needed, e) from e
         raise
 

@@ -16,6 +16,7 @@ __all__ = [
     "MissingSampleError",
     "NondeterministicSourceError",
     "UnsafeArchiveError",
+    "DiskFullError",
 ]
 
 
@@ -41,3 +42,11 @@ class NondeterministicSourceError(ValueError):
 
 class UnsafeArchiveError(ValueError):
     """An archive holds a member that could write outside its target (absolute path, ``..``, link, device)."""
+
+
+class DiskFullError(OSError):
+    """A write found the disk full (``errno`` ``ENOSPC``); the message names the file, the room it
+    needed, what is free, and what to do. Nothing stored before it is lost."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
