@@ -33,10 +33,10 @@ import time
 import zlib
 
 from . import format as fmt
-from .cachedir import cache_root, check_replaceable, data_files, stage_dir, stored_count, swap_into_place
+from .cachedir import cache_root, check_replaceable, data_files, discard_stage, stage_dir, sweep_leftovers, stored_count, swap_into_place
 from .errors import CorruptCacheError, DiskFullError, UnsafeArchiveError
 from .extras import require
-from .commit import CHUNK, Dir, disk_full, remove_tree, staging_name
+from .commit import CHUNK, Dir, claim, disk_full, release, staging_name
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
                        manifest_bytes, parse_manifest, sha256_file)
 from .progress import as_callback
@@ -192,9 +192,11 @@ class _StagedFile:
     def __init__(self, path: str):
         head, self.name = os.path.split(os.path.abspath(path))
         os.makedirs(head, exist_ok=True)
+        sweep_leftovers(path)  # tars an interrupted export left here
         self.dir = Dir(head)
         self.tmp = staging_name(self.name, "export")
         self.file = os.fdopen(self.dir.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb", buffering=CHUNK)
+        claim(self.dir.join(self.tmp))
 
     def commit(self, needed: int) -> None:
         try:
@@ -207,11 +209,13 @@ class _StagedFile:
         self.file.close()
         self.dir.rename(self.tmp, self.name)
         self.dir.sync()
+        release(self.dir.join(self.tmp))
         self.dir.close()
 
     def discard(self) -> None:
         with contextlib.suppress(OSError):
             self.file.close()
+        release(self.dir.join(self.tmp))
         self.dir.unlink(self.tmp)
         self.dir.close()
 
@@ -376,11 +380,11 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
             check_whole(tmp, tar_path, _REEXPORT, cb, describe_as="verifying checksums")
             swap_into_place(tmp, dest)  # durable first, then in place in one step
         except Stopped:
-            remove_tree(tmp)
+            discard_stage(tmp)
             describe(cb, "stopped")
             return TransferReport(seconds=time.perf_counter() - start, stopped=True)
         except BaseException:
-            remove_tree(tmp)
+            discard_stage(tmp)
             raise
     describe(cb, "imported")
     files = tuple(n for n in names if n not in (MANIFEST, fmt.META)) + (fmt.META,)

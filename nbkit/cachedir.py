@@ -25,7 +25,8 @@ import numpy as np
 from . import format as fmt
 from . import trust
 from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import Dir, disk_full, file_lock, leftover_of, recover, staging_name, swap_in, sync_tree, write_all
+from .commit import (Dir, claim, disk_full, file_lock, is_claimed, leftover_of, recover, release, remove_tree, staging_name, swap_in,
+                     sync_tree, write_all)
 from .gather import gather_rows, physical_memory, read_mode, resident, will_need
 
 try:
@@ -34,7 +35,7 @@ except ImportError:  # Windows: no flock, so whether a cache is in use cannot be
     fcntl = None
 
 __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "remove_cache", "check_replaceable",
-           "swap_into_place", "stage_dir", "create_cache", "has_cache_files", "frozen", "open_files", "hold_in_use", "unused", "in_use", "allocated"]
+           "swap_into_place", "stage_dir", "discard_stage", "sweep_leftovers", "create_cache", "interrupted", "frozen", "open_files", "hold_in_use", "unused", "in_use", "allocated"]
 
 
 def cache_root(cache_path) -> str:
@@ -93,19 +94,50 @@ def swap_into_place(tmp: str, dest: str) -> None:
     durable, then put it at ``dest`` in place of what is there (:func:`nbkit.commit.swap_in`: a whole
     cache is at ``dest`` at every instant, even across a crash or a power loss)."""
     sync_tree(tmp)
-    swap_in(tmp, dest)
+    try:
+        swap_in(tmp, dest)
+    finally:
+        release(tmp)
 
 
 def stage_dir(dest: str, op: str) -> str:
     """A new empty directory beside ``dest`` for ``op`` (``"import"``, ``"pull"``) to build a copy in,
     named so that ``nbkit ls`` lists it and ``nbkit rm`` removes it if the process dies."""
     parent, name = os.path.split(os.path.abspath(dest))
+    sweep_leftovers(dest)
     path = os.path.join(parent, staging_name(name, op))
     os.mkdir(path, 0o700)
+    claim(path)  # released by swap_into_place or discard_stage: cleanup leaves a live one alone
     return path
 
 
-def remove_cache(root: str) -> None:
+def sweep_leftovers(dest: str) -> list[str]:
+    """Remove what interrupted operations left beside ``dest`` (``.<name>.nbkit-<op>-<hex>`` siblings
+    no live process claims); return their paths. The next import, pull or export cleans up this way."""
+    parent, name = os.path.split(os.path.abspath(dest))
+    swept = []
+    try:
+        with Dir(parent) as p:
+            for entry in p.names():
+                left = leftover_of(entry)
+                if left is None or left[0] != name or entry.endswith(".tmp") or is_claimed(p.join(entry)):
+                    continue
+                p.remove_tree(entry)
+                swept.append(p.join(entry))
+            if swept:
+                p.sync()
+    except FileNotFoundError:
+        pass
+    return swept
+
+
+def discard_stage(path: str) -> None:
+    """Remove a directory made by :func:`stage_dir` (an import or pull that failed or stopped)."""
+    release(path)
+    remove_tree(path)
+
+
+def remove_cache(root: "str | Dir") -> None:
     """Delete the cache files in ``root``: metadata first and durably, so that from then on the
     directory is not a cache, then the data files (a crash in between leaves data files without
     metadata, which :func:`create_cache` wipes before it builds anything there: never adopted).
@@ -115,35 +147,64 @@ def remove_cache(root: str) -> None:
     nbkit's own temporary files directly in ``root`` are removed, never a name that metadata carries;
     a symbolic link is removed itself, never what it points to.
     """
+    if isinstance(root, Dir):  # already held open by the caller: no second lookup of the path
+        _remove_cache_in(root)
+        return
     try:
         d = Dir(root)
     except (FileNotFoundError, NotADirectoryError):
         return
     with d:
-        if d.unlink(fmt.META):
-            d.sync()
-        _remove_data(d)
-        d.sync()
+        _remove_cache_in(d)
+
+
+def _remove_cache_in(d: Dir) -> None:
+    # A marker first, durably (nbkit.json itself becomes it): from then on the directory is not a
+    # cache, and until the marker goes last, nbkit ls lists it as an interrupted removal.
+    marker = staging_name(fmt.META, "trash")
+    if d.exists(fmt.META):
+        d.rename(fmt.META, marker)
+    elif any(trust.is_cache_file(n) for n in d.names()):
+        os.close(d.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    else:
+        marker = None
+    d.sync()
+    _remove_data(d)
+    for n in d.names():  # this removal's marker, and those of interrupted ones before it
+        if _is_marker(n):
+            d.unlink(n)
+    d.sync()
 
 
 def _remove_data(d: Dir) -> None:
-    """Unlink the data files, the lock and leftover temporary files in ``d`` (never a directory)."""
+    """Unlink the data files, the lock and leftover temporary files in ``d`` (never a directory, never a marker)."""
     names = d.names()
     doomed = sorted(n for n in names if n != fmt.META and trust.is_cache_file(n))
-    doomed += [n for n in names if (left := leftover_of(n)) is not None and trust.is_cache_file(left[0])]
+    doomed += [n for n in names if (left := leftover_of(n)) is not None and (trust.is_cache_file(left[0]) or left[0] == fmt.LOCK)
+               and not _is_marker(n)]
     for name in doomed + [fmt.LOCK]:
         st = d.lstat(name)
         if st is not None and not stat.S_ISDIR(st.st_mode):
             d.unlink(name)  # never follows a link
 
 
-def has_cache_files(root: str) -> bool:
-    """Whether ``root`` holds data files of a cache (with or without its ``nbkit.json``)."""
+def _is_marker(name: str) -> bool:
+    return name.startswith(f".{fmt.META}.nbkit-")
+
+
+def interrupted(root: str) -> str | None:
+    """What an interrupted removal or creation left at ``root`` (a marker ``.nbkit.json.nbkit-<op>-…``
+    and no ``nbkit.json``): that operation's description, or ``None``."""
     try:
         names = os.listdir(root)
     except OSError:
-        return False
-    return any(trust.is_cache_file(n) and n != fmt.META for n in names)
+        return None
+    if fmt.META in names:
+        return None
+    for n in names:
+        if _is_marker(n) and (left := leftover_of(n)) is not None:
+            return left[1]
+    return None
 
 
 def create_cache(root: str, meta: dict) -> dict:
@@ -160,6 +221,11 @@ def create_cache(root: str, meta: dict) -> dict:
         with Dir(root) as d:
             if d.exists(fmt.META):
                 return fmt.read_meta(root)
+            # A marker until nbkit.json is published: a crash before leaves a directory nbkit ls
+            # lists as an interrupted creation (and this function wipes it on the next try).
+            marker = staging_name(fmt.META, "create")
+            os.close(d.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            d.sync()
             _remove_data(d)
             files = CacheFiles(root, meta, writable=True, create=True)
             try:
@@ -167,7 +233,12 @@ def create_cache(root: str, meta: dict) -> dict:
             finally:
                 files.close()
             d.sync()
-        return fmt.publish_meta(root, meta)
+            published = fmt.publish_meta(root, meta)
+            for n in d.names():
+                if _is_marker(n):
+                    d.unlink(n)
+            d.sync()
+        return published
 
 
 #: ``flock`` errors that mean the filesystem has no locks (some FUSE mounts): use cannot be tracked there.

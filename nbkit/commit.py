@@ -52,7 +52,7 @@ except ImportError:  # Windows: no flock; a per-path thread lock still orders th
     fcntl = None
 
 __all__ = ["CHUNK", "Dir", "file_lock", "atomic_write", "temp_name", "temp_pid", "staging_name", "leftover_of",
-           "LEFTOVER_OPS", "swap_in", "recover", "remove_tree", "sync_tree", "disk_full", "check_free", "write_all"]
+           "LEFTOVER_OPS", "claim", "release", "is_claimed", "swap_in", "recover", "remove_tree", "sync_tree", "disk_full", "check_free", "write_all"]
 
 #: Bytes read or written at a time when streaming a file (hashing, copying, archiving).
 CHUNK = 4 << 20
@@ -72,6 +72,7 @@ LEFTOVER_OPS = {
     "pull": "an interrupted nbkit.pull (a copy being downloaded or the cache it replaced)",
     "old": "an interrupted swap (the cache an import or pull replaced)",
     "trash": "an interrupted removal (nbkit rm, prune or overwrite=True)",
+    "create": "an interrupted creation of a cache",
     "export": "an interrupted nbkit.export_tar (a tar being written)",
 }
 _LEFTOVER = re.compile(r"\.(?P<target>.+)\.nbkit-(?P<op>[a-z]+)-(?P<tag>[0-9a-f]{8,32})\Z", re.S)
@@ -104,6 +105,46 @@ def leftover_of(name: str) -> tuple[str, str] | None:
     if m:
         return m["target"], f"an interrupted write (a temporary file of process {m['pid']})"
     return None
+
+
+_claims: dict = {}  # path -> descriptor holding its flock
+
+
+def claim(path: str) -> None:
+    """Mark the staged file or directory ``path`` as being worked on by this process (an exclusive
+    ``flock`` held until :func:`release`): :func:`is_claimed` tells cleanup to leave it alone."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    _claims[os.path.abspath(path)] = fd
+
+
+def release(path: str) -> None:
+    """End :func:`claim` of ``path`` (whatever is there now)."""
+    fd = _claims.pop(os.path.abspath(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def is_claimed(path: str) -> bool:
+    """Whether a live process (this one included) still works on the leftover ``path``."""
+    if os.path.abspath(path) in _claims:
+        return True
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def temp_name(path: str) -> str:
@@ -281,6 +322,14 @@ class Dir:
 
     def join(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    @property
+    def anchor(self) -> str:
+        """A path that names this very directory (``/proc/self/fd/N`` where the system has it), for
+        helpers that take paths: the names below it resolve against the directory held open, never
+        against whatever is at :attr:`path` by then."""
+        proc = f"/proc/self/fd/{self.fd}"
+        return proc if os.path.isdir("/proc/self/fd") else self.path
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from . import format as fmt
 from . import trust
-from .cachedir import allocated, in_use, remove_cache, stored_count, unused
+from .cachedir import allocated, interrupted, in_use, remove_cache, stored_count, unused
+from .commit import Dir, is_claimed, leftover_of
 from .stores.mirror import ORIGIN_SUFFIX, cache_dir, read_origin
 from .stores.readthrough.location import AREA_SUFFIX
 from .text import Table, format_bytes, format_count, format_seconds
@@ -75,12 +76,17 @@ class CacheInfo:
         return os.path.basename(self.path)
 
     @property
+    def leftover(self) -> bool:
+        """Whether this is what an interrupted operation left (``nbkit rm`` removes it), not a cache."""
+        return self.problem is not None and self.problem.startswith("leftover of ")
+
+    @property
     def complete(self) -> bool:
         return self.problem is None and self.stored is not None and self.stored == self.length
 
     def to_json(self) -> dict:
         """A plain dict (for ``nbkit ls --json``)."""
-        return {**dataclasses.asdict(self), "complete": self.complete}
+        return {**dataclasses.asdict(self), "complete": self.complete, "leftover": self.leftover}
 
 
 class CacheList(list):
@@ -91,7 +97,7 @@ class CacheList(list):
         now = time.time()
         rows = []
         for c in self:
-            cached = "broken" if c.problem else f"{format_count(c.stored)}/{format_count(c.length)}"
+            cached = ("leftover" if c.leftover else "broken") if c.problem else f"{format_count(c.stored)}/{format_count(c.length)}"
             used = "-" if c.last_used is None else format_seconds(max(0.0, now - c.last_used)) + " ago"
             rows.append((c.path, cached, format_bytes(c.bytes), used, "yes" if c.in_use else "", c.url or c.problem or ""))
         total = sum(c.bytes for c in self)
@@ -143,6 +149,35 @@ def _first_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).splitlines()[0]
 
 
+def _tree_bytes(path: str) -> int:
+    """Bytes allocated by ``path`` and everything below it (links not followed)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    total = allocated(st)
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return total
+        total += sum(_tree_bytes(os.path.join(path, n)) for n in names)
+    return total
+
+
+def leftover_problem(path: str) -> str | None:
+    """Why ``path`` is a leftover (what left it, and how to remove it), or ``None`` if it is not one."""
+    left = leftover_of(os.path.basename(path))
+    if left is not None:
+        what = left[1]
+    elif os.path.isdir(path) and not os.path.islink(path) and (marked := interrupted(path)) is not None:
+        what = f"{marked} (its files are no cache and are never reused)"
+    else:
+        return None
+    busy = " (still being written by a running process)" if is_claimed(path) else ""
+    return f"leftover of {what}{busy}; nbkit rm {path} removes it"
+
+
 def describe(root: str) -> CacheInfo:
     """The :class:`CacheInfo` of one directory holding ``nbkit.json`` (never raises for a broken one).
 
@@ -153,6 +188,14 @@ def describe(root: str) -> CacheInfo:
         '.../nbkit.json is not valid JSON'
     """
     working_copy = os.path.dirname(root) == cache_dir()
+    leftover = leftover_problem(root)
+    if leftover is not None:
+        try:
+            mtime = os.lstat(root).st_mtime
+        except OSError:
+            mtime = None
+        return CacheInfo(path=root, url=None, working_copy=working_copy, stored=None, length=None, bytes=_tree_bytes(root),
+                         version=None, last_used=mtime, in_use=is_claimed(root), problem=leftover)
     try:
         files = _files_of(root)
     except OSError as e:  # unreadable (permissions), or removed meanwhile
@@ -186,18 +229,21 @@ def describe(root: str) -> CacheInfo:
 
 
 def _walk(root: str, depth: int, found: list) -> None:
-    if os.path.lexists(os.path.join(root, fmt.META)):
-        found.append(root)
+    if os.path.lexists(os.path.join(root, fmt.META)) or interrupted(root):
+        found.append(root)  # a cache, or what an interrupted removal or creation left of one
         return  # a cache holds no caches
     if depth <= 0:
         return
     try:
         with os.scandir(root) as it:
-            subdirs = sorted(e.path for e in it if e.is_dir(follow_symlinks=False) and not e.name.endswith(AREA_SUFFIX))
+            entries = [(e.path, e.name, e.is_dir(follow_symlinks=False)) for e in it]
     except (PermissionError, FileNotFoundError, NotADirectoryError):
         return  # not ours to read, or gone meanwhile
-    for sub in subdirs:
-        _walk(sub, depth - 1, found)
+    for path, name, is_dir in sorted(entries):
+        if leftover_of(name) is not None:
+            found.append(path)  # a staged copy or temporary file an interrupted operation left
+        elif is_dir and not name.endswith(AREA_SUFFIX):
+            _walk(path, depth - 1, found)
 
 
 def caches(*roots, max_depth: int = MAX_DEPTH) -> CacheList:
@@ -266,32 +312,75 @@ def remove(path, *, dry_run: bool = False) -> Removal:
     if stat.S_ISLNK(st.st_mode):
         raise ValueError(f"refusing to remove {root}: it is a symbolic link (to {os.readlink(root)}), and nbkit never "
                          "follows links. Remove the link itself with rm, or pass the cache directory it points to.")
+    if leftover_problem(root) is not None:
+        return _remove_leftover(root, dry_run)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"{root} is not a directory, so not an nbkit cache; nothing was removed")
-    try:
-        fmt.read_meta(root)
-    except (FileNotFoundError, ValueError) as e:  # CorruptCacheError, UnsafeArchiveError are ValueErrors
-        why = f"it has no {fmt.META}" if isinstance(e, FileNotFoundError) else _first_line(e)
-        raise ValueError(f"refusing to remove {root}: it is not an nbkit cache ({why}). nbkit removes only cache "
-                         "directories; delete anything else yourself.") from e
-    with unused(root) as free:
-        if not free:
-            raise OSError(errno.EBUSY, f"refusing to remove {root}: a process has the cache open (a dataset, a "
-                          "DataLoader worker, a training run). Close it (or end that process) and remove it again.")
-        files = _files_of(root)
-        size = sum(allocated(s) for name, s in files if trust.is_cache_file(name) or name == fmt.LOCK)
-        if dry_run:
-            return Removal(root, size)
-        remove_cache(root)  # metadata first; never follows a link
-    left = tuple(sorted(os.listdir(root)))
-    if not left:
-        os.rmdir(root)
-        if os.path.dirname(root) == cache_dir():  # a working copy's files beside it
+    # Held open once: every step below works on this directory, even if the path is swapped meanwhile
+    # (for a link, or for another cache): no path is resolved twice.
+    with Dir(root) as d:
+        here = d.anchor
+        try:
+            fmt.read_meta(here)
+        except (FileNotFoundError, ValueError) as e:  # CorruptCacheError, UnsafeArchiveError are ValueErrors
+            why = f"it has no {fmt.META}" if isinstance(e, FileNotFoundError) else _first_line(e)
+            raise ValueError(f"refusing to remove {root}: it is not an nbkit cache ({why}). nbkit removes only cache "
+                             "directories; delete anything else yourself.") from e
+        with unused(here) as free:
+            if not free:
+                raise OSError(errno.EBUSY, f"refusing to remove {root}: a process has the cache open (a dataset, a "
+                              "DataLoader worker, a training run). Close it (or end that process) and remove it again.")
+            files = _files_of(here)
+            size = sum(allocated(s) for name, s in files if trust.is_cache_file(name) or name == fmt.LOCK
+                       or leftover_of(name) is not None)
+            if dry_run:
+                return Removal(root, size)
+            remove_cache(d)  # metadata first, durably; never follows a link
+        left = tuple(d.names())
+        if not left:
+            _rmdir_if(d, root)
+    return Removal(root, size, left)
+
+
+def _rmdir_if(d: Dir, root: str) -> None:
+    """Remove the empty directory ``d`` (at ``root``) from its parent, and a working copy's files beside it."""
+    parent, name = os.path.split(root)
+    with Dir(parent) as p:
+        st = p.lstat(name)
+        mine = os.fstat(d.fd)
+        if st is None or (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+            return  # something else is at the path now: never touched
+        try:
+            os.rmdir(name, dir_fd=p.fd)
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                return
+            raise
+        if parent == cache_dir():  # a working copy's files beside it
             for suffix in (ORIGIN_SUFFIX, ".lock"):
-                try:
-                    os.unlink(root + suffix)
-                except FileNotFoundError:
-                    pass
+                p.unlink(name + suffix)
+        p.sync()
+
+
+def _remove_leftover(root: str, dry_run: bool) -> Removal:
+    """Remove what an interrupted operation left at ``root`` (see :func:`leftover_problem`)."""
+    if is_claimed(root):
+        raise OSError(errno.EBUSY, f"refusing to remove {root}: a running process is still writing it (an import, pull "
+                      "or export in progress). Let it finish or stop it, then remove it again.")
+    size = _tree_bytes(root)
+    if dry_run:
+        return Removal(root, size)
+    if leftover_of(os.path.basename(root)) is not None:
+        parent, name = os.path.split(root)
+        with Dir(parent) as p:
+            p.remove_tree(name)  # through descriptors: links inside are removed, never followed
+            p.sync()
+        return Removal(root, size)
+    with Dir(root) as d:  # cache files without nbkit.json: the data files, then the directory if empty
+        remove_cache(d)
+        left = tuple(d.names())
+        if not left:
+            _rmdir_if(d, root)
     return Removal(root, size, left)
 
 
@@ -329,10 +418,18 @@ def prune(older_than=None, max_bytes=None, *, dry_run: bool = False) -> list[Rem
     dry_run = trust.check_bool(dry_run, "dry_run")
     # Least recently used first. A hidden name is the temporary sibling of a pull or import in progress
     # (``.<copy>.pull-…``): never pruned (``nbkit ls`` lists one a crash left, ``nbkit rm`` removes it).
-    copies = [c for c in caches(max_depth=1) if c.working_copy and not c.name.startswith(".")]
+    listed = caches(max_depth=1)
+    removed = []
+    # What interrupted pulls left (unless a running one still writes it) is never worth keeping.
+    for c in listed:
+        if c.working_copy and c.leftover and not c.in_use:
+            try:
+                removed.append(remove(c.path, dry_run=dry_run))
+            except (OSError, ValueError):
+                continue  # claimed or gone since it was listed
+    copies = [c for c in listed if c.working_copy and not c.leftover and not c.name.startswith(".")]
     now = time.time()
     kept = sum(c.bytes for c in copies)
-    removed = []
     for c in copies:
         too_old = age is not None and (c.last_used is None or now - c.last_used >= age)
         too_big = limit is not None and kept > limit

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import format as fmt
-from .cachedir import cache_root, check_replaceable, frozen, open_files, stage_dir, swap_into_place
+from .cachedir import cache_root, check_replaceable, discard_stage, frozen, open_files, stage_dir, swap_into_place
 from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import CHUNK, remove_tree
+from .commit import CHUNK
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_listing,
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
@@ -484,7 +484,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
             raise OSError(f"pull of {url} failed while downloading {name} ({type(exc).__name__}: {first})\n"
                           f"{dest} is unchanged.\nTo try again, {fix}." + (f"\n{rest.strip()}" if rest.strip() else "")) from exc
         if stopped:
-            remove_tree(tmp)
+            discard_stage(tmp)
             describe(cb, "stopped")
             return TransferReport(tuple(done), tuple(reused), sum(files[n]["size"] for n in done), time.perf_counter() - start, stopped=True)
         with open(os.path.join(tmp, fmt.META), "wb") as f:
@@ -494,7 +494,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         check_whole(tmp, url, REPUSH)
         swap_into_place(tmp, dest)  # durable first, then in place in one step
     except BaseException:
-        remove_tree(tmp)
+        discard_stage(tmp)
         raise
     describe(cb, "pulled")
     return TransferReport(tuple(todo) + (fmt.META,), tuple(reused), nbytes, time.perf_counter() - start)
