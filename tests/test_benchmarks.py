@@ -181,3 +181,17 @@ def test_bench_scale_quick_writes_a_table(tmp_path):
     for r in data["figures"].values():
         assert r["samples"] > 0 and r["peak_rss"] > 0 and r["evict"]
     assert [p.name for p in tmp_path.iterdir()] == ["results"]  # the caches are gone
+
+
+@pytest.mark.slow
+def test_bench_durability_quick_compares_before_and_after(tmp_path):
+    results = tmp_path / "results"
+    cmd = [sys.executable, str(BENCH / "bench_durability.py"), "--quick", "--samples", "512", "--repeat", "1",
+           "--results", str(results)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (results / "durability.md").read_text()
+    if "Skipped:" in text:
+        pytest.skip(text.strip().splitlines()[-1])  # a shallow clone without the commit compared against
+    for op in ("warmup", "export_tar", "import_tar", "push", "pull"):
+        assert f"| {op} |" in text
