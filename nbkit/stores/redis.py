@@ -576,12 +576,13 @@ class RedisStore(fmt.Store):
         buf = {}
         for (k, sub), values in zip(groups, replies):
             where = f"the Redis server {self.location.addresses[k]} of the cache {self.location.root}"
-            sized = trust.check_sample_values(values, len(sub) + 1, header=_HEADER.size, row_bytes=self._row_bytes,
+            live, values = (values[0], values[1:]) if isinstance(values, list) and values else (None, values)
+            sized = trust.check_sample_values(values, len(sub), header=_HEADER.size, row_bytes=self._row_bytes,
                                               freeform=fmt.FLAG_FREEFORM, var=fmt.FLAG_VAR, where=where, fix=_FIX)
-            values = [v if ok else _DAMAGED for v, ok in zip(values, sized)]  # checked before any CRC
-            if values[0] is None:
-                self._lost(k, sub, values[1:])
-            buf.update(zip(sub.tolist(), values[1:]))
+            values = [v if ok else _DAMAGED for v, ok in zip(values, sized)]  # sizes checked before any CRC
+            if live is None:
+                self._lost(k, sub, values)
+            buf.update(zip(sub.tolist(), values))
         self._buf = buf
 
     def _mget_all(self, requests: list) -> list:
