@@ -459,3 +459,104 @@ def load_json(raw: bytes, where: str, fix: str, *, format_name: str, what: str, 
         raise CorruptCacheError(f"{where} has format version {got!r}; this nbkit reads version {version}. Upgrade "
                                 "nbkit (pip install -U nbkit) to open it.")
     return value
+
+
+# ---------------------------------------------------------------------------------------------
+# sizes and replies read from a server (Redis)
+
+
+def check_bound(value, limit: int, where: str, what: str, why: str, fix: str) -> int:
+    """``value`` (a count or size read from ``where``) if it is an ``int`` in ``[0, limit]``; else
+    :class:`CorruptCacheError` naming ``where``, ``what`` it claims, the bound and ``why``, and ``fix``.
+
+    Example:
+        >>> check_bound(2**40, 2**32, "nbkit:x:meta", "samples", "a Redis bitmap holds 2**32 bits", "Rebuild it.")
+        Traceback (most recent call last):
+        ...
+        nbkit.errors.CorruptCacheError: nbkit:x:meta claims 1,099,511,627,776 samples, more than 4,294,967,296 (a Redis bitmap holds 2**32 bits): it is damaged or not nbkit's. Rebuild it.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise CorruptCacheError(f"{where} claims {shown(value)} {what}, not a count: it is damaged or not nbkit's. {fix}")
+    if value > limit:
+        raise CorruptCacheError(f"{where} claims {int(value):,} {what}, more than {limit:,} ({why}): it is damaged "
+                                f"or not nbkit's. {fix}")
+    return int(value)
+
+
+def check_sample_values(reply, n: int, *, header: int, row_bytes: int, freeform: int, var: int, where: str,
+                        fix: str) -> list:
+    """Which of ``n`` sample values read from ``where`` (an ``MGET`` reply: each ``bytes`` or ``None``)
+    have a size their flags allow, before any checksum is computed: at least the ``header``; for a
+    sample that fits the schema (no ``freeform`` bit) its ``row_bytes`` of rows too, and exactly that
+    unless ``var`` (a blob follows). ``None`` (not stored) passes. A value of the wrong size is a
+    damaged sample (the store marks it, and it is recomputed or reported); a reply that is not ``n``
+    values raises :class:`CorruptCacheError` naming ``where`` and ending with ``fix``.
+
+    Example:
+        >>> check_sample_values([b"\\x00" * 9, b"\\x00" * 3, None], 3, header=5, row_bytes=4, freeform=2, var=1,
+        ...                     where="w", fix="")
+        [True, False, True]
+    """
+    if not isinstance(reply, (list, tuple)) or len(reply) != n:
+        got = f"{len(reply)} values" if isinstance(reply, (list, tuple)) else shown(reply)
+        raise CorruptCacheError(f"{where} answered a read of {n} values with {got}: the server is not a Redis server "
+                                f"nbkit can use, or the connection is broken. {fix}")
+    out = []
+    for v in reply:
+        if v is None:
+            out.append(True)
+            continue
+        if not isinstance(v, (bytes, bytearray, memoryview)):
+            raise CorruptCacheError(f"{where} answered a read with {shown(v)} where a value or nothing belongs: the "
+                                    f"server is not a Redis server nbkit can use. {fix}")
+        size = len(v)
+        if size < header:
+            out.append(False)
+        elif v[0] & freeform:
+            out.append(True)
+        else:
+            out.append(size == header + row_bytes or (bool(v[0] & var) and size > header + row_bytes))
+    return out
+
+
+def check_hello(reply, where: str, fix: str) -> dict:
+    """The reply of a server to ``HELLO 3`` (RESP3's handshake) if it is a map whose ``proto`` is 3;
+    else :class:`CorruptCacheError` naming ``where``, what it answered, and ``fix``.
+
+    Example:
+        >>> check_hello({b"server": b"redis", b"proto": 3}, "127.0.0.1:6379", "")[b"proto"]
+        3
+    """
+    proto = None
+    if isinstance(reply, dict):
+        proto = reply.get(b"proto", reply.get("proto"))
+    if isinstance(proto, bool) or proto != 3:
+        raise CorruptCacheError(f"the server at {where} answered HELLO 3 with {shown(reply)}, not a RESP3 handshake "
+                                f"(protocol 3). {fix}")
+    return reply
+
+
+_STORED_KEY = re.compile(rb"(?:i-?(?:0|[1-9][0-9]*)|s.*|b.*)\Z", re.S)
+
+
+def check_stored_key(kb, max_len: int, where: str, fix: str) -> bytes:
+    """A key in its stored form (``i<decimal>``, ``s<utf-8>``, ``b<bytes>``) read from ``where``, at
+    most ``max_len`` bytes after its tag; else :class:`CorruptCacheError`.
+
+    Example:
+        >>> check_stored_key(b"i12", 1 << 16, "h", ""), check_stored_key(b"s\\xc3\\xa9", 1 << 16, "h", "")
+        (b'i12', b's\\xc3\\xa9')
+    """
+    ok = isinstance(kb, bytes) and 1 <= len(kb) <= max_len + 1 and _STORED_KEY.match(kb) is not None
+    if ok and kb[:1] == b"s":
+        try:
+            kb[1:].decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            ok = False
+    if not ok:
+        raise CorruptCacheError(f"{where} holds the key {shown(kb)}, which is not a key nbkit stores (i<decimal>, "
+                                f"s<utf-8> or b<bytes>, at most {max_len} bytes). {fix}")
+    return kb
+
+
+__all__ += ["check_bound", "check_sample_values", "check_hello", "check_stored_key"]

@@ -10,6 +10,8 @@ Import the fixtures into a test module with ``from fixtures_redis import redis_s
 * ``redis_factory`` (function): ``redis_factory(*extra_args)`` starts a private server (e.g. with
   ``--maxmemory 4mb``) that the test may :meth:`~RedisServer.kill` and :meth:`~RedisServer.start`
   again on the same port; all are killed at teardown.
+* ``fake_server`` (function): ``fake_server(reply)`` starts a :class:`FakeServer` on 127.0.0.1 that
+  accepts connections and answers every read with ``reply`` (``None``: never answers).
 
 Without ``redis-server`` on the PATH, the tests that use these fixtures are skipped.
 """
@@ -18,13 +20,15 @@ from __future__ import annotations
 
 import shutil
 import socket
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
 from servers import LoopbackServer
 
-__all__ = ["RedisServer", "redis_server", "redis_url", "redis_trio", "redis_factory", "namespace", "sharded_url"]
+__all__ = ["RedisServer", "FakeServer", "redis_server", "redis_url", "redis_trio", "redis_factory", "fake_server", "namespace",
+           "sharded_url"]
 
 
 def namespace() -> str:
@@ -91,7 +95,7 @@ class RedisServer(LoopbackServer):
     def ready(self) -> bool:
         with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # -NOAUTH: up, with --requirepass
 
     def restart(self) -> "RedisServer":
         self.kill()
@@ -146,3 +150,74 @@ def redis_factory(tmp_path):
     yield start
     for s in started:
         s.kill()
+
+
+class FakeServer:
+    """A TCP listener on 127.0.0.1 that is no Redis server: it accepts connections and answers every
+    read with ``reply`` (``None``: reads and never answers, as a stopped or hung server does).
+
+    Example:
+        >>> with FakeServer(b"-ERR unknown command 'HELLO'\\r\\n") as fake:
+        ...     with socket.create_connection(("127.0.0.1", fake.port), timeout=5) as s:
+        ...         s.sendall(b"PING\\r\\n")
+        ...         s.recv(64)
+        b"-ERR unknown command 'HELLO'\\r\\n"
+    """
+
+    def __init__(self, reply: bytes | None):
+        self.reply = reply
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self._conns: list = []
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, name="fake-redis", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def url(self, name: str | None = None) -> str:
+        return f"redis://{self.address}/0/{name or namespace()}"
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn) -> None:
+        try:
+            while conn.recv(65536):
+                if self.reply is not None:
+                    conn.sendall(self.reply)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> "FakeServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@pytest.fixture
+def fake_server():
+    """``fake_server(reply)`` starts a :class:`FakeServer`; every one is closed at teardown."""
+    started = []
+
+    def start(reply: bytes | None) -> FakeServer:
+        started.append(FakeServer(reply))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.close()

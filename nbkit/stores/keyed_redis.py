@@ -19,8 +19,10 @@ import struct
 import warnings
 import zlib
 
+from .. import trust
+from ..errors import CorruptCacheError
 from ..extras import require
-from .keyed import check_keyed_meta, keyed_meta
+from .keyed import MAX_KEY, check_keyed_meta, key_of, keyed_meta
 from .redis import RedisLocation, is_oom
 
 __all__ = ["RedisKeyed"]
@@ -47,7 +49,8 @@ class RedisKeyed:
         body = json.dumps(dict(keyed_meta(), shards=self._n), sort_keys=True).encode()
         for k, c in enumerate(self._clients):
             self._write(k, c.set, self._meta_key, body, nx=True)
-            meta = check_keyed_meta(location.call(k, c.get, self._meta_key) or body, f"{self._meta_key} on {self.root}")
+            raw = location.get_small(k, self._meta_key, "Delete the CacheLoader's Redis keys and let it fill again.")
+            meta = check_keyed_meta(raw or body, f"{self._meta_key} on {self.root}")
             if meta.get("shards") != self._n:
                 raise ValueError(
                     f"the keyed cache {location.parsed.name!r} was created over {meta.get('shards')} Redis server(s); the URL "
@@ -85,8 +88,10 @@ class RedisKeyed:
         raw = self.location.call(k, self._clients[k].hget, self._hash, kb)
         if raw is None:
             return None
-        if len(raw) < _CRC.size:
-            return 0, b""  # fails its checksum: reported (or repaired) by the caller
+        if not isinstance(raw, bytes) or len(raw) < _CRC.size:  # its size first, then (by the caller) its checksum
+            got = f"{len(raw)} bytes" if isinstance(raw, bytes) else trust.shown(raw)
+            raise CorruptCacheError(f"the value of key {key_of(kb)!r} in {self._hash} on the Redis server "
+                                    f"{self.location.addresses[k]} is {got}, shorter than its {_CRC.size}-byte checksum.")
         return _CRC.unpack_from(raw)[0], memoryview(raw)[_CRC.size:]
 
     def contains(self, kb: bytes) -> bool:
@@ -107,7 +112,9 @@ class RedisKeyed:
 
     def keys(self) -> list:
         """Every stored key, in stored form."""
-        return [kb for k, c in enumerate(self._clients) for kb in self.location.call(k, c.hkeys, self._hash)]
+        fix = "Delete the CacheLoader's Redis keys and let it fill again."
+        return [trust.check_stored_key(kb, MAX_KEY, f"{self._hash} on the Redis server {self.location.addresses[k]}", fix)
+                for k, c in enumerate(self._clients) for kb in self.location.call(k, c.hkeys, self._hash)]
 
     def __repr__(self) -> str:
         return f"RedisKeyed({self.root!r})"

@@ -26,17 +26,34 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import format as fmt
+from .. import trust
+from ..codec import Schema
 from ..errors import CorruptCacheError, MissingSampleError
 from ..extras import require
+from ..gather import physical_memory
 from ..text import format_list
 from .base import Location
 
-__all__ = ["RedisLocation", "RedisStore", "is_oom", "RedisURL", "parse_url", "resolve", "resolve_redis", "FULL_RETRY_SECONDS", "PUT_BYTES"]
+__all__ = ["RedisLocation", "RedisStore", "is_oom", "RedisURL", "parse_url", "resolve", "resolve_redis", "FULL_RETRY_SECONDS",
+           "PUT_BYTES", "CONNECT_SECONDS", "ANSWER_SECONDS", "MAX_LENGTH", "MAX_VALUE_BYTES"]
 
 FULL_RETRY_SECONDS = 30.0  # after a write hit maxmemory, skip writes to that server this long
 _HEADER = struct.Struct("<BI")  # flags, crc: the record fields stored in front of each sample
 PUT_BYTES = 16 << 20  # at most this much sample data per write call (large samples, bounded buffers)
 _BITMAP_ABOVE = 8192  # is_stored() of more indices than this reads the bitmap, not the samples
+#: A TCP connection to a server, then each of its answers: a silent server fails within seconds (a
+#: timeout is not retried; a refused or dropped connection is, over a restart). Override them with
+#: ``storage_options={"socket_connect_timeout": s, "socket_timeout": s}``.
+CONNECT_SECONDS = 5.0
+ANSWER_SECONDS = 10.0
+#: The most samples a Redis cache holds: its bitmap of stored samples is one Redis string (SETBIT
+#: takes offsets below 2**32).
+MAX_LENGTH = 1 << 32
+#: The largest value a Redis server stores (``proto-max-bulk-len``'s default): one sample's rows must fit.
+MAX_VALUE_BYTES = 512 << 20
+#: Bytes of this process's memory a reader needs per sample of the cache (checked-sample flags,
+#: index arrays of missing samples, admission slots).
+_READER_BYTES = 16
 _NAME = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")  # no glob character: key patterns need no escaping
 
 # Store samples on one server, atomically: nothing if the server lost this cache (returns -1, the
@@ -215,35 +232,107 @@ class RedisLocation(Location):
         return [f"{h}:{port}" for h, port in self.parsed.servers]
 
     def clients(self) -> list:
-        """One ``redis.Redis`` per server for this process, opened (and their eviction policy checked) on first use."""
+        """One ``redis.Redis`` per server for this process, opened on first use: each server's RESP3
+        handshake and eviction policy are checked then."""
         if self._clients is None or self._clients_pid != os.getpid():
             redis = _redis()
             from redis.backoff import ExponentialBackoff
             from redis.retry import Retry
 
             p = self.parsed
-            options = {"socket_connect_timeout": 5, "socket_timeout": 60, "username": p.username, "password": p.password}
+            options = {"socket_connect_timeout": CONNECT_SECONDS, "socket_timeout": ANSWER_SECONDS, "protocol": 3,
+                       "username": p.username, "password": p.password}
             if p.ssl:
                 options["ssl"] = True
             options.update(self.storage_options)
+            self._answer_seconds = options.get("socket_timeout")
             clients = []
             for k, (host, port) in enumerate(p.servers):
-                retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 4)  # rides over a restart or a dropped connection
+                # Rides over a restart or a dropped connection. A timeout is not retried: a server that
+                # accepts connections and never answers must fail in seconds, not minutes.
+                retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 4, supported_errors=(redis.exceptions.ConnectionError,))
                 clients.append(redis.Redis(host=host, port=port, db=p.db, retry=retry, **options))
+                self._handshake(k, clients[-1])
                 self._check_policy(k, clients[-1])
             self._clients, self._clients_pid = clients, os.getpid()
         return self._clients
 
     def call(self, k: int, fn, *args, **kwargs):
-        """``fn(*args)`` against server ``k``, turning a lost connection into an error that names the server."""
+        """``fn(*args)`` against server ``k``, turning a lost or silent connection into an error that names the server."""
         redis = _redis()
         try:
             return fn(*args, **kwargs)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+        except redis.exceptions.TimeoutError as e:
+            raise self.silent(k, e) from e
+        except redis.exceptions.ConnectionError as e:
             raise ConnectionError(
                 f"the Redis server {self.addresses[k]} of the cache {self.root} does not answer ({e}). Start it again "
                 "(a server that comes back empty is refilled from the source), or check the URL and storage_options."
             ) from e
+
+    def get_small(self, k: int, key: str, fix: str) -> bytes | None:
+        """The value of ``key`` (metadata) on server ``k``, or ``None``; its size is checked before it is read."""
+        c = self.clients()[k]
+        size = self.call(k, c.strlen, key)
+        trust.check_bound(size, trust.MAX_JSON_BYTES, f"{key} on the Redis server {self.addresses[k]}", "bytes",
+                          "far more than any nbkit metadata", fix)
+        return self.call(k, c.get, key) if size else None
+
+    def silent(self, k: int, e: Exception) -> TimeoutError:
+        """The error for server ``k`` leaving a connection or a command unanswered past the timeout."""
+        host, port = self.parsed.servers[k]
+        seconds = getattr(self, "_answer_seconds", ANSWER_SECONDS)
+        within = f"within {seconds:g} s" if isinstance(seconds, (int, float)) else "in time"
+        return TimeoutError(
+            f"the Redis server {self.addresses[k]} of the cache {self.root} did not answer {within} ({e}): it accepts "
+            f"connections but sends nothing back (stopped, overloaded, or not a Redis server). Check it with "
+            f"`redis-cli -h {host} -p {port} PING` and restart it, or give it longer with "
+            "storage_options={'socket_timeout': seconds}."
+        )
+
+    def _handshake(self, k: int, client) -> None:
+        """Open one connection to server ``k`` and check its RESP3 handshake (``HELLO 3``), so that an old
+        server, a wrong password or another service at that address fails here, once, saying so."""
+        redis = _redis()
+        address = self.addresses[k]
+        conn = client.connection_pool.make_connection()
+        need = ("nbkit needs Redis >= 6 (or a server that speaks RESP3, such as Valkey): upgrade the server, or check "
+                f"that the URL {self.root} names the Redis server you mean")
+        try:
+            conn.connect()  # TCP (retried), then HELLO 3 [AUTH user password] and its reply
+            trust.check_hello(conn.handshake_metadata, address, need + ".")
+        except redis.exceptions.TimeoutError as e:
+            raise self.silent(k, e) from e
+        except redis.exceptions.AuthenticationError as e:
+            raise PermissionError(
+                f"the Redis server {address} refused the credentials of the URL {self.root} ({e}). Put the right ones "
+                "in the URL: redis://[user]:password@host:port/<db>/<name>."
+            ) from e
+        except redis.exceptions.ResponseError as e:  # an error reply to HELLO
+            if "NOAUTH" in str(e) or "AUTH" in str(e).split(" ", 1)[0]:
+                raise PermissionError(
+                    f"the Redis server {address} needs a password ({e}): put it in the URL, "
+                    "redis://[user]:password@host:port/<db>/<name>."
+                ) from e
+            raise ConnectionError(f"the server at {address} does not speak RESP3 (HELLO failed: {e}): {need}.") from e
+        except (redis.exceptions.InvalidResponse, AttributeError, TypeError) as e:
+            # Not the Redis protocol (redis-py's handshake calls .get() on the reply: a reply that is no
+            # map raises AttributeError or TypeError there).
+            raise ConnectionError(
+                f"the server at {address} does not speak RESP3: it answered HELLO with something that is not the Redis "
+                f"protocol ({type(e).__name__}: {e}). {need}."
+            ) from e
+        except CorruptCacheError as e:
+            raise ConnectionError(str(e)) from e
+        except redis.exceptions.ConnectionError as e:
+            if "RESP" in str(e):  # "Invalid RESP version": a map without proto 3
+                raise ConnectionError(f"the server at {address} does not speak RESP3 (HELLO failed: {e}): {need}.") from e
+            raise ConnectionError(
+                f"the Redis server {address} of the cache {self.root} does not answer ({e}). Start it, or check the URL "
+                "and storage_options."
+            ) from e
+        finally:
+            conn.disconnect()
 
     def tag_prefix(self, meta: dict) -> str:
         """The prefix of the keys of the cache with metadata ``meta``: its samples, bitmap, byte counter, live marker."""
@@ -255,7 +344,7 @@ class RedisLocation(Location):
         clients = self.clients()
         found = {}
         for k, c in enumerate(clients):
-            raw = self.call(k, c.get, self.meta_key)
+            raw = self.get_small(k, self.meta_key, "Pass overwrite=True to rebuild the cache, or use another name.")
             if raw is not None:
                 found[k] = raw
         if not found:
@@ -270,9 +359,16 @@ class RedisLocation(Location):
 
     def publish_meta(self, meta: dict) -> dict:
         clients = self.clients()
+        if meta["length"] > MAX_LENGTH or _HEADER.size + _row_bytes(meta) > MAX_VALUE_BYTES:
+            raise ValueError(
+                f"a Redis cache holds at most {MAX_LENGTH:,} samples of at most {MAX_VALUE_BYTES >> 20} MiB each (its bitmap "
+                f"of stored samples is one Redis string, each sample one value); this source has {meta['length']:,} samples "
+                f"of {_row_bytes(meta):,} bytes of fixed-shape fields. Cache it in a local directory or a gs:// bucket instead."
+            )
         body = _meta_body(dict(meta, shards=len(clients)))
         self._write(0, clients[0].set, self.meta_key, body, nx=True)
-        won = self.call(0, clients[0].get, self.meta_key) or body  # the first creator wins; take its metadata
+        won = self.get_small(0, self.meta_key, "Pass overwrite=True to rebuild the cache, or use another name.") or body
+        # (the first creator wins; take its metadata)
         winner = self._parse(won)
         live = self.tag_prefix(winner) + "live"
         for k, c in enumerate(clients):
@@ -314,8 +410,10 @@ class RedisLocation(Location):
             ) from e
 
     def _parse(self, raw: bytes) -> dict:
-        meta = fmt.parse_meta(raw, f"{self.meta_key} on {self.root}",
-                              "Use another cache name, or pass overwrite=True to rebuild the cache.")
+        where = f"{self.meta_key} on {self.root}"
+        fix = "Use another cache name, or pass overwrite=True to rebuild the cache."
+        meta = fmt.parse_meta(raw, where, fix)
+        self._check_sizes(meta, where, fix)
         shards = meta.get("shards", 1)
         if shards != len(self.parsed.servers):
             raise ValueError(
@@ -324,6 +422,18 @@ class RedisLocation(Location):
                 "overwrite=True to rebuild it over these servers)."
             )
         return meta
+
+    def _check_sizes(self, meta: dict, where: str, fix: str) -> None:
+        """Refuse metadata whose length or sample size no Redis cache can have, or this host cannot track,
+        before anything is allocated from it (``CorruptCacheError`` naming ``where``)."""
+        ram = physical_memory()
+        limit, why = MAX_LENGTH, "the bitmap of stored samples of a Redis cache holds 2**32"
+        if 0 < ram < MAX_LENGTH * _READER_BYTES:
+            limit = ram // _READER_BYTES
+            why = f"a reader needs {_READER_BYTES} bytes of memory per sample and this host has {ram / 2**30:.1f} GiB"
+        trust.check_bound(meta["length"], limit, where, "samples", why, fix)
+        trust.check_bound(_HEADER.size + _row_bytes(meta), MAX_VALUE_BYTES, where, "bytes per sample (record and rows)",
+                          "the largest value a Redis server stores", fix)
 
     def _check_policy(self, k: int, client) -> None:
         """Refuse a server that would evict samples silently when full (``maxmemory-policy allkeys-*``)."""
@@ -355,6 +465,12 @@ class RedisLocation(Location):
             )
 
 
+def _row_bytes(meta: dict) -> int:
+    """Bytes of one sample's fixed-shape fields (its rows) under the metadata's schema."""
+    schema = Schema.from_json(meta["schema"])
+    return sum(schema.row_bytes(leaf) for leaf in schema.columns)
+
+
 def _unlink_matching(client, pattern: str, batch: int = 1000) -> None:
     """Delete the keys matching ``pattern`` on one server, ``batch`` at a time (SCAN, never KEYS)."""
     keys = []
@@ -377,6 +493,13 @@ def _pieces(pos: np.ndarray, values: list):
             start, size = j, len(values[p])
     if start < len(pos):
         yield pos[start:]
+
+
+#: What a value of the wrong size reads as: a record whose flags fail ``format.verify`` (a damaged
+#: sample, recomputed from the source or reported), with no rows and no blob.
+_DAMAGED = _HEADER.pack(fmt.FLAG_DAMAGED, 0)
+_FIX = ("Check that the URL names the Redis server you mean; pass overwrite=True (with the source) to rebuild the "
+        "cache there.")
 
 
 def _connection(pool):
@@ -452,25 +575,37 @@ class RedisStore(fmt.Store):
         replies = self._mget_all(requests)
         buf = {}
         for (k, sub), values in zip(groups, replies):
-            if values[0] is None:
-                self._lost(k, sub, values[1:])
-            buf.update(zip(sub.tolist(), values[1:]))
+            where = f"the Redis server {self.location.addresses[k]} of the cache {self.location.root}"
+            live, values = (values[0], values[1:]) if isinstance(values, list) and values else (None, values)
+            sized = trust.check_sample_values(values, len(sub), header=_HEADER.size, row_bytes=self._row_bytes,
+                                              freeform=fmt.FLAG_FREEFORM, var=fmt.FLAG_VAR, where=where, fix=_FIX)
+            values = [v if ok else _DAMAGED for v, ok in zip(values, sized)]  # sizes checked before any CRC
+            if live is None:
+                self._lost(k, sub, values)
+            buf.update(zip(sub.tolist(), values))
         self._buf = buf
 
     def _mget_all(self, requests: list) -> list:
         """``MGET`` on several servers at once: send every request, then read every reply."""
         if len(requests) > 1:
+            errors = _redis().exceptions
             conns = []
+            k = requests[0][0]
             try:
                 for k, keys in requests:
                     conn = _connection(self._clients[k].connection_pool)
                     conns.append((k, conn))
                     conn.send_command("MGET", *keys)
-                return [conn.read_response() for _, conn in conns]
+                replies = []
+                for k, conn in conns:
+                    replies.append(conn.read_response())
+                return replies
             except BaseException as e:
                 for _, conn in conns:
                     conn.disconnect()  # an unread reply must never be taken for the next command's
-                if not isinstance(e, (_redis().exceptions.ConnectionError, _redis().exceptions.TimeoutError, OSError)):
+                if isinstance(e, errors.TimeoutError):
+                    raise self.location.silent(k, e) from e  # silent: asking it again would only wait again
+                if not isinstance(e, (errors.ConnectionError, OSError)):
                     raise
             finally:
                 for k, conn in conns:
@@ -535,7 +670,9 @@ class RedisStore(fmt.Store):
             start = _HEADER.size
         else:
             blank = bytes(self._row_bytes)
-            rows = [v[_HEADER.size:width] if v and not v[0] & fmt.FLAG_FREEFORM else blank for v in values]
+            # A damaged value (marked by _fetch) has no rows: zeros, whose CRC then fails.
+            rows = [v[_HEADER.size:width] if v and len(v) >= width and not v[0] & (fmt.FLAG_FREEFORM | fmt.FLAG_DAMAGED)
+                    else blank for v in values]
             table = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(n, self._row_bytes)
             start = 0
         out = []
@@ -548,6 +685,9 @@ class RedisStore(fmt.Store):
         v = self._values(np.array([i]))[0]
         if v is None:
             raise CorruptCacheError(f"sample {i} of the Redis cache {self.location.root} vanished while it was read; read it again.")
+        if v[0] & fmt.FLAG_DAMAGED:
+            raise CorruptCacheError(f"sample {i} of the Redis cache {self.location.root} is damaged: its value is not of "
+                                    "a size its record fields allow.")
         if v[0] & fmt.FLAG_FREEFORM:
             return v[_HEADER.size:]
         return v[_HEADER.size + self._row_bytes:]
@@ -560,7 +700,7 @@ class RedisStore(fmt.Store):
             sub = idx[pos]
             lo, hi = int(sub.min()) >> 3, int(sub.max()) >> 3
             c = self._clients[k]
-            raw = self.location.call(k, c.getrange, self._bits, lo, hi)
+            raw = self.location.call(k, c.getrange, self._bits, lo, hi)[: hi - lo + 1]
             bits = np.zeros(hi - lo + 1, np.uint8)
             bits[: len(raw)] = np.frombuffer(raw, np.uint8)
             out[pos] = (bits[(sub >> 3) - lo] >> (7 - (sub & 7)).astype(np.uint8)) & 1 == 1  # bit 0 is the high bit

@@ -2,6 +2,7 @@
 smaller than the cache, with real gcsfs, real torchvision MNIST (offline files) and real DataLoader
 workers."""
 
+import json
 import os
 import threading
 import time
@@ -287,4 +288,32 @@ def test_a_bucket_with_foreign_objects_or_impossible_sizes_is_refused_at_open(tm
     fs.pipe_file(f"{rroot}/evil.py", b"x")
     with pytest.raises(UnsafeArchiveError, match="evil.py"):
         nbkit.CachedDataset.open(url, local_max_bytes=1 << 20)
+    fs.rm(rroot, recursive=True)
+
+
+@pytest.mark.parametrize("name", ["index.bin", "nbkit.json"])
+def test_every_remote_read_at_open_is_bounded_by_the_manifest(tmp_path, monkeypatch, name):
+    # issue 25: an object larger than its manifest entry (and a listing that does not say so) is
+    # never read whole: at most its entry's size and one byte come back, then it fails that entry.
+    import uuid
+
+    from nbkit.remote import url_to_fs
+
+    ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(64.0).reshape(16, 4)), tmp_path / "c")
+    ds.warmup()
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/rt"
+    nbkit.push(ds.root, url)
+    fs, rroot = url_to_fs(url)
+    listed = json.loads(fs.cat_file(f"{rroot}/manifest.json"))["files"][name]["size"]
+    fs.pipe_file(f"{rroot}/{name}", b"{" + b" " * (4 << 20))  # 4 MiB where a few hundred bytes belong
+    cls = type(fs)
+    real_ls, real_cat = cls.ls, cls.cat_file
+    monkeypatch.setattr(cls, "ls", lambda self, p, detail=True, **k: [
+        {**e, "size": None} for e in real_ls(self, p, detail=True, **k)])  # a listing without sizes
+    got = []
+    monkeypatch.setattr(cls, "cat_file", lambda self, p, *a, **k: (lambda d: got.append((p, len(d))) or d)(
+        real_cat(self, p, *a, **k)))
+    with pytest.raises(CorruptCacheError, match=rf"{url}/{name} does not match its manifest entry \(size {listed + 1} vs {listed}"):
+        nbkit.CachedDataset.open(url, local_max_bytes=1 << 20)
+    assert [n for p, n in got if p.endswith(name)] == [listed + 1]
     fs.rm(rroot, recursive=True)

@@ -1,7 +1,11 @@
 """The Redis store (nbkit.stores.redis): samples in real redis-server processes on 127.0.0.1."""
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -9,7 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import nbkit
-from fixtures_redis import namespace, redis_factory, redis_server, redis_trio, redis_url, sharded_url  # noqa: F401
+from fixtures_redis import (fake_server, namespace, redis_factory, redis_server, redis_trio, redis_url,  # noqa: F401
+                            sharded_url)
 from sources import (CountingSource, DictSource, IrregularSource, TupleSource, VarShapeSource, assert_equal,
                      computed_counts)
 
@@ -387,3 +392,147 @@ def test_import_nbkit_does_not_import_redis_and_missing_package_names_the_extra(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'nbkit[redis]'" in out.stdout
+
+
+# -- issue 25: what a server sends is bounded and checked before it is used -------------------------
+
+
+def _edit_meta(server, url, edit):
+    """Rewrite the metadata of the cache at ``url`` on ``server`` with ``edit(meta)``."""
+    c = server.client()
+    key = f"nbkit:{url.rsplit('/', 1)[1]}:meta"
+    meta = json.loads(c.get(key))
+    edit(meta)
+    c.set(key, json.dumps(meta).encode())
+    return key
+
+
+@pytest.mark.parametrize("field", ["length", "row size"])
+def test_metadata_sizes_beyond_what_redis_holds_are_refused_at_open(redis_url, redis_server, field):
+    nbkit.CachedDataset(TupleSource(20), redis_url).warmup()
+
+    def edit(meta):
+        if field == "length":
+            meta["length"] = 2**40  # every reader would allocate 1 TiB for it
+        else:
+            meta["schema"]["leaves"][0]["shape"] = [1 << 30]  # 4 GiB of rows per sample
+            meta["columns"][0]["shape"] = [1 << 30]
+
+    key = _edit_meta(redis_server, redis_url, edit)
+    what = "1,099,511,627,776 samples" if field == "length" else "4,294,967,309 bytes per sample"
+    with pytest.raises(nbkit.CorruptCacheError, match=rf"{key} .*claims {what}.*more than.*overwrite=True"):
+        nbkit.CachedDataset.open(redis_url)
+
+
+def test_a_source_longer_than_a_redis_cache_holds_is_refused(redis_url, monkeypatch):
+    from nbkit.stores import redis as redis_store
+
+    monkeypatch.setattr(redis_store, "MAX_LENGTH", 10)
+    with pytest.raises(ValueError, match=r"at most 10 samples.*this source has 20 samples.*local directory"):
+        nbkit.CachedDataset(TupleSource(20), redis_url)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "shorter than its header", "empty", "longer"])
+def test_a_value_of_the_wrong_size_is_a_damaged_sample(redis_url, redis_server, damage):
+    src = TupleSource(20)
+    nbkit.CachedDataset(src, redis_url).warmup()
+    c = redis_server.client()
+    (key,) = redis_server.keys(f"nbkit:{redis_url.rsplit('/', 1)[1]}:*:s:7")
+    value = c.get(key)
+    c.set(key, {"truncated": value[:20], "shorter than its header": value[:3], "empty": b"",
+                "longer": value + b"\0" * 8}[damage])
+    opened = nbkit.CachedDataset.open(redis_url)
+    with pytest.raises(nbkit.CorruptCacheError, match="sample 7"):
+        opened[7]
+    with pytest.raises(nbkit.CorruptCacheError, match="sample 7"):
+        opened.__getitems__([6, 7, 8])
+    with pytest.raises(nbkit.CorruptCacheError, match=r"1 sample\(s\).*indices 7"):
+        nbkit.CachedDataset.open(redis_url).verify()
+    ds = nbkit.CachedDataset(src, redis_url)
+    check_all(ds, src)  # recomputed from the source and stored again
+    assert ds.stats.recomputed == 1
+    assert nbkit.CachedDataset.open(redis_url).verify() == 20
+
+
+def test_a_silent_server_fails_within_seconds(fake_server):
+    silent = fake_server(None)  # accepts the connection, never answers
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"{silent.address} .*did not answer within \d+ s.*redis-cli"):
+        nbkit.CachedDataset.open(silent.url())
+    assert time.monotonic() - start < 30  # not retried: seconds, not minutes
+
+
+def test_a_server_that_stops_answering_mid_epoch_fails_within_its_timeout(redis_factory):
+    servers = [redis_factory(), redis_factory()]
+    src = TupleSource(40)
+    url = sharded_url(servers)
+    nbkit.CachedDataset(src, url).warmup()
+    reader = nbkit.CachedDataset.open(url, storage_options={"socket_timeout": 2})
+    check_all(reader, src)
+    os.kill(servers[1]._proc.pid, signal.SIGSTOP)  # alive, connected, silent
+    try:
+        for read in (lambda: reader.__getitems__(list(range(10))),  # one MGET per server, pipelined
+                     lambda: nbkit.CachedDataset.open(servers[1].url(), storage_options={"socket_timeout": 2})):
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match=rf"{servers[1].address} .*did not answer within 2 s"):
+                read()
+            assert time.monotonic() - start < 2 * 2 + 3
+    finally:
+        os.kill(servers[1]._proc.pid, signal.SIGCONT)
+    check_all(nbkit.CachedDataset.open(url), src)
+
+
+@pytest.mark.parametrize("reply, said", [
+    (b"-ERR unknown command 'HELLO', with args beginning with: '3' \r\n", r"\(HELLO failed: unknown command 'HELLO'"),
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n", "not the Redis protocol"),
+    (b"+OK\r\n", "not the Redis protocol"),
+    (b"%1\r\n+proto\r\n:2\r\n", "HELLO failed"),
+])
+def test_a_server_without_resp3_is_named_clearly(fake_server, reply, said):
+    server = fake_server(reply)
+    with pytest.raises(ConnectionError, match=rf"the server at {server.address} does not speak RESP3.*{said}.*Redis >= 6"):
+        nbkit.CachedDataset.open(server.url())
+    with pytest.raises(ConnectionError, match=rf"{server.address} does not speak RESP3"):
+        nbkit.CacheLoader(server.url()).get("a", lambda key: 1)
+
+
+def test_wrong_password_is_named(redis_factory):
+    server = redis_factory("--requirepass", "secret")
+    with pytest.raises(PermissionError, match=f"{server.address} .*password"):
+        nbkit.CachedDataset.open(f"redis://{server.address}/0/x")
+    with pytest.raises(PermissionError, match=f"{server.address} refused the credentials"):
+        nbkit.CachedDataset.open(f"redis://:wrong@{server.address}/0/x")
+    ds = nbkit.CachedDataset(TupleSource(5), f"redis://:secret@{server.address}/0/x")
+    assert ds.warmup().computed == 5
+
+
+def test_cacheloader_values_and_keys_from_the_server_are_checked(redis_url, redis_server):
+    loader = nbkit.CacheLoader(redis_url)
+    assert loader.get("a", lambda key: torch.arange(3)).tolist() == [0, 1, 2]
+    c = redis_server.client()
+    values = f"nbkit:{redis_url.rsplit('/', 1)[1]}:keyed:values"
+    c.hset(values, b"sa", b"\x01\x02")  # shorter than its checksum
+    with pytest.raises(nbkit.CorruptCacheError, match=r"key 'a'.*is 2 bytes, shorter than its 4-byte checksum"):
+        nbkit.CacheLoader(redis_url).get("a")
+    assert nbkit.CacheLoader(redis_url).get("a", lambda key: torch.arange(4)).tolist() == [0, 1, 2, 3]  # recomputed
+    assert nbkit.CacheLoader(redis_url).get("a").tolist() == [0, 1, 2, 3]
+    c.hset(values, b"iabc", b"\0" * 8)  # no key nbkit stores
+    with pytest.raises(nbkit.CorruptCacheError, match=r"holds the key b'iabc'"):
+        nbkit.CacheLoader(redis_url).keys()
+
+
+def test_oversized_metadata_is_refused_before_it_is_read(redis_url, redis_server, monkeypatch):
+    from nbkit import trust
+
+    monkeypatch.setattr(trust, "MAX_JSON_BYTES", 1000)
+    redis_server.client().set(f"nbkit:{redis_url.rsplit('/', 1)[1]}:meta", b" " * 2000)
+    with pytest.raises(nbkit.CorruptCacheError, match=r"claims 2,000 bytes, more than 1,000"):
+        nbkit.CachedDataset.open(redis_url)
+
+
+def test_a_silent_server_fails_a_cacheloader_within_seconds(fake_server):
+    silent = fake_server(None)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"{silent.address} .*did not answer within \d+ s"):
+        nbkit.CacheLoader(silent.url()).get("a", lambda key: 1)
+    assert time.monotonic() - start < 30

@@ -23,12 +23,13 @@ import time
 
 from ... import format as fmt
 from ...commit import atomic_write, file_lock, temp_pid
-from ...manifest import MANIFEST, check_bytes, digest, manifest_bytes
+from ...errors import CorruptCacheError
+from ...manifest import MANIFEST, REPUSH, check_bytes, digest, manifest_bytes
 from ...stats import process_alive
 from .geometry import rounded
 
 __all__ = ["area_lock", "piece_lock", "bump_generation", "read_generation", "area_usage", "stamp", "replace_area",
-           "reserve", "STRIPES", "WAIT_SECONDS"]
+           "read_listed", "reserve", "STRIPES", "WAIT_SECONDS"]
 
 STRIPES = 64  # piece fetch locks (a piece's lock is its stripe key % 64)
 WAIT_SECONDS = 120.0  # how long a fetch waits for room held by other processes' fetches in flight
@@ -117,11 +118,26 @@ def replace_area(root: str, fs, rroot: str, url: str, manifest: dict, meta_raw: 
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(e.path)
     bump_generation(root)
-    index = fs.cat_file(f"{rroot}/{fmt.INDEX}")
-    check_bytes(url, fmt.INDEX, manifest, index)
+    index = read_listed(fs, rroot, url, manifest, fmt.INDEX)  # its size was checked against the metadata (Geometry)
     atomic_write(os.path.join(root, fmt.INDEX), index)
     atomic_write(os.path.join(root, fmt.META), meta_raw)
     atomic_write(os.path.join(root, MANIFEST), manifest_bytes(manifest))
+
+
+def read_listed(fs, rroot: str, url: str, manifest: dict, name: str) -> bytes:
+    """The object ``name`` under ``url``, read with one request of at most the size its manifest entry
+    says plus one byte (a longer object then fails its entry too), checked against that entry.
+
+    Raises:
+        CorruptCacheError: the manifest does not list ``name``, or the bytes read do not match its entry.
+        FileNotFoundError: the object is not there.
+    """
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CorruptCacheError(f"{url}/{MANIFEST} does not list {name}. {REPUSH}")
+    data = fs.cat_file(f"{rroot}/{name}", start=0, end=entry["size"] + 1)
+    check_bytes(url, name, manifest, data)
+    return data
 
 
 def reserve(root: str, limit: int, tmp: str, nbytes: int) -> tuple[int, int]:

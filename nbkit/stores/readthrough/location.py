@@ -1,7 +1,8 @@
 """Where a read-through cache lives: the remote URL and its local area (``<working copy>.readthrough``).
 
-``prepare()`` fetches ``nbkit.json``, ``manifest.json`` and ``index.bin`` (checked against the
-manifest) into the local area, never the data; the cache is read-only through it.
+``prepare()`` fetches ``manifest.json``, then ``nbkit.json`` and ``index.bin`` (each read bounded by
+and checked against its manifest entry) into the local area, never the data; the cache is
+read-only through it.
 
 Example:
     >>> loc = resolve("gs://bucket/cache", {"token": "anon"}, local_max_bytes=1 << 30)
@@ -15,12 +16,13 @@ import os
 from dataclasses import dataclass, field
 
 from ... import format as fmt
+from ... import trust
 from ...errors import CorruptCacheError
-from ...manifest import MANIFEST, check_bytes, check_listing, read_bounded, read_local_manifest, read_remote_manifest
+from ...manifest import MANIFEST, REPUSH, check_listing, read_local_manifest, read_remote_manifest
 from ...remote import network_errors, url_to_fs
 from ..base import Location
 from ..mirror import working_copy_dir
-from .area import area_lock, replace_area
+from .area import area_lock, read_listed, replace_area
 from .geometry import Geometry
 from .store import ReadThroughStore
 
@@ -88,16 +90,23 @@ class ReadThroughLocation(Location):
         fix = "then open it again"
         with network_errors(fs, self.url, "opening (read-through)", fix):
             fs.invalidate_cache()
-            try:
-                meta_raw = read_bounded(fs, f"{rroot}/{fmt.META}")  # a bigger one fails its manifest entry
-            except FileNotFoundError:
-                raise FileNotFoundError(_absent(fs, self.url, rroot)) from None
+            # The manifest first (at most MAX_JSON_BYTES): every other read is bounded by its sizes.
             manifest = read_remote_manifest(fs, rroot, self.url)
             if manifest is None:
+                if not fs.exists(f"{rroot}/{fmt.META}"):
+                    raise FileNotFoundError(_absent(fs, self.url, rroot))
                 raise CorruptCacheError(f"{self.url} has {fmt.META} but no {MANIFEST}: it was not written by nbkit.push, "
                                         "and read-through needs the manifest. Push the cache with nbkit.push.")
+            entry = manifest["files"].get(fmt.META)
+            if entry is None:  # a partial manifest: a push in progress
+                raise FileNotFoundError(_absent(fs, self.url, rroot))
+            trust.check_bound(entry["size"], trust.MAX_JSON_BYTES, f"{self.url}/{MANIFEST}", f"bytes of {fmt.META}",
+                              "far more than any nbkit metadata", REPUSH)
+            try:
+                meta_raw = read_listed(fs, rroot, self.url, manifest, fmt.META)
+            except FileNotFoundError:
+                raise FileNotFoundError(_absent(fs, self.url, rroot)) from None
             check_listing(fs, rroot, self.url, manifest)  # the manifest's sizes are the objects' real sizes
-            check_bytes(self.url, fmt.META, manifest, meta_raw)
             meta = fmt.parse_meta(meta_raw, f"{self.url}/{fmt.META}", "Push the cache again with nbkit.push.")
             Geometry.of(  # checks now that the limit can hold the index and two pieces
                 meta, manifest, self.local_max_bytes, self.piece_bytes, self.url)
