@@ -37,8 +37,10 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+from .commit import atomic_write
+
 __all__ = ["url_to_fs", "is_local", "endpoint_of", "connection_errors", "is_connection_error", "unreachable",
-           "check_reachable", "network_errors", "remote_sizes", "write_bytes", "abandon", "BLOCK", "PROBE_SECONDS",
+           "check_reachable", "network_errors", "remote_sizes", "write_bytes", "write_url", "abandon", "BLOCK", "PROBE_SECONDS",
            "check_bucket", "connect", "classify", "Stopped", "CONNECT_SECONDS", "ANSWER_SECONDS", "CREDENTIALS_SECONDS",
            "READ_SECONDS", "REQUEST_SECONDS", "NO_CREDENTIALS_FIX"]
 
@@ -157,9 +159,29 @@ def remote_sizes(fs, root: str) -> dict:
 
 
 def write_bytes(fs, path: str, data: bytes) -> None:
-    """Write one small object (an object store makes it visible only once whole)."""
+    """Write one small object whole: an object store makes it visible only once complete; on a local
+    filesystem (a directory given as the "bucket", a mounted Drive) it is committed
+    (:func:`nbkit.commit.atomic_write`: the old file or the whole new one, durably)."""
+    if is_local(fs):
+        fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        atomic_write(path, data)
+        return
     with fs.open(path, "wb") as f:
         f.write(data)
+
+
+def write_url(url: str, data: bytes, storage_options: dict | None = None) -> None:
+    """Save ``data`` at ``url`` (a path or any fsspec URL) so that a reader finds the previous
+    content or the whole new one, even if the process dies while writing (a training checkpoint).
+
+    Example:
+        >>> import tempfile
+        >>> path = tempfile.mkdtemp() + "/run/checkpoint.pt"
+        >>> write_url(path, b"step 100"); open(path, "rb").read()
+        b'step 100'
+    """
+    fs, path = url_to_fs(url, storage_options)
+    write_bytes(fs, path, data)
 
 
 def abandon(f, *, tell_backend: bool) -> None:
