@@ -102,7 +102,13 @@ class CacheList(list):
             rows.append((c.path, cached, format_bytes(c.bytes), used, "yes" if c.in_use else "", c.url or c.problem or ""))
         total = sum(c.bytes for c in self)
         return Table(rows, header=("path", "samples", "on disk", "last used", "in use", "mirrors / problem"),
-                     align="lrrrll", notes=[f"{len(self)} caches, {format_bytes(total)} on disk"])
+                     align="lrrrll", notes=[self._count() + f", {format_bytes(total)} on disk"])
+
+    def _count(self) -> str:
+        left = sum(c.leftover for c in self)
+        text = f"{len(self) - left} caches"
+        return text + (f", {left} leftover{'s' if left != 1 else ''} of interrupted operations (nbkit rm removes them)"
+                       if left else "")
 
     def __repr__(self) -> str:
         return self.table().text()
