@@ -54,6 +54,8 @@ _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: Extended headers (pax, GNU long names) larger than this are refused before tarfile reads them.
 _MAX_EXTENDED_HEADER = 64 << 10
+#: Extended headers in a row before one member (pax global and own, GNU long name and long link).
+_MAX_HEADER_CHAIN = 8
 #: Bytes a tar may hold besides its members' data: headers, padding, the end-of-archive blocks,
 #: and what the reader fetches ahead.
 _TAR_SLACK = 4 * CHUNK
@@ -258,9 +260,16 @@ class _BoundedTarInfo(tarfile.TarInfo):
     and expand a sparse member's map)."""
 
     def _proc_member(self, tarfile_):
-        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
-                         tarfile.SOLARIS_XHDTYPE) and self.size > _MAX_EXTENDED_HEADER:
+        extended = self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                                 tarfile.SOLARIS_XHDTYPE)
+        if extended and self.size > _MAX_EXTENDED_HEADER:
             raise _Refused(f"an extended header of {self.size} bytes (at most {_MAX_EXTENDED_HEADER} are allowed)")
+        # tarfile reads the header after an extended one by recursing: a long chain of them would end
+        # in a RecursionError. A real member has a few (global and own pax headers, long name and link).
+        chain = getattr(tarfile_, "_nbkit_chain", 0) + 1 if extended else 0
+        if chain > _MAX_HEADER_CHAIN:
+            raise _Refused(f"more than {_MAX_HEADER_CHAIN} extended headers in a row")
+        tarfile_._nbkit_chain = chain
         if self.type == tarfile.GNUTYPE_SPARSE:
             raise _Refused(f"the sparse member {self.name!r}")
         return super()._proc_member(tarfile_)

@@ -785,3 +785,15 @@ def test_stop_is_honoured_on_every_member_skipped_ones_too(tmp_path, cache, good
     report = nbkit.import_tar(tar, dest, callback=StopAtStart())
     assert report.stopped and report.transferred == ()
     assert sorted(os.listdir(parent)) == before and tree_digest(dest) == good
+
+
+def test_a_long_chain_of_extended_headers_is_refused_not_a_recursion_error(tmp_path, good_dest):
+    # tarfile reads the header after a long-name or pax header by recursing: thousands in a row
+    # ended in a RecursionError instead of an nbkit error.
+    dest, good = good_dest
+    for kind in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE):
+        body = b"heap.lock\0" if kind == tarfile.GNUTYPE_LONGNAME else b"18 path=heap.lock\n"
+        link = _header("././@LongLink", len(body), kind) + body.ljust(512, b"\0")
+        tar = tmp_path / "chain.tar"
+        tar.write_bytes(link * 3000 + _header(fmt.LOCK, 0) + b"\0" * 1024)
+        assert_refused(tar, dest, good, UnsafeArchiveError, "more than 8 extended headers in a row")
