@@ -42,7 +42,7 @@ from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file
 from .progress import as_callback
 from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
 from .transfer import Stopped, TransferReport, check_whole, describe
-from .trust import MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
+from .trust import MAX_COLUMNS, MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
 
 __all__ = ["export_tar", "import_tar", "open_decompressed", "stale_tar_reason"]
 
@@ -54,11 +54,20 @@ _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: Extended headers (pax, GNU long names) larger than this are refused before tarfile reads them.
 _MAX_EXTENDED_HEADER = 64 << 10
+#: Extended headers in a row before one member (pax global and own, GNU long name and long link).
+_MAX_HEADER_CHAIN = 8
 #: Bytes a tar may hold besides its members' data: headers, padding, the end-of-archive blocks,
 #: and what the reader fetches ahead.
 _TAR_SLACK = 4 * CHUNK
 #: ``heap.lock``: nbkit's empty lock file, found in plain tars of a cache directory; skipped, never written.
 _SKIPPED = (fmt.LOCK,)
+#: Harmless entries a tar may hold besides a cache's files: the directory ``./`` and ``heap.lock``.
+_HARMLESS = 1 + len(_SKIPPED)
+#: The most members a tar of a cache can have: every file a cache's metadata may name (``nbkit.json``,
+#: ``index.bin``, ``heap.bin``, ``manifest.json``, up to :data:`MAX_COLUMNS` column files) and the
+#: harmless entries. A tar with more is not one cache: it is refused before tarfile reads on (each
+#: member, even an empty skipped one, costs a header read and a place in tarfile's member list).
+_MAX_MEMBERS = 4 + MAX_COLUMNS + _HARMLESS
 _REEXPORT = "Ask whoever exported it to run nbkit.export_tar again from a good copy."
 
 
@@ -251,9 +260,16 @@ class _BoundedTarInfo(tarfile.TarInfo):
     and expand a sparse member's map)."""
 
     def _proc_member(self, tarfile_):
-        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
-                         tarfile.SOLARIS_XHDTYPE) and self.size > _MAX_EXTENDED_HEADER:
+        extended = self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                                 tarfile.SOLARIS_XHDTYPE)
+        if extended and self.size > _MAX_EXTENDED_HEADER:
             raise _Refused(f"an extended header of {self.size} bytes (at most {_MAX_EXTENDED_HEADER} are allowed)")
+        # tarfile reads the header after an extended one by recursing: a long chain of them would end
+        # in a RecursionError. A real member has a few (global and own pax headers, long name and link).
+        chain = getattr(tarfile_, "_nbkit_chain", 0) + 1 if extended else 0
+        if chain > _MAX_HEADER_CHAIN:
+            raise _Refused(f"more than {_MAX_HEADER_CHAIN} extended headers in a row")
+        tarfile_._nbkit_chain = chain
         if self.type == tarfile.GNUTYPE_SPARSE:
             raise _Refused(f"the sparse member {self.name!r}")
         return super()._proc_member(tarfile_)
@@ -290,6 +306,23 @@ class _GuardedReader:
         if self.count > self.limit:
             raise _Refused(f"more than the {self.limit:,} bytes its members may hold, given their sizes and the free disk")
         return data
+
+
+def _check_stop(cb) -> None:
+    """Raise :class:`Stopped` when ``cb`` asks to stop (a plain fsspec callback answers every attribute)."""
+    if getattr(cb, "stop_requested", False) is True:
+        raise Stopped()
+
+
+def _check_count(count: int, limit: int, tar_path) -> None:
+    """Refuse the tar at its ``count``-th member when that is past ``limit``, the most its cache can have."""
+    if count > limit:
+        files = (f"the {limit - _HARMLESS:,} files its manifest names" if limit < _MAX_MEMBERS else
+                 f"the {_MAX_MEMBERS - _HARMLESS:,} files an nbkit cache can have (nbkit.json, index.bin, heap.bin, "
+                 "manifest.json, col-<k>.bin)")
+        raise UnsafeArchiveError(
+            f"{tar_path} holds more than {limit:,} members (refused at member {count:,}): more than {files} plus "
+            f"'./' and {fmt.LOCK}. Refusing to import it: it is not one cache's archive. {_REEXPORT}")
 
 
 def _check_member(m: tarfile.TarInfo, tar_path) -> str | None:
@@ -406,7 +439,12 @@ def _extract(raw, tar_path, tmp: str, free: int, cb) -> list:
         stream = _GuardedReader(open_decompressed(raw), free + _TAR_SLACK)
         # "r|" reads the tar as a stream: members are checked and written one at a time.
         with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK, tarinfo=_BoundedTarInfo) as tar:
-            for m in tar:
+            limit = _MAX_MEMBERS
+            for count, m in enumerate(tar, 1):
+                # Every member, skipped ones too: Stop ends the import within one header, and a tar
+                # of thousands of empty members is refused at the first one past what a cache can have.
+                _check_stop(cb)
+                _check_count(count, limit, tar_path)
                 name = _check_member(m, tar_path)
                 if name is None:
                     continue
@@ -434,6 +472,7 @@ def _extract(raw, tar_path, tmp: str, free: int, cb) -> list:
                         total = sum(e["size"] for e in manifest["files"].values())
                         check_free_disk(total, tmp, f"importing {tar_path}")
                         stream.limit = min(stream.limit, total + _TAR_SLACK + len(manifest["files"]) * 2 * _MAX_EXTENDED_HEADER)
+                        limit = len(manifest["files"]) + 1 + _HARMLESS  # its files, itself, ./ and heap.lock
                     continue
                 # nbkit.json makes a directory a cache: hold it under another name until all is checked.
                 target = os.path.join(tmp, f".{fmt.META}.pending" if name == fmt.META else name)
@@ -478,8 +517,7 @@ def _copy_member(tar, m: tarfile.TarInfo, target: str, raw, cb) -> str:
             chunk = src.read(min(CHUNK, left))
             if not chunk:
                 raise CorruptCacheError(f"{m.name} ends early")  # tarfile raises ReadError first
-            if getattr(cb, "stop_requested", False) is True:
-                raise Stopped()
+            _check_stop(cb)
             left -= len(chunk)
             h.update(chunk)
             out.write(chunk)
@@ -496,7 +534,8 @@ def _tar_manifest(tar_path, storage_options) -> dict | None:
         try:
             stream = _GuardedReader(open_decompressed(raw), 1 << 62)
             with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK, tarinfo=_BoundedTarInfo) as tar:
-                for m in tar:
+                for count, m in enumerate(tar, 1):
+                    _check_count(count, _MAX_MEMBERS, tar_path)
                     if m.name == MANIFEST and m.isreg():
                         if m.size > MAX_JSON_BYTES:
                             raise CorruptCacheError(f"{tar_path} holds a {MANIFEST} of {m.size:,} bytes; a real one is a few KiB. {_REEXPORT}")

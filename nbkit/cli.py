@@ -26,7 +26,7 @@ import re
 import sys
 
 from . import disk
-from .text import Table, format_bytes, format_count, format_seconds
+from .text import Table, format_bytes, format_count, format_seconds, printable
 
 __all__ = ["main", "parse_size", "parse_duration", "OK", "FAILED", "USAGE"]
 
@@ -102,7 +102,9 @@ def _done(cb) -> None:
 
 
 def _emit(args, data, text: str) -> None:
-    print(json.dumps(data, indent=2, default=str) if args.json else text)
+    """Print ``data`` as JSON (which escapes every control character) or ``text``, whose lines quote
+    paths, URLs and metadata: each made :func:`nbkit.text.printable`, so none reaches the terminal raw."""
+    print(json.dumps(data, indent=2, default=str) if args.json else "\n".join(map(printable, text.split("\n"))))
 
 
 def _report(args, what: str, report) -> int:
@@ -163,11 +165,14 @@ def _info(args) -> int:
          "dtype": _dtype_name(leaf.dtype), "shape": list(leaf.shape) if leaf.store == "col" else None}
         for k, leaf in enumerate(schema.leaves)]
     fp = meta.get("fingerprint") or {}
+    transforms = fp.get("transform") or fp.get("transforms") or None  # "transforms": what older caches may hold
+    length = fp.get("length") or 0  # any JSON value in a cache from elsewhere: shown, never computed with
+    length = format_count(length) if isinstance(length, int) and not isinstance(length, bool) else repr(length)
     data = {
         "path": root, "version": meta["version"], "length": about.length, "stored": about.stored,
         "complete": about.complete, "bytes": about.bytes, "in_use": about.in_use,
         "structure": None if schema is None else meta["schema"]["structure"], "fields": leaves,
-        "fingerprint": {"type": fp.get("type"), "length": fp.get("length"), "transforms": fp.get("transforms") or None,
+        "fingerprint": {"type": fp.get("type"), "length": fp.get("length"), "transforms": transforms,
                         "probes": len(fp.get("samples") or {})},
         "max_bytes": meta.get("max_bytes"), "allow_pickle": meta.get("allow_pickle", False),
     }
@@ -177,8 +182,8 @@ def _info(args) -> int:
         ("on disk", format_bytes(about.bytes) + (" (in use)" if about.in_use else "")),
         ("format", f"version {meta['version']}"),
         ("structure", "free-form samples" if schema is None else json.dumps(data["structure"])),
-        ("source", f"{fp.get('type')} of {format_count(fp.get('length') or 0)}, {len(fp.get('samples') or {})} samples hashed"
-         + (f", {fp['transforms']}" if fp.get("transforms") else "")),
+        ("source", f"{fp.get('type')} of {length}, {len(fp.get('samples') or {})} samples hashed"
+         + (f", {transforms}" if transforms else "")),
     ]
     if meta.get("max_bytes") is not None:
         lines.append(("budget", format_bytes(meta["max_bytes"])))
@@ -342,7 +347,7 @@ def main(argv=None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
         if isinstance(e, OSError) and e.strerror and e.filename is None:
             message = " ".join(e.strerror.split())  # OSError(errno, text): the text without "[Errno n]"
-        print(f"nbkit {args.command}: error: {message}", file=sys.stderr)
+        print(f"nbkit {args.command}: error: {printable(message)}", file=sys.stderr)  # it may quote a path or metadata
         return FAILED
 
 

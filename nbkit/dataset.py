@@ -32,7 +32,7 @@ from torch.utils.data import Dataset, get_worker_info
 from . import format as fmt
 from .stores import registry
 from .stores.base import new_generation
-from .trust import check_bool, check_int, check_size
+from .trust import MAX_FINGERPRINT_SAMPLES, check_bool, check_int, check_size
 from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
@@ -84,7 +84,8 @@ class CachedDataset(Dataset):
                  compress: bool | None = None):
         _warn_torch_xla_options(max_files_per_folder=max_files_per_folder, compress=compress)
         overwrite, allow_pickle = check_bool(overwrite, "overwrite"), check_bool(allow_pickle, "allow_pickle")
-        fingerprint_samples = check_int(fingerprint_samples, "fingerprint_samples", min=0)
+        fingerprint_samples = check_int(fingerprint_samples, "fingerprint_samples", min=0, max=MAX_FINGERPRINT_SAMPLES,
+                                        fix="a few samples (the default is 3) tell a changed source")
         if max_bytes is not None:
             max_bytes = check_size(max_bytes, "max_bytes")
         if local_max_bytes is not None:

@@ -44,7 +44,7 @@ from torch.utils.data import default_collate
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads, pinned_rows
 from .samplers import STATE_VERSION, EpochSampler, check_resume_state
-from .trust import check_bool, check_int
+from .trust import MAX_PREFETCH, MAX_SAMPLES, MAX_WORKERS, check_bool, check_int
 from .stats import Consumed
 
 __all__ = ["DeviceLoader"]
@@ -127,10 +127,13 @@ class DeviceLoader:
                 raise TypeError(f"DeviceLoader() got an unexpected keyword argument {name!r}")
             raise TypeError(f"DeviceLoader does not take {name}= (a DataLoader argument): {why}. "
                             "For a DataLoader with these settings, use torch.utils.data.DataLoader(ds, ...).")
-        batch_size = check_int(batch_size, "DeviceLoader: batch_size", min=1)
-        prefetch = check_int(prefetch, "DeviceLoader: prefetch (batches kept ready)", min=1)
+        batch_size = check_int(batch_size, "DeviceLoader: batch_size", min=1, max=MAX_SAMPLES,
+                               fix="a batch holds at most as many samples as a cache can (2**40)")
+        prefetch = check_int(prefetch, "DeviceLoader: prefetch (batches kept ready)", min=1, max=MAX_PREFETCH,
+                             fix="a few batches (the default is 3) keep the device busy")
         if threads is not None:
-            threads = check_int(threads, "DeviceLoader: threads (None: automatic)", min=1)
+            threads = check_int(threads, "DeviceLoader: threads (None: automatic)", min=1, max=MAX_WORKERS,
+                                fix="pass None to size it from the batch, or a few per core")
         shuffle, drop_last = check_bool(shuffle, "DeviceLoader: shuffle"), check_bool(drop_last, "DeviceLoader: drop_last")
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise TypeError(f"DeviceLoader needs a map-style dataset (with __len__ and __getitem__), got {type(dataset).__name__}")

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from fsspec.callbacks import Callback as _FsspecCallback
 
-from .text import format_count, format_rate, format_seconds
+from .text import format_count, format_rate, format_seconds, printable
 
 __all__ = ["Callback", "TextProgress", "NoOpCallback", "as_callback", "Job", "JobState"]
 
@@ -223,7 +223,7 @@ class TextProgress(Callback):
 
     def line(self) -> str:
         """The text of the progress line, e.g. ``warmup  1,200/60,000   2.0%  5,400 samples/s  ETA 11s``."""
-        parts = [self.label or "progress"]
+        parts = [printable(self.label) or "progress"]
         if self.size:
             parts.append(f"{format_count(self.value)}/{format_count(self.size)}")
             parts.append(f"{100.0 * self.value / self.size:5.1f}%")
@@ -233,7 +233,7 @@ class TextProgress(Callback):
         eta = self.eta()
         parts.append(f"ETA {format_seconds(eta)}" if eta is not None and not self.finished else format_seconds(self.elapsed()))
         if self.description:
-            parts.append(self.description)
+            parts.append(printable(self.description))  # it may name a tar or a URL
         return "  ".join(parts)
 
     def call(self, *args, **kwargs):

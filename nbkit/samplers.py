@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .trust import Bool, Int, Obj, Optional, Str, check_bool, check_int, check_json, check_size
+from .trust import (MAX_EPOCH, MAX_SAMPLES, MAX_SEED, MAX_WORLD_SIZE, SEED_FIX, Bool, Int, Obj, Optional, Str, check_bool,
+                    check_int, check_json, check_size)
 from .stores.readthrough import store_of
 
 __all__ = ["EpochSampler", "default_rank_world", "PrefetchSampler", "plan_windows", "cache_identity",
@@ -92,19 +93,20 @@ class EpochSampler(Sampler):
     def __init__(self, data, *, shuffle: bool = True, seed: int = 0, rank: int | None = None,
                  world_size: int | None = None, drop_last: bool = False):
         if isinstance(data, (int, np.integer)) and not isinstance(data, bool):
-            n = check_int(data, "data (a length)", min=0)
+            n = check_int(data, "data (a length)", min=0, max=MAX_SAMPLES, fix="pass the dataset's length")
         elif hasattr(data, "__len__"):
             n = len(data)
         else:
             raise TypeError(f"EpochSampler needs a dataset (with __len__) or its length, got {type(data).__name__}")
         shuffle, drop_last = check_bool(shuffle, "shuffle"), check_bool(drop_last, "drop_last")
-        seed = check_int(seed, "seed", min=0)
+        seed = check_int(seed, "seed", min=0, max=MAX_SEED, fix=SEED_FIX)
         if rank is None and world_size is None:
             rank, world_size = default_rank_world()
         elif rank is None or world_size is None:
             raise ValueError(f"give both rank and world_size, or neither (got rank={rank}, world_size={world_size})")
-        world_size = check_int(world_size, "world_size", min=1)
-        rank = check_int(rank, "rank", min=0, max=world_size - 1)
+        world_size = check_int(world_size, "world_size", min=1, max=MAX_WORLD_SIZE,
+                               fix="pass the number of processes the data is split over")
+        rank = check_int(rank, "rank", min=0, max=world_size - 1, fix="pass this process's rank, below world_size")
         self.n, self.shuffle, self.seed = int(n), shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.epoch = 0
@@ -123,14 +125,14 @@ class EpochSampler(Sampler):
         ``for epoch in range(start, n): sampler.set_epoch(epoch)`` loop resumes mid-epoch); any
         other epoch starts from its beginning.
         """
-        epoch = int(epoch)
+        epoch = _check_epoch(epoch)
         if self._resume is None or self._resume[0] != epoch:
             self._resume, self._pass = None, None
         self.epoch = epoch
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's indices for ``epoch`` (default: the current one), as int64."""
-        epoch = self.epoch if epoch is None else int(epoch)
+        epoch = self.epoch if epoch is None else _check_epoch(epoch)
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
@@ -221,7 +223,15 @@ def cache_identity(data) -> str | None:
     return generation if isinstance(generation, str) else None
 
 
-_MAX_EPOCH = 1 << 62
+_MAX_EPOCH = MAX_EPOCH
+
+
+def _check_epoch(epoch) -> int:
+    """An epoch number (anything ``int()`` takes, as before) in ``[0, MAX_EPOCH]``: with the seed's
+    bound, ``seed + epoch`` then always fits a signed 64-bit integer."""
+    return check_int(int(epoch), "epoch", min=0, max=_MAX_EPOCH,
+                     fix="epochs count from 0, and seed + epoch must fit a signed 64-bit integer")
+
 
 # Why each setting must match, and what to do about it.
 _FIXES = {
@@ -313,7 +323,8 @@ class PrefetchSampler(torch.utils.data.Sampler):
         self.dataset = dataset
         store = store_of(dataset)
         self.shuffle = check_bool(shuffle, "shuffle")
-        self.seed = int(np.random.SeedSequence().entropy % (2**32)) if seed is None else check_int(seed, "seed", min=0)
+        self.seed = (int(np.random.SeedSequence().entropy % (2**32)) if seed is None else
+                     check_int(seed, "seed", min=0, max=MAX_SEED, fix=SEED_FIX))
         if window_bytes is not None:
             window_bytes = check_size(window_bytes, "window_bytes", min=1)
         self.window_bytes = window_bytes or max(1, store.geometry.usable // 3)
@@ -321,7 +332,7 @@ class PrefetchSampler(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of epoch ``epoch`` next (call it each epoch, as with ``DistributedSampler``)."""
-        self.epoch = int(epoch)
+        self.epoch = _check_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.dataset)

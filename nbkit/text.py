@@ -4,7 +4,9 @@ Every view in nbkit (the notebook widgets, the text progress line, the benchmark
 the TPU runtime report) formats through this module, so a quantity reads the same everywhere:
 bytes in decimal units (``"1.5 MB"``), durations as ``"3.2s"`` / ``"1m15s"``, counts with
 thousands separators, rates per second, and a :class:`Table` rendered as aligned text, Markdown
-or HTML.
+or HTML. Text that came from outside (a cache's metadata, a path, a URL, an error quoting them)
+goes through :func:`printable` before it reaches a terminal, so it can never carry an escape
+sequence that retitles, clears or rewrites the screen.
 
 Example:
     >>> from nbkit.text import Table, format_bytes, format_rate, format_seconds
@@ -18,10 +20,42 @@ Example:
 from __future__ import annotations
 
 import html
+import unicodedata
 from typing import Sequence
 
-__all__ = ["format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent",
+__all__ = ["printable", "format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent",
            "format_list", "Table"]
+
+
+#: Unicode categories never shown as they are: controls (C0, DEL, C1: ESC starts a terminal escape
+#: sequence), format characters (bidi overrides and isolates, zero-width joiners), lone surrogates
+#: (undecodable bytes of a file name), and the line and paragraph separators.
+_UNSAFE_CATEGORIES = frozenset(("Cc", "Cf", "Cs", "Zl", "Zp"))
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(ch: str) -> str:
+    if ch in _NAMED:
+        return _NAMED[ch]
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def printable(text) -> str:
+    """``text`` (``str()`` of anything) safe to show in a terminal or a table cell: every control or
+    format character, newlines included, replaced by its Python escape (``\\x1b``, ``\\n``,
+    ``\\u202e``); everything else as it is.
+
+    Example:
+        >>> print(printable("mnist" + chr(27) + "]0;pwned" + chr(7) + chr(10) + "x"))
+        mnist\\x1b]0;pwned\\x07\\nx
+        >>> printable("caf\u00e9 " + chr(0x202e) + "gnp.exe")
+        'café \\\\u202egnp.exe'
+    """
+    text = str(text)
+    if text.isprintable():  # the common case: no control or format characters, and no separators but " "
+        return text
+    return "".join(_escape(ch) if unicodedata.category(ch) in _UNSAFE_CATEGORIES else ch for ch in text)
 
 
 def format_bytes(n) -> str:
@@ -89,10 +123,10 @@ class Table:
     """Rows of cells rendered as aligned text, Markdown or HTML: the one table renderer of nbkit.
 
     Args:
-        rows: sequences of cells (anything ``str()`` can render).
+        rows: sequences of cells (anything ``str()`` can render; shown through :func:`printable`).
         header: column names, or ``None`` for a table without a header row (key/value reports).
         align: one letter per column for HTML, ``"l"`` or ``"r"`` (default: the browser's).
-        notes: lines shown under the table (a list in HTML).
+        notes: lines shown under the table (a list in HTML); each may span lines, shown through :func:`printable`.
         note_prefix: put before each note in the text form, e.g. ``"warning: "``.
 
     Example:
@@ -107,10 +141,12 @@ class Table:
     """
 
     def __init__(self, rows, header: Sequence | None = None, *, align: str = "", notes: Sequence = (), note_prefix: str = ""):
-        self.rows = [tuple(str(c) for c in row) for row in rows]
-        self.header = None if header is None else tuple(str(h) for h in header)
+        # Cells may quote a cache's metadata, a path or an error: made printable once here, so that
+        # every form (text, Markdown, HTML) shows escapes rather than running them; a cell stays one line.
+        self.rows = [tuple(printable(c) for c in row) for row in rows]
+        self.header = None if header is None else tuple(printable(h) for h in header)
         self.align = align
-        self.notes = tuple(str(n) for n in notes)
+        self.notes = tuple("\n".join(map(printable, str(n).split("\n"))) for n in notes)  # a note may span lines
         self.note_prefix = note_prefix
 
     def text(self) -> str:

@@ -45,12 +45,36 @@ from .errors import CorruptCacheError, UnsafeArchiveError
 
 __all__ = ["check_int", "check_size", "check_bool", "check_path", "check_url", "CACHE_FILE", "is_cache_file",
            "check_cache_file", "cache_file_path", "check_json", "Int", "Str", "Bool", "Float", "List", "Obj", "Map",
-           "Optional", "AnyJSON", "MAX_COLUMNS", "MAX_JSON_BYTES", "open_regular", "open_readable", "read_small", "shown", "load_json"]
+           "Optional", "AnyJSON", "MAX_COLUMNS", "MAX_JSON_BYTES", "MAX_EPOCH", "MAX_SEED", "MAX_SAMPLES", "MAX_WORLD_SIZE",
+           "MAX_WORKERS", "MAX_PREFETCH", "MAX_FINGERPRINT_SAMPLES", "SEED_FIX", "open_regular", "open_readable", "read_small", "shown", "load_json"]
 
 #: The largest metadata or manifest file nbkit parses (a real one is a few KiB).
 MAX_JSON_BYTES = 16 << 20
 #: At most this many column files (``col-0.bin`` … ``col-4095.bin``).
 MAX_COLUMNS = 4096
+
+# Integer arguments are bounded where they are checked, so that a value that passes works through
+# every computation made with it (a seed of 2**64 - 1 passed, then ``seed + 1`` overflowed
+# ``torch.Generator.manual_seed`` at the second epoch).
+#: The largest epoch number a sampler or loader takes (and a resume state may hold).
+MAX_EPOCH = 1 << 62
+#: The largest shuffle seed: ``seed + epoch`` stays a signed 64-bit integer (what torch and numpy
+#: take as a seed, and what a checkpoint's tensors hold) for every epoch up to :data:`MAX_EPOCH`.
+MAX_SEED = (1 << 63) - 1 - MAX_EPOCH
+SEED_FIX = ("seed + epoch must fit a signed 64-bit integer (torch.Generator.manual_seed, numpy) for every epoch; "
+            "pass a smaller seed, e.g. seed % 2**62")
+#: The most samples a batch, a chunk or a sampled length may hold (``nbkit.format.MAX_LENGTH``).
+MAX_SAMPLES = 1 << 40
+#: The most processes a run is sharded over (ranks ``0 … MAX_WORLD_SIZE - 1``): a sampler pads its
+#: order to a multiple of the world size, so a larger one would allocate that many indices.
+MAX_WORLD_SIZE = 1 << 20
+#: The most worker processes or threads one nbkit operation starts (as ``max_workers`` of a transfer).
+MAX_WORKERS = 256
+#: The most batches a loader keeps ready ahead of the training step.
+MAX_PREFETCH = 1024
+#: The most source samples a cache's fingerprint hashes: what ``nbkit.json``'s ``fingerprint.samples``
+#: may hold (a :class:`Map`'s default size), so a cache made with more would not open again.
+MAX_FINGERPRINT_SAMPLES = 1 << 16
 
 # ---------------------------------------------------------------------------------------------
 # arguments
@@ -60,15 +84,36 @@ def _got(value) -> str:
     return f"{shown(value)} ({type(value).__name__})"
 
 
-def check_int(value, name: str, *, min: int | None = None, max: int | None = None) -> int:
-    """``value`` as an ``int`` (Python or numpy integers; not ``bool``, floats or strings), within bounds."""
-    bounds = " >= %d" % min if min is not None and max is None else (
-        f" in [{min}, {max}]" if min is not None else (f" <= {max}" if max is not None else ""))
+def _bound(n) -> str:
+    """A bound as people read it: ``1099511627776`` → ``'2**40'``, ``2**62 - 1`` → ``'2**62 - 1'``, ``256`` → ``'256'``."""
+    if n is None or abs(n) < 1 << 16:
+        return str(n)
+    for offset, suffix in ((0, ""), (1, " - 1")):
+        if (n + offset) & (n + offset - 1) == 0:
+            return f"2**{(n + offset).bit_length() - 1}{suffix}"
+    return str(n)
+
+
+def check_int(value, name: str, *, min: int | None = None, max: int | None = None, fix: str = "") -> int:
+    """``value`` as an ``int`` (Python or numpy integers; not ``bool``, floats or strings), within bounds.
+
+    ``fix``: why the bounds are what they are, or what to pass instead; ends a ``ValueError``'s message.
+
+    Example:
+        >>> check_int(2**64, "seed", min=0, max=MAX_SEED, fix=SEED_FIX)
+        Traceback (most recent call last):
+        ...
+        ValueError: seed must be an int in [0, 2**62 - 1], got 18446744073709551616: seed + epoch must fit a signed 64-bit integer (torch.Generator.manual_seed, numpy) for every epoch; pass a smaller seed, e.g. seed % 2**62
+    """
+    lo, hi = _bound(min), _bound(max)
+    bounds = f" >= {lo}" if min is not None and max is None else (
+        f" in [{lo}, {hi}]" if min is not None else (f" <= {hi}" if max is not None else ""))
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int{bounds}, got {_got(value)}")
     value = int(value)
     if (min is not None and value < min) or (max is not None and value > max):
-        raise ValueError(f"{name} must be an int{bounds}, got {value}")
+        got = shown(value) if value.bit_length() <= 256 else f"an int of {value.bit_length()} bits"  # str() refuses huge ones
+        raise ValueError(f"{name} must be an int{bounds}, got {got}" + (f": {fix}" if fix else ""))
     return value
 
 

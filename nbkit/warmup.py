@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .progress import as_callback
-from .trust import check_int
+from .trust import MAX_SAMPLES, MAX_WORKERS, MAX_WORLD_SIZE, check_int
 
 __all__ = ["WarmupReport", "run_warmup"]
 
@@ -81,12 +81,15 @@ def _fill(cached, chunk: np.ndarray) -> int:
 
 
 def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=256, multiprocessing_context=None) -> WarmupReport:
-    num_workers = check_int(num_workers, "num_workers", min=0)
-    chunk_size = check_int(chunk_size, "chunk_size", min=1)
+    num_workers = check_int(num_workers, "num_workers", min=0, max=MAX_WORKERS,
+                            fix="each is a process: use about as many as the machine has cores (os.cpu_count())")
+    chunk_size = check_int(chunk_size, "chunk_size", min=1, max=MAX_SAMPLES,
+                           fix="a chunk holds at most as many samples as a cache can (2**40)")
     if shard is not None:
         if not isinstance(shard, (tuple, list)) or len(shard) != 2:
             raise TypeError(f"shard must be a (rank, world) pair of ints, got {shard!r}")
-        rank, world = check_int(shard[0], "shard rank"), check_int(shard[1], "shard world", min=1)
+        rank = check_int(shard[0], "shard rank")
+        world = check_int(shard[1], "shard world", min=1, max=MAX_WORLD_SIZE, fix="pass the number of hosts sharing the warmup")
         if not 0 <= rank < world:
             raise ValueError(f"shard=(rank, world) needs 0 <= rank < world, got {tuple(shard)}")
     if cached.source is None:

@@ -731,3 +731,69 @@ def test_partial_and_budgeted_caches_import_and_their_damage_is_found(tmp_path):
         with pytest.raises(CorruptCacheError, match="fail their checksum"):
             nbkit.import_tar(make_tar(tmp_path / f"{name}-bad.tar", dict(files, **{"col-0.bin": bytes(col)})),
                              tmp_path / f"{name}-copy")
+
+
+def test_a_tar_of_thousands_of_empty_members_is_refused_at_the_bound(tmp_path, cache, good_dest):
+    # Issue 25: 200,000 empty skipped members kept import_tar busy for minutes. A cache has at most
+    # a few thousand files, so a tar with more members is refused at the first one past the bound.
+    from nbkit.archive import stale_tar_reason
+    from nbkit.trust import MAX_COLUMNS
+
+    bound = 4 + MAX_COLUMNS + 2  # every file a cache can have, then ./ and heap.lock
+    dest, good = good_dest
+    plain = make_tar(tmp_path / "plain.tar", cache_files(cache), manifest=False).read_bytes()
+    for skipped in (_header(fmt.LOCK, 0), _header("./", 0, tarfile.DIRTYPE)):
+        tar = tmp_path / "many.tar"
+        tar.write_bytes(skipped * (bound + 50) + plain)
+        e = assert_refused(tar, dest, good, UnsafeArchiveError, f"more than {bound:,} members")
+        assert f"refused at member {bound + 1:,}" in str(e) and "export_tar" in str(e)
+        with pytest.raises(UnsafeArchiveError, match="members"):
+            stale_tar_reason(tar, cache)
+    # With the manifest first, the bound is the files it lists: a handful of extra entries is enough.
+    files = cache_files(cache)
+    fine = make_tar(tmp_path / "fine.tar", files).read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(fine)) as t:
+        after_manifest = t.getmember(fmt.META).offset
+    tar = tmp_path / "after-manifest.tar"
+    tar.write_bytes(fine[:after_manifest] + _header(fmt.LOCK, 0) * 10 + fine[after_manifest:])
+    assert_refused(tar, dest, good, UnsafeArchiveError, f"the {len(files) + 1} files its manifest names")
+    # A plain tar of a cache directory (./ and heap.lock included) still imports.
+    tar = tmp_path / "ok.tar"
+    tar.write_bytes(_header("./", 0, tarfile.DIRTYPE) + _header(fmt.LOCK, 0) + plain)
+    nbkit.import_tar(tar, tmp_path / "ok")
+    assert_same_samples(tmp_path / "ok")
+
+
+def test_stop_is_honoured_on_every_member_skipped_ones_too(tmp_path, cache, good_dest):
+    # Issue 25: Stop was read only while a member's data was copied, so a run of empty skipped
+    # members (or a refused one after them) went on regardless.
+    dest, good = good_dest
+
+    class StopAtStart(Callback):
+        def set_description(self, text):
+            super().set_description(text)
+            if text.startswith("importing"):
+                self.request_stop()
+
+    files = cache_files(cache)
+    files["evil.py"] = b"raise SystemExit('pwned')\n"
+    plain = make_tar(tmp_path / "plain.tar", files, manifest=False, order=["evil.py"] + sorted(cache_files(cache)))
+    tar = tmp_path / "skipped-then-evil.tar"
+    tar.write_bytes(_header(fmt.LOCK, 0) * 1000 + plain.read_bytes())
+    parent = os.path.dirname(dest)
+    before = sorted(os.listdir(parent))
+    report = nbkit.import_tar(tar, dest, callback=StopAtStart())
+    assert report.stopped and report.transferred == ()
+    assert sorted(os.listdir(parent)) == before and tree_digest(dest) == good
+
+
+def test_a_long_chain_of_extended_headers_is_refused_not_a_recursion_error(tmp_path, good_dest):
+    # tarfile reads the header after a long-name or pax header by recursing: thousands in a row
+    # ended in a RecursionError instead of an nbkit error.
+    dest, good = good_dest
+    for kind in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE):
+        body = b"heap.lock\0" if kind == tarfile.GNUTYPE_LONGNAME else b"18 path=heap.lock\n"
+        link = _header("././@LongLink", len(body), kind) + body.ljust(512, b"\0")
+        tar = tmp_path / "chain.tar"
+        tar.write_bytes(link * 3000 + _header(fmt.LOCK, 0) + b"\0" * 1024)
+        assert_refused(tar, dest, good, UnsafeArchiveError, "more than 8 extended headers in a row")

@@ -309,3 +309,49 @@ def test_info_names_nested_fields_and_free_form_samples(tmp_path, capsys):
         ("['meta'][1]", "str", None)]
     assert main(["info", str(tmp_path / "free")]) == 0
     assert "free-form samples" in capsys.readouterr().out
+
+
+# -- what reaches the terminal (issue 25) ---------------------------------------------------------
+
+ESCAPES = "\x1b]0;pwned\x07\x1b[2J\x1b[H\r\u202e\x9b1A"
+
+
+def _raw_controls(text):
+    """The control and format characters in ``text`` besides the line breaks between its lines."""
+    import unicodedata
+
+    return [ch for ch in text.replace("\n", "") if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp")]
+
+
+def test_ls_and_info_show_escape_sequences_from_a_cache_as_text(tmp_path, env):
+    # Every string of nbkit.json the parser accepts free-form, and the directory names, carry
+    # sequences that would retitle the terminal, clear it, move the cursor or reverse the text.
+    root = make_cache(tmp_path / f"evil{ESCAPES}\nfake row")
+    meta_path = Path(root) / "nbkit.json"
+    meta = json.loads(meta_path.read_text())
+    meta["fingerprint"].update(type=f"Data{ESCAPES}", length=f"48{ESCAPES}", transform=f"t={ESCAPES}",
+                               samples={k: f"{ESCAPES}"[:64] for k in meta["fingerprint"]["samples"]})
+    meta["schema"]["structure"] = ["D", [f"image{ESCAPES}", f"label{ESCAPES}"], meta["schema"]["structure"][1]]
+    meta["extra"] = ESCAPES  # a field a newer nbkit might add: kept, never shown raw
+    meta_path.write_text(json.dumps(meta))
+    broken = tmp_path / f"broken{ESCAPES}"
+    broken.mkdir()
+    (broken / "nbkit.json").write_text(json.dumps({"format": ESCAPES}))
+    copy = Path(env["NBKIT_CACHE_DIR"]) / f"copy{ESCAPES}"
+    make_cache(copy)
+    Path(f"{copy}.origin.json").write_text(json.dumps({"format": "nbkit-working-copy", "url": f"gs://b/{ESCAPES}"}))
+
+    out = ok(nbkit_cli(env, "ls", tmp_path))
+    assert not _raw_controls(out.stdout + out.stderr), out.stdout
+    assert len(out.stdout.splitlines()) == 1 + 3 + 1  # header, one line a cache, the total
+    assert "evil\\x1b]0;pwned\\x07\\x1b[2J\\x1b[H\\r\\u202e\\x9b1A\\nfake row" in out.stdout
+    assert "gs://b/\\x1b]0;pwned" in out.stdout and "broken\\x1b]0;pwned" in out.stdout
+
+    out = ok(nbkit_cli(env, "info", root))
+    assert not _raw_controls(out.stdout + out.stderr), out.stdout
+    assert "evil\\x1b]0;pwned" in out.stdout and "Data\\x1b]0;pwned" in out.stdout and "t=\\x1b]0;pwned" in out.stdout
+    assert "['image\\x1b]0;pwned\\x07" in out.stdout  # the field table names each dict key, escaped
+    assert json.loads(ok(nbkit_cli(env, "info", "--json", root)).stdout)["fingerprint"]["type"] == f"Data{ESCAPES}"
+
+    line = failed(nbkit_cli(env, "info", broken), "broken\\x1b]0;pwned")  # an error quoting the path
+    assert not _raw_controls(line)

@@ -187,12 +187,20 @@ def test_bad_arguments_are_clear(tmp_path):
         ds.loader(4, sampler=None)
     with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
         ds.loader(4, colour=1)
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"batch_size must be an int in \[1, 2\*\*40\], got 0"):
         ds.loader(0)
     with pytest.raises(ValueError, match="rank must be"):
         ds.loader(4, rank=3, world_size=2)
     with pytest.raises(ValueError, match="prefetch"):
         ds.loader(4, prefetch=0)
+    # Issue 25: bounded where they are checked, each naming the range and what to pass instead.
+    for kwargs, text in (({"batch_size": 2**63}, r"batch_size must be an int in \[1, 2\*\*40\], got 9223372036854775808: a batch"),
+                         ({"batch_size": 4, "prefetch": 10**9}, r"prefetch \(batches kept ready\) must be an int in \[1, 1024\]"),
+                         ({"batch_size": 4, "threads": 10**6}, r"threads \(None: automatic\) must be an int in \[1, 256\]"),
+                         ({"batch_size": 4, "rank": 0, "world_size": 2**63}, r"world_size must be an int in \[1, 2\*\*20\]"),
+                         ({"batch_size": 2**10000}, r"batch_size must be an int in \[1, 2\*\*40\], got an int of 10001 bits")):
+        with pytest.raises(ValueError, match=text):
+            ds.loader(**kwargs)
 
 
 def test_gathers_large_rows_with_several_threads(tmp_path):

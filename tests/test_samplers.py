@@ -87,3 +87,40 @@ def test_other_stores_are_refused(tmp_path):
     ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tmp_path)
     with pytest.raises(TypeError, match="not a read-through cache"):
         PrefetchSampler(ds)
+
+
+def test_a_seed_that_would_overflow_after_an_epoch_fails_at_construction(tmp_path):
+    # Issue 25: a seed of 2**64 - 1 passed the check, then torch.Generator.manual_seed(seed + 1)
+    # overflowed at the second epoch. seed + epoch must stay a signed 64-bit integer for every epoch.
+    from nbkit.trust import MAX_EPOCH, MAX_SEED
+
+    assert MAX_SEED + MAX_EPOCH == 2**63 - 1
+    ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tmp_path / "c")
+    for seed in (2**63 - 1, 2**64 - 1, 2**64, MAX_SEED + 1):
+        for make in (lambda: EpochSampler(10, seed=seed), lambda: ds.loader(4, seed=seed),
+                     lambda: nbkit.DeviceLoader(ds, 4, seed=seed)):
+            with pytest.raises(ValueError) as e:
+                make()
+            assert f"seed must be an int in [0, 2**62 - 1], got {seed}" in str(e.value)
+            assert "signed 64-bit" in str(e.value) and "seed % 2**62" in str(e.value)  # why, and the fix
+    # The largest allowed seed runs two epochs, and gives the order of any epoch up to the last.
+    loader = ds.loader(4, seed=MAX_SEED)
+    epochs = [sorted(int(v) for (x,) in loader for v in x) for _ in range(2)]
+    assert epochs == [list(range(10))] * 2 and loader.epoch == 2
+    sampler = EpochSampler(10, seed=MAX_SEED)
+    assert sorted(sampler.indices(MAX_EPOCH).tolist()) == list(range(10))
+    for epoch in (-1, MAX_EPOCH + 1):
+        with pytest.raises(ValueError, match=r"epoch must be an int in \[0, 2\*\*62\]"):
+            sampler.set_epoch(epoch)
+        with pytest.raises(ValueError, match="epoch must be"):
+            sampler.indices(epoch)
+
+
+def test_world_size_and_length_are_bounded(tmp_path):
+    # A world size far above the samples padded the order to that many indices (a MemoryError, or
+    # minutes, at the first epoch); a length beyond any cache failed in torch.randperm.
+    with pytest.raises(ValueError, match=r"world_size must be an int in \[1, 2\*\*20\], got 1099511627776"):
+        EpochSampler(10, rank=0, world_size=2**40)
+    with pytest.raises(ValueError, match=r"data \(a length\) must be an int in \[0, 2\*\*40\]"):
+        EpochSampler(2**62)
+    assert len(EpochSampler(10, rank=5, world_size=2**20)) == 1

@@ -1,8 +1,10 @@
 """nbkit.text: the one number formatter per quantity and the one table renderer."""
 
+import unicodedata
+
 import pytest
 
-from nbkit.text import Table, format_amount, format_bytes, format_count, format_percent, format_rate, format_seconds
+from nbkit.text import Table, format_amount, printable, format_bytes, format_count, format_percent, format_rate, format_seconds
 
 
 def test_format_bytes_counts():
@@ -41,3 +43,51 @@ def test_key_value_table_with_notes_and_escaping():
     assert "<td style='padding:2px;text-align:right'>1</td><td style='padding:2px;text-align:left;color:grey'>note</td>" in styled
     with pytest.raises(ValueError, match="needs a header"):
         t.markdown()
+
+
+# -- printable: what reaches a terminal (issue 25) ---------------------------------------------------
+
+HOSTILE = ("a\x1b]0;retitled\x07b", "\x1b[2J\x1b[H", "row\nfake row", "x\r\x1b[Kover", "\x9b31m",
+           "\u202egnp.exe", "\u2066iso\u2069", "zero\u200bwidth", "bell\x07", "\udcff", "line\u2028sep")
+
+
+def _unsafe(text):
+    return [ch for ch in text if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp")]
+
+
+def test_printable_escapes_controls_and_keeps_the_rest():
+    assert printable("café ✓ 数据 C:\\data") == "café ✓ 数据 C:\\data"
+    assert printable("a\x1b]0;retitled\x07b") == "a\\x1b]0;retitled\\x07b"
+    assert printable("row\nfake\tx\r") == "row\\nfake\\tx\\r"
+    assert printable("\x9b\u202e\U000e0001\udcff") == "\\x9b\\u202e\\U000e0001\\udcff"
+    assert printable(3) == "3"
+    for text in HOSTILE:
+        assert not _unsafe(printable(text)), text
+
+
+def test_table_shows_hostile_cells_as_escapes_in_every_form():
+    t = Table([(text, "1") for text in HOSTILE], header=("na\x1bme", "n"), notes=["two\nlines \x1b[2J"])
+    out = t.text()
+    assert not _unsafe(out.replace("\n", "")) and "\x1b" not in out
+    assert len(out.splitlines()) == 1 + len(HOSTILE) + 2  # one line a row; a note keeps its own line breaks
+    assert "\\x1b]0;retitled\\x07" in out and "\\u202egnp.exe" in out and "two\nlines \\x1b[2J" in out
+    assert not _unsafe(t.markdown().replace("\n", ""))
+    page = t.html()
+    assert not _unsafe(page.replace("\n", "")) and "\\u202egnp.exe" in page  # escaped, then HTML-escaped
+    assert "<script>" not in Table([("<script>\x1b",)], notes=["<b>"]).html()
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@pytest.mark.fuzz
+@given(st.text(st.characters() | st.characters(categories=["Cs"]) | st.sampled_from("\x1b\x9b\n\r\t\u202e\\["),
+               max_size=64))
+def test_fuzz_printable_has_no_control_or_format_characters_and_reads_back(text):
+    out = printable(text)
+    assert not _unsafe(out)
+    assert printable(out) == out  # applying it twice (a table of printed text) changes nothing
+    if "\\" not in text:  # without backslashes of its own, the escapes read back to the very text
+        assert out.encode("latin-1", "backslashreplace").decode("unicode_escape") == text
