@@ -215,8 +215,8 @@ def create_cache(root: str, meta: dict) -> dict:
     a ``nbkit.json`` deleted by hand): they are removed, never adopted. Then the files are created and
     sized, made durable, and ``nbkit.json`` is published last, durably.
     """
+    recover(root)  # before anything is made at root: a swap interrupted there puts the old cache back
     os.makedirs(root, exist_ok=True)
-    recover(root)
     with file_lock(os.path.join(root, fmt.LOCK)):
         with Dir(root) as d:
             if d.exists(fmt.META):
