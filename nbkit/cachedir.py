@@ -25,7 +25,7 @@ import numpy as np
 from . import format as fmt
 from . import trust
 from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import (Dir, claim, disk_full, file_lock, is_claimed, leftover_of, recover, release, remove_tree, staging_name, swap_in,
+from .commit import (Dir, claim, disk_full, file_lock, is_claimed, leftover_of, makedirs, recover, release, remove_tree, staging_name, swap_in,
                      sync_tree, write_all)
 from .gather import gather_rows, physical_memory, read_mode, resident, will_need
 
@@ -159,6 +159,42 @@ def remove_cache(root: "str | Dir") -> None:
 
 
 def _remove_cache_in(d: Dir) -> None:
+    # Under the cache's lock, which create_cache holds while it builds: a removal never takes files
+    # from under a creation in progress (leaving nbkit.json published over missing data files), and a
+    # creation waits for a removal to end. The lock file goes with the rest; file_lock's waiters see
+    # that and lock the new one.
+    lock = _lock_in(d)
+    try:
+        _remove_locked(d)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _lock_in(d: Dir) -> int | None:
+    """``heap.lock`` in ``d`` opened and ``flock``-ed exclusively, or ``None`` where it cannot be
+    (no ``flock``, a link or no regular file under its name: removed like the rest, never followed)."""
+    if fcntl is None:
+        return None
+    while True:
+        try:
+            fd = d.open(fmt.LOCK, os.O_RDWR | os.O_CREAT)
+        except (OSError, ValueError):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in _NO_LOCKS:
+                return None
+            raise
+        st, mine = d.lstat(fmt.LOCK), os.fstat(fd)
+        if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            return fd
+        os.close(fd)  # the removal before this one unlinked it: lock the one there now
+
+
+def _remove_locked(d: Dir) -> None:
     # A marker first, durably (nbkit.json itself becomes it): from then on the directory is not a
     # cache, and until the marker goes last, nbkit ls lists it as an interrupted removal.
     marker = staging_name(fmt.META, "trash")
@@ -176,13 +212,14 @@ def _remove_cache_in(d: Dir) -> None:
     d.sync()
 
 
-def _remove_data(d: Dir) -> None:
-    """Unlink the data files, the lock and leftover temporary files in ``d`` (never a directory, never a marker)."""
+def _remove_data(d: Dir, *, keep_lock: bool = False) -> None:
+    """Unlink the data files, the lock (unless ``keep_lock``: the caller holds it) and leftover
+    temporary files in ``d`` (never a directory, never a marker)."""
     names = d.names()
     doomed = sorted(n for n in names if n != fmt.META and trust.is_cache_file(n))
     doomed += [n for n in names if (left := leftover_of(n)) is not None and (trust.is_cache_file(left[0]) or left[0] == fmt.LOCK)
                and not _is_marker(n)]
-    for name in doomed + [fmt.LOCK]:
+    for name in doomed + ([] if keep_lock else [fmt.LOCK]):
         st = d.lstat(name)
         if st is not None and not stat.S_ISDIR(st.st_mode):
             d.unlink(name)  # never follows a link
@@ -216,7 +253,7 @@ def create_cache(root: str, meta: dict) -> dict:
     sized, made durable, and ``nbkit.json`` is published last, durably.
     """
     recover(root)  # before anything is made at root: a swap interrupted there puts the old cache back
-    os.makedirs(root, exist_ok=True)
+    makedirs(root)
     with file_lock(os.path.join(root, fmt.LOCK)):
         with Dir(root) as d:
             if d.exists(fmt.META):
@@ -226,7 +263,7 @@ def create_cache(root: str, meta: dict) -> dict:
             marker = staging_name(fmt.META, "create")
             os.close(d.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
             d.sync()
-            _remove_data(d)
+            _remove_data(d, keep_lock=True)  # the lock we hold: unlinked, it would let a removal in now
             files = CacheFiles(root, meta, writable=True, create=True)
             try:
                 files.sync()

@@ -52,7 +52,7 @@ except ImportError:  # Windows: no flock; a per-path thread lock still orders th
     fcntl = None
 
 __all__ = ["CHUNK", "Dir", "file_lock", "atomic_write", "temp_name", "temp_pid", "staging_name", "leftover_of",
-           "LEFTOVER_OPS", "claim", "release", "is_claimed", "swap_in", "recover", "remove_tree", "sync_tree", "disk_full", "check_free", "write_all"]
+           "LEFTOVER_OPS", "claim", "release", "is_claimed", "swap_in", "recover", "remove_tree", "sync_tree", "disk_full", "check_free", "write_all", "makedirs"]
 
 #: Bytes read or written at a time when streaming a file (hashing, copying, archiving).
 CHUNK = 4 << 20
@@ -649,14 +649,52 @@ def file_lock(path: str):
         with lock:
             yield
         return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with _open_locks_guard:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
-        _open_locks.add(fd)
+    while True:
+        makedirs(os.path.dirname(path) or ".")
+        with _open_locks_guard:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+            except FileNotFoundError:
+                continue  # its directory was removed since makedirs (nbkit rm): made again
+            _open_locks.add(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # The holder before us may have unlinked the lock file (nbkit.remove removes a cache's
+            # heap.lock last, holding it): a lock on a file no longer at ``path`` excludes nobody.
+            if _same_file(fd, path):
+                break
+        except BaseException:
+            _close_lock(fd)
+            raise
+        _close_lock(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        with _open_locks_guard:
-            _open_locks.discard(fd)
-            os.close(fd)  # releases the lock
+        _close_lock(fd)  # releases the lock
+
+
+def makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, also when another process removes ``path`` meanwhile
+    (``nbkit rm`` of an empty cache directory): made again, never a ``FileExistsError`` for a directory."""
+    while True:
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except FileExistsError:
+            if os.path.lexists(path) and not os.path.isdir(path):
+                raise
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _close_lock(fd: int) -> None:
+    with _open_locks_guard:
+        _open_locks.discard(fd)
+        os.close(fd)
