@@ -416,8 +416,11 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
             discard_stage(tmp)
             describe(cb, "stopped")
             return TransferReport(seconds=time.perf_counter() - start, stopped=True)
-        except BaseException:
+        except BaseException as e:
             discard_stage(tmp)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, DiskFullError):
+                # The room checks passed but the writes still met a full disk (another writer took it).
+                raise disk_full(dest, size, e, doing="import the cache into") from e
             raise
     describe(cb, "imported")
     files = tuple(n for n in names if n not in (MANIFEST, fmt.META)) + (fmt.META,)

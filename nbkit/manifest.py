@@ -27,8 +27,8 @@ import shutil
 
 from . import format as fmt
 from .cachedir import data_files, stored_count
-from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import CHUNK
+from .errors import CorruptCacheError, DiskFullError, UnsafeArchiveError
+from .commit import CHUNK, leftover_of
 from .trust import MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, load_json, open_readable
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_manifest", "manifest_bytes",
@@ -200,15 +200,20 @@ def check_file_set(meta: dict, names, where: str, fix: str = REPUSH) -> None:
 
 
 def check_free_disk(nbytes: int, dest: str, where: str) -> None:
-    """Raise ``OSError`` unless the disk holding ``dest``'s parent has ``nbytes`` free."""
+    """Raise :class:`nbkit.errors.DiskFullError` (``ENOSPC``) unless the disk holding ``dest``'s
+    parent has ``nbytes`` free; the message names the target (a staged copy's by its own name)."""
     parent = os.path.dirname(os.path.abspath(dest)) or "."
     free = shutil.disk_usage(parent).free
     if nbytes > free:
-        raise OSError(
+        left = leftover_of(os.path.basename(dest))
+        target = os.path.join(parent, left[0]) if left else os.path.abspath(dest)
+        e = DiskFullError(
             errno.ENOSPC,
-            f"{where} needs {nbytes / 2**20:,.1f} MiB but {parent} has {free / 2**20:,.1f} MiB free; nothing was "
-            "written. Free some space or choose a destination on a larger disk (a size this large may also mean "
-            "the source is damaged).")
+            f"{where} into {target} needs {nbytes / 2**20:,.1f} MiB but {parent} has {free / 2**20:,.1f} MiB free; nothing "
+            "was written. Free some space (nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes "
+            "them) or choose a destination on a larger disk (a size this large may also mean the source is damaged).")
+        e.filename = target
+        raise e
 
 
 def check_listing(fs, rroot: str, url: str, manifest: dict) -> dict:

@@ -35,7 +35,7 @@ import torch
 from .. import format as fmt
 from .. import trust
 from ..errors import CorruptCacheError, UnsafeArchiveError
-from ..commit import atomic_write, file_lock
+from ..commit import atomic_write, file_lock, write_all
 
 __all__ = ["KEYS_META", "KEYS", "VALUES", "KEYS_LOCK", "FORMAT_NAME", "RECORD", "key_bytes", "key_of", "LocalKeyed"]
 
@@ -267,10 +267,18 @@ class LocalKeyed:
             if not replace and kb in self._map:
                 return False
             off = os.fstat(self._values).st_size
-            _pwrite_all(self._values, value, off)
             head = RECORD.pack(MAGIC, len(kb), off, len(value), crc, 0)[:-4]
             # At the end of the file, after any bytes a killed writer left (readers skip them).
-            _pwrite_all(self._keys, head + struct.pack("<I", fmt.row_crc([head, kb])) + kb, os.fstat(self._keys).st_size)
+            end = os.fstat(self._keys).st_size
+            try:
+                write_all(self._values, value, off, path=os.path.join(self.root, VALUES))
+                write_all(self._keys, head + struct.pack("<I", fmt.row_crc([head, kb])) + kb, end,
+                          path=os.path.join(self.root, KEYS))
+            except OSError:
+                # A full disk: no torn tail is left for the next append to follow.
+                os.ftruncate(self._keys, end)
+                os.ftruncate(self._values, off)
+                raise
         self.refresh()
         return True
 
@@ -290,8 +298,3 @@ class LocalKeyed:
             except OSError:
                 pass
 
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view, written = memoryview(data), 0
-    while written < len(view):
-        written += os.pwrite(fd, view[written:], offset + written)
