@@ -488,7 +488,8 @@ def test_a_directory_swapped_during_nbkit_rm_leaves_the_other_cache_untouched(tm
         other_now = path
     go.set()
     r = child.result()
-    assert r[0] == "ok" or r[1] in ("ValueError", "OSError", "FileNotFoundError"), r
+    # rm may finish on the directory it opened or refuse what it finds; either way the other cache is untouched
+    assert r[0] == "ok" or r[1] in ("ValueError", "UnsafeArchiveError", "OSError", "FileNotFoundError", "NotADirectoryError"), r
     assert "nbkit.json" in os.listdir(other_now)
     assert_whole(other_now, Shifted(16), complete=True)
     if swap == "symlink":
