@@ -16,7 +16,6 @@ import traceback
 
 import numpy as np
 import pytest
-import torch
 
 import nbkit
 import nbkit.disk
