@@ -175,8 +175,9 @@ class DeferredBatch(SampleBatch):
 
     def __getitem__(self, j):
         if self._real is None and not isinstance(j, slice):
+            # default_collate looks at batch[0] only: a row type sends the whole batch to collate()
             j = range(len(self))[j]
-            return self._read(self.indices[j:j + 1])[0]
+            return as_row(self._read(self.indices[j:j + 1])[0])
         return self._resolved()[j]
 
     def __iter__(self):
@@ -268,6 +269,25 @@ class DictRow(dict):
     __slots__ = ()
 
 
+class TensorRow(torch.Tensor):
+    """A bare-tensor sample that ``default_collate`` hands to nbkit: without it, a batch that is
+    not a real list reaches ``torch.stack`` ("must be tuple of Tensors, not DeferredBatch").
+    Arithmetic on it gives plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class StrRow(str):
+    """A bare string sample (``default_collate`` returns a batch of strings as it is given: the
+    list the source's loader gives, not the batch object)."""
+
+    __slots__ = ()
+
+
+class BytesRow(bytes):
+    __slots__ = ()
+
+
 class NamedRow:
     """Base of the row type of each namedtuple class (made by :func:`named_row`): a subclass of the
     namedtuple (``row.x`` works) that names it in ``_nbkit_named`` and pickles as it."""
@@ -278,7 +298,9 @@ class NamedRow:
         return self._nbkit_named._make, (tuple(self),)
 
 
-_ROWS = {tuple: TupleRow, list: ListRow, dict: DictRow}
+# Every kind of sample whose batch torch's per-type collate mishandles when it is not a real list
+# (containers: one step instead of per-sample objects; tensors: torch.stack; strings: kept as is).
+_ROWS = {tuple: TupleRow, list: ListRow, dict: DictRow, torch.Tensor: TensorRow, str: StrRow, bytes: BytesRow}
 
 
 def named_row(cls: type) -> type:
@@ -295,6 +317,8 @@ def as_row(sample):
         if not is_namedtuple(sample) or isinstance(sample, NamedRow):
             return sample
         return named_row(typ)._make(sample)
+    if row is TensorRow:
+        return sample.as_subclass(TensorRow)
     return row._make(sample) if issubclass(row, NamedRow) else row(sample)
 
 
@@ -302,6 +326,8 @@ def plain_sample(sample):
     """A batch row as the plain tuple, list, dict or namedtuple it stands for."""
     if isinstance(sample, NamedRow):
         return sample._nbkit_named._make(sample)
+    if type(sample) is TensorRow:
+        return sample.as_subclass(torch.Tensor)
     return type(sample).__mro__[1](sample) if type(sample) in _ROW_TYPES else sample
 
 
