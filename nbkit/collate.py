@@ -310,9 +310,36 @@ def named_row(cls: type) -> type:
     return row
 
 
+def _pil_row():
+    """The row type of a bare PIL image, made (and registered) when the first one is read: PIL is
+    optional, and only a cache of images has imported it."""
+    global _PIL_ROW
+    if _PIL_ROW is None:
+        from PIL import Image
+
+        _PIL_ROW = type("PilRow", (Image.Image,), {"__module__": __name__, "__reduce_ex__": _plain_pil_reduce})
+        if default_collate_fn_map is not None:
+            default_collate_fn_map[_PIL_ROW] = _collate_rows
+    return _PIL_ROW
+
+
+_PIL_ROW = None
+
+
+def _plain_pil_reduce(self, protocol):
+    return _same, (self.copy(),)  # copy() makes a plain Image.Image: a row pickles as one
+
+
+def _same(value):
+    return value
+
+
 def as_row(sample):
     typ = type(sample)
     row = _ROWS.get(typ)
+    if row is None and typ.__module__ == "PIL.Image" and typ.__name__ == "Image":
+        sample.__class__ = _pil_row()  # images nbkit decoded, so changed in place (no pixel copy)
+        return sample
     if row is None:
         if not is_namedtuple(sample) or isinstance(sample, NamedRow):
             return sample
@@ -328,6 +355,8 @@ def plain_sample(sample):
         return sample._nbkit_named._make(sample)
     if type(sample) is TensorRow:
         return sample.as_subclass(torch.Tensor)
+    if _PIL_ROW is not None and type(sample) is _PIL_ROW:
+        return sample.copy()
     return type(sample).__mro__[1](sample) if type(sample) in _ROW_TYPES else sample
 
 
