@@ -23,7 +23,7 @@ batch, and ``Tensor.pin_memory`` copies instead of pinning. With CUDA, pinning i
 Runtime: a spawn or forkserver worker imports torch (seconds), so those columns run a
 representative subset of structures and collates (``SLOW``), without pin_memory, and compare with
 the raw batches of the fork loader: the source's batches do not depend on how its workers start.
-296 cases, about 3 minutes on 2 busy cores (fork and no workers: 264 cases, under a minute).
+296 cases, about 4 minutes on 2 busy cores (fork and no workers: 264 cases, under a minute).
 """
 
 import gc
