@@ -175,8 +175,9 @@ class DeferredBatch(SampleBatch):
 
     def __getitem__(self, j):
         if self._real is None and not isinstance(j, slice):
+            # default_collate looks at batch[0] only: a row type sends the whole batch to collate()
             j = range(len(self))[j]
-            return self._read(self.indices[j:j + 1])[0]
+            return as_row(self._read(self.indices[j:j + 1])[0])
         return self._resolved()[j]
 
     def __iter__(self):
@@ -268,6 +269,25 @@ class DictRow(dict):
     __slots__ = ()
 
 
+class TensorRow(torch.Tensor):
+    """A bare-tensor sample that ``default_collate`` hands to nbkit: without it, a batch that is
+    not a real list reaches ``torch.stack`` ("must be tuple of Tensors, not DeferredBatch").
+    Arithmetic on it gives plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class StrRow(str):
+    """A bare string sample (``default_collate`` returns a batch of strings as it is given: the
+    list the source's loader gives, not the batch object)."""
+
+    __slots__ = ()
+
+
+class BytesRow(bytes):
+    __slots__ = ()
+
+
 class NamedRow:
     """Base of the row type of each namedtuple class (made by :func:`named_row`): a subclass of the
     namedtuple (``row.x`` works) that names it in ``_nbkit_named`` and pickles as it."""
@@ -278,7 +298,9 @@ class NamedRow:
         return self._nbkit_named._make, (tuple(self),)
 
 
-_ROWS = {tuple: TupleRow, list: ListRow, dict: DictRow}
+# Every kind of sample whose batch torch's per-type collate mishandles when it is not a real list
+# (containers: one step instead of per-sample objects; tensors: torch.stack; strings: kept as is).
+_ROWS = {tuple: TupleRow, list: ListRow, dict: DictRow, torch.Tensor: TensorRow, str: StrRow, bytes: BytesRow}
 
 
 def named_row(cls: type) -> type:
@@ -288,13 +310,42 @@ def named_row(cls: type) -> type:
     return row
 
 
+def _pil_row():
+    """The row type of a bare PIL image, made (and registered) when the first one is read: PIL is
+    optional, and only a cache of images has imported it."""
+    global _PIL_ROW
+    if _PIL_ROW is None:
+        from PIL import Image
+
+        _PIL_ROW = type("PilRow", (Image.Image,), {"__module__": __name__, "__reduce_ex__": _plain_pil_reduce})
+        if default_collate_fn_map is not None:
+            default_collate_fn_map[_PIL_ROW] = _collate_rows
+    return _PIL_ROW
+
+
+_PIL_ROW = None
+
+
+def _plain_pil_reduce(self, protocol):
+    return _same, (self.copy(),)  # copy() makes a plain Image.Image: a row pickles as one
+
+
+def _same(value):
+    return value
+
+
 def as_row(sample):
     typ = type(sample)
     row = _ROWS.get(typ)
+    if row is None and typ.__module__ == "PIL.Image" and typ.__name__ == "Image":
+        sample.__class__ = _pil_row()  # images nbkit decoded, so changed in place (no pixel copy)
+        return sample
     if row is None:
         if not is_namedtuple(sample) or isinstance(sample, NamedRow):
             return sample
         return named_row(typ)._make(sample)
+    if row is TensorRow:
+        return sample.as_subclass(TensorRow)
     return row._make(sample) if issubclass(row, NamedRow) else row(sample)
 
 
@@ -302,6 +353,10 @@ def plain_sample(sample):
     """A batch row as the plain tuple, list, dict or namedtuple it stands for."""
     if isinstance(sample, NamedRow):
         return sample._nbkit_named._make(sample)
+    if type(sample) is TensorRow:
+        return sample.as_subclass(torch.Tensor)
+    if _PIL_ROW is not None and type(sample) is _PIL_ROW:
+        return sample.copy()
     return type(sample).__mro__[1](sample) if type(sample) in _ROW_TYPES else sample
 
 

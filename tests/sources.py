@@ -256,3 +256,45 @@ def flip_byte(path, offset):
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _pil(i, size=(6, 5)):
+    from PIL import Image
+
+    pixels = np.random.default_rng(i).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+# One sample of each structure a source commonly returns (tests/test_batches.py runs them all).
+STRUCTURES = {
+    "tensor": lambda i: image(i, (2, 3)),  # unlabelled images, an autoencoder
+    "ndarray": lambda i: np.arange(6, dtype=np.float32).reshape(2, 3) * i,
+    "pil": lambda i: _pil(i),
+    "pil_label": lambda i: (_pil(i), i % 3),
+    "tuple": lambda i: (image(i, (2, 3)), i % 10),
+    "list": lambda i: [image(i, (3,)), i * 0.5, np.full(2, i, dtype=np.int16)],
+    "dict": lambda i: {"x": image(i, (2, 2)), "y": i % 4, "name": f"s{i}"},
+    "namedtuple": lambda i: Point(image(i, (2, 3)), i % 10),
+    "nested": lambda i: {"a": (image(i, (2,)), [i, {"b": np.full(3, i, dtype=np.int64)}]),
+                         "t": (i * 0.25, i % 2 == 0), "s": f"n{i}"},
+    "label": lambda i: i % 10,  # a bare scalar
+    "string": lambda i: f"text-{i}",
+}
+
+
+class StructureSource(Dataset):
+    """``n`` samples of one structure of :data:`STRUCTURES` (picklable by name, so spawn works)."""
+
+    def __init__(self, structure, n=20):
+        self.structure, self.n = structure, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return STRUCTURES[self.structure](i)
+
+    def __repr__(self):
+        return f"StructureSource({self.structure!r})"
