@@ -110,6 +110,12 @@ def main() -> None:
         import nbkit.commit  # noqa: F401
     except ImportError:
         pass
+    try:  # looked up once here (a subprocess running ldconfig), not in every child
+        from nbkit.gather import fast_crc
+
+        fast_crc()
+    except (ImportError, OSError):
+        pass
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     proto.write(json.dumps({"ready": os.getpid()}) + "\n")

@@ -203,6 +203,9 @@ def check_cache_at(path: str, op: Operation, known: Known, *, final: bool) -> li
         which, expect = "old", op.old
     elif op.new is not None and (known.new_gen is None or gen == known.new_gen):
         which, expect = "new", op.new
+    elif gen is None:
+        size = os.path.getsize(os.path.join(path, "nbkit.json"))
+        return [f"its nbkit.json ({size} bytes) does not read: the cache does not open"]
     else:
         return [f"its generation {gen} is neither the old cache's ({known.old_gen}) nor the new one's ({known.new_gen})"]
     try:

@@ -33,10 +33,10 @@ moment; at the crash point the process rewrites the file system to it, then exit
 
 Simplifications, each keeping less than a real disk might, never more: an un-synced write is lost
 whole (a real disk may keep some of its pages, or reorder them: ALICE's torn and reordered writes
-are not explored); ``fsync`` of a file does not make its directory entry durable (it does on ext4);
+are not explored; an in-place overwrite is caught by the kill mode instead), and a file's size goes
+back with its content (a file created, preallocated and never synced is empty, not zeros); ``fsync`` of a file does not make its directory entry durable (it does on ext4);
 a rename is durable only when both of its directories were synced (ext4 journals it as one step);
-metadata (``chmod``, times, sizes preallocated by ``posix_fallocate`` beyond the synced content) is
-not rolled back; extended attributes and hard-link counts are not modelled. Where an undo cannot
+other metadata (``chmod``, times) is not rolled back; extended attributes and hard-link counts are not modelled. Where an undo cannot
 be applied (a later, durable operation moved the name), the power cut goes on and notes it.
 """
 
@@ -291,6 +291,15 @@ def _counted_fd(fd) -> bool:
     return stat.S_ISREG(mode) or stat.S_ISDIR(mode)
 
 
+def _special(path, dir_fd=None) -> bool:
+    """Whether ``path`` is an existing device, fifo or socket (``/dev/null``): not a file-system change."""
+    try:
+        mode = O.stat(path, dir_fd=dir_fd).st_mode
+    except (OSError, TypeError, ValueError):
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def _name(p) -> str:
     try:
         return os.path.basename(_path(p)) or _path(p)
@@ -303,7 +312,7 @@ def _name(p) -> str:
 
 def _w_open(path, flags, mode=0o777, *, dir_fd=None):
     r = _recorder
-    if not flags & _WRITE_FLAGS or r is None:
+    if not flags & _WRITE_FLAGS or r is None or _special(path, dir_fd):
         return O.open(path, flags, mode, dir_fd=dir_fd)
     with r.lock:
         r.point("open", _name(path))
@@ -568,7 +577,7 @@ class _File:
 
 def _w_io_open(file, mode="r", *args, **kwargs):
     r = _recorder
-    if r is None or not any(c in mode for c in "wax+"):
+    if r is None or not any(c in mode for c in "wax+") or (not isinstance(file, int) and _special(file)):
         return _io_open(file, mode, *args, **kwargs)
     if isinstance(file, int):
         return _File(_io_open(file, mode, *args, **kwargs), f"fd {file}")

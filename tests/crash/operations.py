@@ -14,7 +14,8 @@ An operation works inside one directory, ``work``, laid out as::
 
 ``setup(work)`` builds the state before the operation and ``run(work)`` is the operation itself,
 run in a fresh process; both take absolute paths from ``work`` only, so the harness may run them on
-any copy of the directory. Samples come from :class:`Source` (same shape for every seed, different
+any copy of the directory. Transfers use one worker thread (``max_workers=1``), so that the k-th call
+is the same call in every run. Samples come from :class:`Source` (same shape for every seed, different
 values), so which source a stored sample belongs to is always known.
 """
 
@@ -252,7 +253,7 @@ def _setup_pull(work):
 def _run_pull(work):
     import nbkit
 
-    nbkit.pull(_url(_p(work, "remote", "cache")), _p(work, "parent", "cache"), max_workers=2)
+    nbkit.pull(_url(_p(work, "remote", "cache")), _p(work, "parent", "cache"), max_workers=1)
 
 
 def _setup_push(work):
@@ -272,7 +273,7 @@ def _setup_push(work):
 def _run_push(work):
     import nbkit
 
-    nbkit.push(_p(work, "src", "cache"), _url(_p(work, "remote", "cache")), max_workers=2)
+    nbkit.push(_p(work, "src", "cache"), _url(_p(work, "remote", "cache")), max_workers=1)
 
 
 KEYS_BEFORE = 8
