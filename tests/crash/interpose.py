@@ -11,7 +11,8 @@ count too); ``mmap.mmap`` (its ``flush``, an ``msync``, counts); and ``nbkit.com
 ``renameat2(RENAME_EXCHANGE)``) where nbkit has it. Calls on descriptors that are no regular file or
 directory (pipes, sockets, the terminal) and on descriptors 0-2 are not counted. Calls are
 serialised (one lock), so a crash point is a moment when no other thread of the process is inside a
-file-system call. A crash is ``os._exit(137)``, what ``kill -9`` leaves: the page cache keeps every
+file-system call. ``fsync`` and ``fdatasync`` are counted but not run: a kill keeps the page cache
+anyway, and what a power cut keeps is the model's business (real syncs would only slow every run). A crash is ``os._exit(137)``, what ``kill -9`` leaves: the page cache keeps every
 write the process made, Python's buffers lose theirs.
 
 Power loss (``power_loss=True``) adds a model of what the disk holds after a power cut at that
@@ -63,9 +64,11 @@ for _name in ("open", "write", "pwrite", "writev", "pwritev", "sendfile", "copy_
 _io_open = io.open
 _mmap_class = mmap.mmap
 
-#: Calls that change names or make something durable: in CI every one of them is a crash point.
-STRUCTURAL = frozenset({"rename", "replace", "exchange", "unlink", "remove", "rmdir", "mkdir", "link", "symlink",
-                        "fsync", "fdatasync", "msync", "end"})
+#: Calls that change names: in CI every one of them is a crash point.
+NAMES = frozenset({"rename", "replace", "exchange", "unlink", "remove", "rmdir", "mkdir", "link", "symlink"})
+#: Calls that make something durable, and the end of the operation: what a power cut depends on.
+SYNCS = frozenset({"fsync", "fdatasync", "msync", "end"})
+STRUCTURAL = NAMES | SYNCS
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 EXIT_CODE = 137
@@ -343,12 +346,16 @@ def _fd_call(kind: str, real):
             return real(fd, *args, **kwargs)
         with r.lock:
             r.point(kind, f"fd {fd}")
-            if r.model is not None and kind not in ("fsync", "fdatasync"):
+            if kind in ("fsync", "fdatasync"):
+                # Not done: a kill keeps the page cache, and a power cut is the model's business.
+                # (Running real syncs would only make every crash point slower.)
+                O.fstat(fd)  # a bad descriptor fails as it would
+                if r.model is not None:
+                    r.model.synced(fd)
+                return None
+            if r.model is not None:
                 r.model.register_fd(fd, created=False)
-            out = real(fd, *args, **kwargs)
-            if r.model is not None and kind in ("fsync", "fdatasync"):
-                r.model.synced(fd)
-            return out
+            return real(fd, *args, **kwargs)
     wrapper.__name__ = real.__name__
     return wrapper
 
@@ -449,9 +456,12 @@ def _renaming(kind: str, real):
             except OSError:
                 vst = None
             try:
-                same = vst is not None and _key(O.lstat(s)) == _key(vst)
+                sst = O.lstat(s)
             except OSError:
-                same = False
+                sst = None
+            if vst is not None and (sst is None or stat.S_ISDIR(sst.st_mode) != stat.S_ISDIR(vst.st_mode)):
+                return real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)  # fails as it would
+            same = vst is not None and _key(sst) == _key(vst)
             if vst is not None and not same and not (stat.S_ISDIR(vst.st_mode) and O.listdir(d)):
                 if not stat.S_ISDIR(vst.st_mode):
                     m.register_path(d)
@@ -662,7 +672,10 @@ def install(crash_at: int | None, report_fd: int, *, power_loss: bool = False, k
     never reached the disk: the zero-length files of a rename before ``fsync``).
     """
     global _recorder
-    commit = sys.modules.get("nbkit.commit")
+    try:
+        import nbkit.commit as commit
+    except ImportError:  # an nbkit without the commit module: no exchange to patch
+        commit = None
     exchange = getattr(commit, "_exchange", None)
     model = PowerModel(roots, stash, exchange, keep_entries) if power_loss else None
     for module, name, new in _replacements():
