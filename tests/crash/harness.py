@@ -366,13 +366,16 @@ def _expected_names(op: Operation) -> set:
 
 def leftovers(op: Operation, work: str) -> list[str]:
     """The names in the target's parent that are neither expected nor the target; the target too when
-    it is a directory left holding files but no metadata."""
+    it is a directory left holding files (other than empty lock files) but no metadata."""
     parent = os.path.dirname(os.path.join(work, op.target))
     names = sorted(set(os.listdir(parent)) - _expected_names(op))
     target = os.path.join(work, op.target)
-    if op.kind == "cache" and os.path.isdir(target) and not os.path.lexists(os.path.join(target, "nbkit.json")) \
-            and os.listdir(target):
-        names.append(os.path.basename(target))
+    if op.kind == "cache" and os.path.isdir(target) and not os.path.lexists(os.path.join(target, "nbkit.json")):
+        held = [n for n in os.listdir(target)
+                if not (n.endswith(".lock") and os.path.isfile(os.path.join(target, n))
+                        and not os.path.getsize(os.path.join(target, n)))]
+        if held:
+            names.append(os.path.basename(target))
     return names
 
 
