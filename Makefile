@@ -1,4 +1,4 @@
-# nbkit — `make setup` once, then `make test`, `make demo`, `make bench`; `make dist` builds the wheel.
+# nbkit — `make setup` once, then `make test`, `make crash`, `make demo`, `make bench`; `make dist` builds the wheel.
 #
 # Two stacks, each in its own venv (README, "Tested with"):
 #   make setup / make test                 .venv: Colab's TPU runtime: Python 3.13, torch 2.9.0,
@@ -24,7 +24,7 @@ NEWEST_STACK := torch==2.15.0 torchvision==0.29.2
 VENV_NEWEST  ?= .venv-newest
 export PJRT_DEVICE ?= CPU
 
-.PHONY: FORCE setup setup-newest test test-newest demo bench notebooks dist clean python-check
+.PHONY: FORCE setup setup-newest test test-newest crash demo bench notebooks dist clean python-check
 
 # Warn (not fail) when no Python 3.13 exists: the suite runs on 3.10+, but Colab's TPU runtime is 3.13.
 python-check:
@@ -59,6 +59,11 @@ $(VENV_NEWEST)/.installed: pyproject.toml scripts/install-system-deps.sh $(call 
 
 test: setup
 	$(BIN)/python -m pytest
+
+# Every crash point of every operation (docs/CRASH.md); make test runs a fixed budget of them.
+# The summary table also goes to out/crash-report.json.
+crash: setup
+	NBKIT_CRASH=all NBKIT_CRASH_REPORT=out/crash-report.json $(BIN)/python -m pytest -m crash tests/crash -p no:cacheprovider
 
 # The same suite on the newest torch, without torch_xla: what needs torch_xla skips and says why.
 test-newest: setup-newest
