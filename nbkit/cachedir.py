@@ -723,6 +723,9 @@ class CacheFiles(fmt.Store):
         its CRC and is recomputed)."""
         for fd in self.column_fds + ([self._heap_fd] if self._heap_fd is not None else []):
             os.fsync(fd)
+        if self._heap_fd is not None:
+            with Dir(self.root) as d:  # heap.bin is made on the first blob: its name must be durable too
+                d.sync()
         if self._index_mmap is not None:
             self._index_mmap.flush()
         os.fsync(self._index_fd)

@@ -28,8 +28,9 @@ import shutil
 from . import format as fmt
 from .cachedir import data_files, stored_count
 from .errors import CorruptCacheError, DiskFullError, UnsafeArchiveError
-from .commit import CHUNK, leftover_of
-from .trust import MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, load_json, open_readable
+from .commit import CHUNK, leftover_of, temp_pid
+from .trust import (MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, is_cache_file, load_json,
+                    open_readable)
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_manifest", "manifest_bytes",
            "parse_manifest", "read_remote_manifest", "trusted_remote_manifest", "read_local_manifest", "digest",
@@ -236,6 +237,8 @@ def check_listing(fs, rroot: str, url: str, manifest: dict) -> dict:
         name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
         if name == LEASE and e.get("type") != "directory":
             continue
+        if e.get("type") != "directory" and temp_pid(name) is not None and is_cache_file(leftover_of(name)[0]):
+            continue  # a committed write a killed push left (local "buckets"): never fetched, swept by the next push
         if e.get("type") == "directory":
             raise UnsafeArchiveError(f"{url} holds the subdirectory {name!r}; an nbkit cache is one flat prefix of its own "
                                      "files. Refusing to pull it: push the cache to a prefix of its own.")

@@ -432,6 +432,25 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
+_swept: set = set()
+
+
+def _sweep_dead(directory: str) -> None:
+    """Once per process: remove the counter files of processes that died without removing theirs
+    (a kernel killed mid-epoch), so they do not pile up in ``/dev/shm``."""
+    if directory in _swept:
+        return
+    _swept.add(directory)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) == 4 and parts[:2] == ["nbkit", "stats"] and parts[2].isdigit() and not process_alive(int(parts[2])):
+            _unlink(os.path.join(directory, name))
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host (owned by us or not)."""
     try:
@@ -459,6 +478,7 @@ class SharedCounters:
 
     @classmethod
     def create(cls) -> "SharedCounters":
+        _sweep_dead(_shm_dir())
         path = os.path.join(_shm_dir(), f"nbkit-stats-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         with open(path, "wb") as f:
             f.truncate(_SLOTS * _WIDTH * 8)

@@ -40,13 +40,14 @@ import numpy as np
 from . import format as fmt
 from .cachedir import cache_root, check_replaceable, discard_stage, frozen, open_files, stage_dir, swap_into_place
 from .errors import CorruptCacheError, DiskFullError, UnsafeArchiveError
-from .commit import CHUNK, disk_full
+from .commit import CHUNK, Dir, disk_full, leftover_of, temp_pid
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_listing,
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
 from .progress import as_callback
 from .remote import BLOCK, Stopped, abandon, check_bucket, connect, classify, is_connection_error, is_local, remote_sizes, write_bytes
-from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, open_readable, read_small
+from .stats import process_alive
+from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, is_cache_file, open_readable, read_small
 
 __all__ = ["push", "pull", "TransferReport", "Stopped", "describe", "check_whole"]
 
@@ -253,6 +254,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
         fs.invalidate_cache()
         if is_local(fs):
             fs.makedirs(rroot, exist_ok=True)  # object stores have no directories to create
+            _sweep_temp(rroot)
         remote = trusted_remote_manifest(fs, rroot)  # a damaged one: everything is uploaded again
         remote_files = (remote or {}).get("files", {})
         sizes = remote_sizes(fs, rroot)
@@ -358,6 +360,16 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
     describe(cb, "pushed")
     fs.invalidate_cache()
     return TransferReport(tuple(done) + (fmt.META,), skipped, nbytes + len(meta), time.perf_counter() - start)
+
+
+def _sweep_temp(rroot: str) -> None:
+    """Remove the temporary files a killed push left in a local "bucket" (a directory, a mounted Drive)."""
+    with Dir(rroot) as d:
+        for name in d.names():
+            left = leftover_of(name)
+            if left is not None and temp_pid(name) is not None and is_cache_file(left[0]) \
+                    and not process_alive(temp_pid(name)):
+                d.unlink(name)
 
 
 @contextlib.contextmanager
