@@ -245,7 +245,7 @@ def test_imagefolder_as_is_round_trips_pil_images_on_the_column_path(tmp_path):
     src = datasets.ImageFolder(_pil_folder(tmp_path / "images"))
     ds = nbkit.CachedDataset(src, tmp_path / "c")  # no ToTensor, no allow_pickle
     ds.warmup()
-    assert sorted(os.listdir(tmp_path / "c")) == ["col-0.bin", "col-1.bin", "index.bin", "nbkit.json"]  # no heap
+    assert sorted(os.listdir(tmp_path / "c")) == ["col-0.bin", "col-1.bin", "heap.lock", "index.bin", "nbkit.json"]  # no heap.bin
     opened = nbkit.CachedDataset.open(tmp_path / "c")
     for i in range(len(src)):
         assert_equal(opened[i], src[i], f"sample {i}")
