@@ -237,6 +237,9 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
 
 
 def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport:
+    if is_local(fs) and (os.path.realpath(rroot) + os.sep).startswith(os.path.realpath(root) + os.sep):
+        raise ValueError(f"cannot push the cache at {root} to {url}: that is the cache's own directory (or lies in it), "
+                         "and pushing would overwrite the files it reads. Push to another directory or bucket.")
     describe(cb, "hashing")
     manifest = build_manifest(root)
     files = manifest["files"]

@@ -296,3 +296,11 @@ def test_staging_names_round_trip():
     np.testing.assert_equal(commit.leftover_of(".index.bin.12.34.abcdef01.tmp")[0], "index.bin")
     with pytest.raises(ValueError):
         commit.staging_name("x", "evil")
+
+
+def test_push_to_the_cache_itself_is_refused_before_anything_is_written(old_cache):
+    before = {n: open(os.path.join(old_cache, n), "rb").read() for n in os.listdir(old_cache)}
+    for url in (old_cache, f"file://{old_cache}", os.path.join(old_cache, "sub")):
+        with pytest.raises(ValueError, match="the cache's own directory"):
+            nbkit.push(old_cache, url)
+    assert {n: open(os.path.join(old_cache, n), "rb").read() for n in os.listdir(old_cache)} == before

@@ -194,25 +194,40 @@ def _lying_disk_usage(monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))
 
 
+def _copies(how: str, tmp_path):
+    """``(publish(cache) -> source, bring(source, dest))`` for an import from a tar or a pull from a prefix."""
+    if how == "import":
+        def publish(cache, name):
+            tar = str(tmp_path / f"{name}.tar")
+            nbkit.export_tar(cache, tar)
+            return tar
+        return publish, nbkit.import_tar
+
+    def push(cache, name):
+        nbkit.push(cache, str(tmp_path / name))
+        return str(tmp_path / name)
+    return push, nbkit.pull
+
+
+@pytest.mark.parametrize("how", ["import", "pull"])
 @pytest.mark.parametrize("check", ["checked first", "found while writing"])
-def test_importing_onto_a_full_disk_keeps_the_older_cache(disk, tmp_path, big_cache, monkeypatch, check):
+def test_a_copy_onto_a_full_disk_keeps_the_older_cache(disk, tmp_path, big_cache, monkeypatch, check, how):
     path, older = big_cache
-    tar = str(tmp_path / "c.tar")
-    nbkit.export_tar(path, tar)
+    publish, bring = _copies(how, tmp_path)
+    new, old = publish(path, "copy-new"), publish(older, "copy-older")
     dest = str(disk / "dest")
-    nbkit.export_tar(older, str(tmp_path / "older.tar"))
-    nbkit.import_tar(str(tmp_path / "older.tar"), dest)
+    bring(old, dest)
     fill(disk, leave=512 << 10)
     if check == "found while writing":
         _lying_disk_usage(monkeypatch)
     with pytest.raises(OSError) as e:
-        nbkit.import_tar(tar, dest)
+        bring(new, dest)
     assert_disk_full(e.value, "dest")
     assert assert_whole(dest, Big(24)) == 2
     assert_all_listed(disk, "dest")
     monkeypatch.undo()
     unfill(disk)
-    nbkit.import_tar(tar, dest)
+    bring(new, dest)
     assert assert_whole(dest, Big(24), complete=True) == 24
 
 
@@ -227,28 +242,6 @@ def test_exporting_onto_a_full_disk_keeps_the_older_tar(disk, big_cache):
     assert_disk_full(e.value, "c.tar")
     assert open(tar, "rb").read() == before
     assert_all_listed(disk, "c.tar")
-
-
-@pytest.mark.parametrize("check", ["checked first", "found while writing"])
-def test_pulling_onto_a_full_disk_keeps_the_older_cache(disk, tmp_path, big_cache, monkeypatch, check):
-    path, older = big_cache
-    url = str(tmp_path / "remote")
-    nbkit.push(path, url)
-    dest = str(disk / "dest")
-    nbkit.push(older, str(tmp_path / "remote-older"))
-    nbkit.pull(str(tmp_path / "remote-older"), dest)
-    fill(disk, leave=512 << 10)
-    if check == "found while writing":
-        _lying_disk_usage(monkeypatch)
-    with pytest.raises(OSError) as e:
-        nbkit.pull(url, dest)
-    assert_disk_full(e.value, "dest")
-    assert assert_whole(dest, Big(24)) == 2
-    assert_all_listed(disk, "dest")
-    monkeypatch.undo()
-    unfill(disk)
-    nbkit.pull(url, dest)
-    assert assert_whole(dest, Big(24), complete=True) == 24
 
 
 # ---------------------------------------------------------------------------------------------------
