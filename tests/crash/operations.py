@@ -299,6 +299,22 @@ def _run_keyed(work):
     loader.store.close()
 
 
+def _setup_checkpoint(work):
+    from crash.toys import content
+
+    bystander(work)
+    with open(_p(work, "parent", "checkpoint.pt"), "wb") as f:
+        f.write(content(1))
+
+
+def _run_checkpoint(work):
+    import nbkit
+    from crash.toys import content
+
+    # What notebook 04 does every checkpoint_every steps: the training state, saved over the last one.
+    nbkit.remote.write_url(_p(work, "parent", "checkpoint.pt"), content(2))
+
+
 _BY = ("parent/bystander",)
 
 OPERATIONS: dict[str, Operation] = {op.name: op for op in [
@@ -324,4 +340,6 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in [
               inputs=("src/cache", "remote/bystander"), entries=("bystander",), removable=False),
     Operation("cacheloader_put", _setup_keyed, _run_keyed, "parent/keys", "keyed", Expect(1), Expect(1),
               inputs=_BY, removable=False),
+    Operation("checkpoint", _setup_checkpoint, _run_checkpoint, "parent/checkpoint.pt", "file", Expect(1), Expect(2),
+              inputs=_BY, power_loss=True, removable=False),
 ]}
