@@ -404,8 +404,8 @@ def _map(path: str, size: int, writable: bool, create: bool = False):
     """``(mmap, fd)`` of ``path`` holding exactly ``size`` bytes; ``create`` makes and sizes it.
 
     A cache's files are made only when it is created (:func:`create_cache`): a writer opening an
-    existing cache never creates one (a cache removed under it is an error, not a new orphan file),
-    and never writes into a file with other names (a hard link to a file outside the cache)."""
+    existing cache never creates one (a cache removed under it is an error, not a new orphan file).
+    :func:`nbkit.trust.open_regular` refuses to open a file with other names for writing."""
     flags = os.O_RDWR | (os.O_CREAT if create else 0) if writable else os.O_RDONLY
     try:
         fd = trust.open_regular(path, flags)
@@ -413,12 +413,7 @@ def _map(path: str, size: int, writable: bool, create: bool = False):
         raise CorruptCacheError(f"{path} is missing: the cache was removed or is incomplete. Open it again "
                                 "(nbkit.CachedDataset(source, path) re-creates it), or re-import it.") from None
     try:
-        st = os.fstat(fd)
-        if writable and st.st_nlink > 1:
-            raise UnsafeArchiveError(
-                f"{path} has {st.st_nlink} names (a hard link): writing samples into it would change a file outside "
-                "the cache. nbkit refuses to: remove the cache (nbkit rm) and create it again.")
-        actual = st.st_size
+        actual = os.fstat(fd).st_size
         if actual < size:
             if not create:
                 raise CorruptCacheError(f"{path} is {actual} bytes, expected {size}: the cache is truncated. Re-import or re-create it.")
@@ -630,18 +625,13 @@ class CacheFiles(fmt.Store):
         """``heap.bin`` for appends: made on the first blob, under the cache's lock and only while the
         cache is still there (a writer racing ``nbkit rm`` leaves no orphan file behind)."""
         try:
-            fd = trust.open_regular(path, os.O_RDWR)
+            return trust.open_regular(path, os.O_RDWR)
         except FileNotFoundError:
             with file_lock(os.path.join(self.root, fmt.LOCK)):
                 if not os.path.exists(self._where):
                     raise CorruptCacheError(f"the cache at {self.root} was removed while this process was writing "
                                             "to it. Open it again (nbkit.CachedDataset(source, path) re-creates it).") from None
-                fd = trust.open_regular(path, os.O_RDWR | os.O_CREAT)
-        if os.fstat(fd).st_nlink > 1:
-            os.close(fd)
-            raise UnsafeArchiveError(f"{path} has other names (a hard link): writing into it would change a file outside "
-                                     "the cache. nbkit refuses to: remove the cache (nbkit rm) and create it again.")
-        return fd
+                return trust.open_regular(path, os.O_RDWR | os.O_CREAT)
 
     def append_blobs(self, blobs: list[bytes]) -> list[int]:
         """Append ``blobs`` to the heap under an exclusive lock; return their offsets."""

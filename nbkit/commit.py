@@ -46,13 +46,16 @@ import stat
 import threading
 import uuid
 
+from .errors import DiskFullError, UnsafeArchiveError
+from .trust import open_regular
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; a per-path thread lock still orders this process's threads
     fcntl = None
 
 __all__ = ["CHUNK", "Dir", "file_lock", "atomic_write", "temp_name", "temp_pid", "staging_name", "leftover_of",
-           "LEFTOVER_OPS", "claim", "release", "is_claimed", "swap_in", "recover", "remove_tree", "sync_tree", "disk_full", "check_free", "write_all", "makedirs"]
+           "LEFTOVER_OPS", "claim", "release", "is_claimed", "swap_in", "recover", "remove_tree", "sync_tree", "disk_full", "write_all", "makedirs"]
 
 #: Bytes read or written at a time when streaming a file (hashing, copying, archiving).
 CHUNK = 4 << 20
@@ -76,7 +79,7 @@ LEFTOVER_OPS = {
     "export": "an interrupted nbkit.export_tar (a tar being written)",
 }
 _LEFTOVER = re.compile(r"\.(?P<target>.+)\.nbkit-(?P<op>[a-z]+)-(?P<tag>[0-9a-f]{8,32})\Z", re.S)
-_TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>[0-9]+)\.(?P<tid>[0-9]+)\.(?P<tag>[0-9a-f]{8})\.tmp\Z", re.S)
+_TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>[0-9]{1,10})\.(?P<tid>[0-9]+)\.(?P<tag>[0-9a-f]{8})\.tmp\Z", re.S)
 
 
 def staging_name(target: str, op: str) -> str:
@@ -196,8 +199,6 @@ def disk_full(path: str, needed: int | None = None, cause: BaseException | None 
     free = _free_bytes(os.path.dirname(path) or ".")
     need = f": it needs {_mib(needed)}" if needed is not None else ""
     have = f", {_mib(free)} {'is' if free == 1 else 'are'} free there" if free is not None else ""
-    from .errors import DiskFullError  # noqa: PLC0415 - errors imports nothing; kept local for the layering test
-
     e = DiskFullError(errno.ENOSPC,
                 f"not enough disk space to {doing} {path}{need}{have}. Nothing stored before was lost. Free some space "
                 "(nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes them) or choose a path "
@@ -208,32 +209,19 @@ def disk_full(path: str, needed: int | None = None, cause: BaseException | None 
     return e
 
 
-def check_free(path: str, needed: int, *, doing: str = "write") -> None:
-    """Raise :func:`disk_full` unless the filesystem of ``path`` (a directory) has ``needed`` bytes free."""
-    free = _free_bytes(path)
-    if free is not None and needed > free:
-        raise disk_full(path, needed, doing=doing)
-
-
-@contextlib.contextmanager
-def _named_enospc(path: str, needed: int | None = None):
-    try:
-        yield
-    except OSError as e:
-        if e.errno == errno.ENOSPC and type(e).__name__ != "DiskFullError":
-            raise disk_full(path, needed, e) from e
-        raise
-
-
 def write_all(fd: int, data, offset: int | None = None, *, path: str = "?") -> None:
     """Write every byte of ``data`` to ``fd`` (at ``offset`` with ``pwrite``); a full disk names ``path``."""
     view, done = memoryview(data).cast("B"), 0
-    with _named_enospc(path, len(view)):
+    try:
         while done < len(view):
             if offset is None:
                 done += os.write(fd, view[done:])
             else:
                 done += os.pwrite(fd, view[done:], offset + done)
+    except OSError as e:
+        if e.errno == errno.ENOSPC and not isinstance(e, DiskFullError):
+            raise disk_full(path, len(view), e) from e
+        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,23 +266,17 @@ class Dir:
 
     Args:
         path: the directory (its last component must not be a link).
-        create: make it (and its parents) if missing.
         parent: open ``path`` (a single name) inside this :class:`Dir` instead.
 
     Example:
         >>> import tempfile
         >>> with Dir(tempfile.mkdtemp()) as d:
-        ...     d.write("a.bin", b"hello"), d.read("a.bin"), d.names()
-        (True, b'hello', ['a.bin'])
+        ...     d.write("a.bin", b"hello"), d.names()
+        (True, ['a.bin'])
     """
 
-    def __init__(self, path: str, *, create: bool = False, parent: "Dir | None" = None):
+    def __init__(self, path: str, *, parent: "Dir | None" = None):
         self.path = os.path.join(parent.path, path) if parent is not None else os.path.abspath(path)
-        if create and parent is None:
-            os.makedirs(self.path, exist_ok=True)
-        elif create:
-            with contextlib.suppress(FileExistsError):
-                parent.mkdir(path)
         flags = os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC
         try:
             if parent is not None and HAS_DIR_FD:
@@ -303,8 +285,6 @@ class Dir:
                 self.fd = os.open(self.path, flags)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(self.path):
-                from .errors import UnsafeArchiveError
-
                 raise UnsafeArchiveError(f"{self.path} is a symbolic link, not a directory: nbkit never follows one "
                                          "out of a cache. Remove the link, or give the real directory.") from e
             raise
@@ -362,31 +342,10 @@ class Dir:
     def exists(self, name: str) -> bool:
         return self.lstat(name) is not None
 
-    def open(self, name: str, flags: int = os.O_RDONLY, mode: int = 0o644, *, single_link: bool = False) -> int:
-        """Open a regular file inside (never a link, fifo or device). ``single_link``: refuse a file
-        with other names (a hard link to a file outside the cache must never be written through)."""
-        from .trust import open_regular
-
-        fd = open_regular(name, flags, mode, dir_fd=self.fd) if HAS_DIR_FD else open_regular(self.join(name), flags, mode)
-        if single_link and os.fstat(fd).st_nlink > 1:
-            os.close(fd)
-            from .errors import UnsafeArchiveError
-
-            raise UnsafeArchiveError(
-                f"{self.join(name)} has {os.stat(self._p(name), follow_symlinks=False, **self._at(name)).st_nlink} names "
-                "(a hard link): writing into it would change a file outside the cache. nbkit refuses to; remove the cache "
-                "(nbkit rm) and create it again.")
-        return fd
-
-    def read(self, name: str, limit: int = 16 << 20) -> bytes:
-        fd = self.open(name)
-        try:
-            data = os.read(fd, limit + 1)
-        finally:
-            os.close(fd)
-        if len(data) > limit:
-            raise ValueError(f"{self.join(name)} is larger than {limit} bytes")
-        return data
+    def open(self, name: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+        """Open a regular file inside (:func:`nbkit.trust.open_regular`: never a link, fifo or device,
+        and never a file with other names when writing)."""
+        return open_regular(name, flags, mode, dir_fd=self.fd) if HAS_DIR_FD else open_regular(self.join(name), flags, mode)
 
     # -- changing -----------------------------------------------------------------------------
 

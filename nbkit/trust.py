@@ -399,7 +399,8 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (fifo)"),
 
 
 def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644, *, dir_fd: int | None = None) -> int:
-    """``os.open(path, flags)`` for a cache file, refusing anything but a regular file.
+    """``os.open(path, flags)`` for a cache file, refusing anything but a regular file, and, when
+    ``flags`` write, a file with other names (a hard link to a file elsewhere is never written through).
 
     A copied cache directory may hold a named pipe, a device or a directory under a cache file's
     name: opening a fifo for reading would block forever, and a device could be read without end.
@@ -431,6 +432,10 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644, *, dir_
         if not stat.S_ISREG(st.st_mode):
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
             raise CorruptCacheError(_not_regular(path, kind))
+        if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:
+            raise UnsafeArchiveError(
+                f"{path} has {st.st_nlink} names (a hard link): writing into it would change a file outside the cache. "
+                "nbkit refuses to: remove the cache (nbkit rm) and create it again.")
         if _NONBLOCK and hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
     except BaseException:
