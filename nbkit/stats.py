@@ -452,7 +452,10 @@ def _sweep_dead(directory: str) -> None:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (owned by us or not)."""
+    """Whether process ``pid`` exists on this host (owned by us or not). A number that no process id
+    can be (read from a file name someone else chose) is no live process, never an ``OverflowError``."""
+    if not 0 < pid < 2**31:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
