@@ -34,9 +34,9 @@ import zlib
 
 from . import format as fmt
 from .cachedir import cache_root, check_replaceable, data_files, discard_stage, stage_dir, sweep_leftovers, stored_count, swap_into_place
-from .errors import CorruptCacheError, DiskFullError, UnsafeArchiveError
+from .errors import CorruptCacheError, UnsafeArchiveError
 from .extras import require
-from .commit import CHUNK, Dir, claim, disk_full, release, staging_name
+from .commit import CHUNK, Dir, claim, disk_full, release, staging_name, unnamed_full_disk
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
                        manifest_bytes, parse_manifest, sha256_file)
 from .progress import as_callback
@@ -182,7 +182,7 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
     except BaseException as e:
         if local:
             staged.discard()
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, DiskFullError):
+            if unnamed_full_disk(e):
                 raise disk_full(path, sum(f["size"] for f in files.values()), e, doing="export the cache to") from e
         else:
             abandon(raw, tell_backend=not is_connection_error(e))
@@ -418,7 +418,7 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
             return TransferReport(seconds=time.perf_counter() - start, stopped=True)
         except BaseException as e:
             discard_stage(tmp)
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, DiskFullError):
+            if unnamed_full_disk(e):
                 # The room checks passed but the writes still met a full disk (another writer took it).
                 raise disk_full(dest, size, e, doing="import the cache into") from e
             raise

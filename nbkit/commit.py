@@ -55,7 +55,7 @@ except ImportError:  # Windows: no flock; a per-path thread lock still orders th
     fcntl = None
 
 __all__ = ["CHUNK", "Dir", "file_lock", "atomic_write", "temp_name", "temp_pid", "staging_name", "leftover_of",
-           "LEFTOVER_OPS", "claim", "release", "is_claimed", "swap_in", "recover", "remove_tree", "sync_tree", "disk_full", "write_all", "makedirs"]
+           "LEFTOVER_OPS", "claim", "release", "is_claimed", "swap_in", "recover", "remove_tree", "sync_tree", "disk_full", "unnamed_full_disk", "write_all", "makedirs"]
 
 #: Bytes read or written at a time when streaming a file (hashing, copying, archiving).
 CHUNK = 4 << 20
@@ -188,7 +188,8 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def disk_full(path: str, needed: int | None = None, cause: BaseException | None = None, *, doing: str = "write") -> OSError:
+def disk_full(path: str, needed: int | None = None, cause: BaseException | None = None, *, doing: str = "write",
+              note: str = "") -> OSError:
     """The :class:`nbkit.errors.DiskFullError` (``ENOSPC``) for ``path``: which file, how much it
     needed, what is free, and what to do.
 
@@ -202,11 +203,16 @@ def disk_full(path: str, needed: int | None = None, cause: BaseException | None 
     e = DiskFullError(errno.ENOSPC,
                 f"not enough disk space to {doing} {path}{need}{have}. Nothing stored before was lost. Free some space "
                 "(nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes them) or choose a path "
-                "on a larger disk, then run it again.")
+                f"on a larger disk, then run it again{note}.")
     e.filename = path
     if cause is not None:
         e.__cause__ = cause
     return e
+
+
+def unnamed_full_disk(e: BaseException) -> bool:
+    """Whether ``e`` is a full disk that no :func:`disk_full` has named yet (a bare ``[Errno 28]``)."""
+    return isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, DiskFullError)
 
 
 def write_all(fd: int, data, offset: int | None = None, *, path: str = "?") -> None:
@@ -219,7 +225,7 @@ def write_all(fd: int, data, offset: int | None = None, *, path: str = "?") -> N
             else:
                 done += os.pwrite(fd, view[done:], offset + done)
     except OSError as e:
-        if e.errno == errno.ENOSPC and not isinstance(e, DiskFullError):
+        if unnamed_full_disk(e):
             raise disk_full(path, len(view), e) from e
         raise
 

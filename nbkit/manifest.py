@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -27,8 +26,8 @@ import shutil
 
 from . import format as fmt
 from .cachedir import data_files, stored_count
-from .errors import CorruptCacheError, DiskFullError, UnsafeArchiveError
-from .commit import CHUNK, leftover_of, temp_pid
+from .errors import CorruptCacheError, UnsafeArchiveError
+from .commit import CHUNK, disk_full, leftover_of, temp_pid
 from .trust import (MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, is_cache_file, load_json,
                     open_readable)
 
@@ -208,13 +207,7 @@ def check_free_disk(nbytes: int, dest: str, where: str) -> None:
     if nbytes > free:
         left = leftover_of(os.path.basename(dest))
         target = os.path.join(parent, left[0]) if left else os.path.abspath(dest)
-        e = DiskFullError(
-            errno.ENOSPC,
-            f"{where} into {target} needs {nbytes / 2**20:,.1f} MiB but {parent} has {free / 2**20:,.1f} MiB free; nothing "
-            "was written. Free some space (nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes "
-            "them) or choose a destination on a larger disk (a size this large may also mean the source is damaged).")
-        e.filename = target
-        raise e
+        raise disk_full(target, nbytes, doing=f"copy ({where}) into", note=" (a size this large may also mean the source is damaged)")
 
 
 def check_listing(fs, rroot: str, url: str, manifest: dict) -> dict:

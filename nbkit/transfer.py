@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import os
 import queue
@@ -39,8 +38,8 @@ import numpy as np
 
 from . import format as fmt
 from .cachedir import cache_root, check_replaceable, discard_stage, frozen, open_files, stage_dir, swap_into_place
-from .errors import CorruptCacheError, DiskFullError, UnsafeArchiveError
-from .commit import CHUNK, Dir, disk_full, leftover_of, temp_pid
+from .errors import CorruptCacheError, UnsafeArchiveError
+from .commit import CHUNK, Dir, disk_full, leftover_of, temp_pid, unnamed_full_disk
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_listing,
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
@@ -493,7 +492,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
             name, exc = failed
             if isinstance(exc, CorruptCacheError):
                 raise exc
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            if unnamed_full_disk(exc):
                 raise disk_full(dest, sum(e["size"] for e in files.values()), exc, doing="pull the cache into") from exc
             classified = classify(exc, fs, url, "pulling from", fix, note=f" (downloading {name}; {dest} is unchanged)")
             if classified is not None:
@@ -513,9 +512,9 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         swap_into_place(tmp, dest)  # durable first, then in place in one step
     except BaseException as e:
         discard_stage(tmp)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, DiskFullError):
+        if unnamed_full_disk(e):
             # The room check passed but a write still met a full disk (copying a reused file, nbkit.json).
-            raise disk_full(dest, sum(e["size"] for e in files.values()), e, doing="pull the cache into") from e
+            raise disk_full(dest, sum(f["size"] for f in files.values()), e, doing="pull the cache into") from e
         raise
     describe(cb, "pulled")
     return TransferReport(tuple(todo) + (fmt.META,), tuple(reused), nbytes, time.perf_counter() - start)
