@@ -102,7 +102,14 @@ def swap_into_place(tmp: str, dest: str) -> None:
 
 def stage_dir(dest: str, op: str) -> str:
     """A new empty directory beside ``dest`` for ``op`` (``"import"``, ``"pull"``) to build a copy in,
-    named so that ``nbkit ls`` lists it and ``nbkit rm`` removes it if the process dies."""
+    named so that ``nbkit ls`` lists it and ``nbkit rm`` removes it if the process dies.
+
+    Example:
+        >>> import tempfile
+        >>> tmp = stage_dir(tempfile.mkdtemp() + "/cache", "import"); name = os.path.basename(tmp); discard_stage(tmp)
+        >>> name.startswith(".cache.nbkit-import-"), os.path.exists(tmp)
+        (True, False)
+    """
     parent, name = os.path.split(os.path.abspath(dest))
     sweep_leftovers(dest)
     path = os.path.join(parent, staging_name(name, op))
@@ -113,7 +120,14 @@ def stage_dir(dest: str, op: str) -> str:
 
 def sweep_leftovers(dest: str) -> list[str]:
     """Remove what interrupted operations left beside ``dest`` (``.<name>.nbkit-<op>-<hex>`` siblings
-    no live process claims); return their paths. The next import, pull or export cleans up this way."""
+    no live process claims); return their paths. The next import, pull or export cleans up this way.
+
+    Example:
+        >>> import tempfile
+        >>> parent = tempfile.mkdtemp(); os.mkdir(os.path.join(parent, staging_name("c", "pull")))
+        >>> len(sweep_leftovers(os.path.join(parent, "c"))), os.listdir(parent)
+        (1, [])
+    """
     parent, name = os.path.split(os.path.abspath(dest))
     swept = []
     try:
@@ -231,7 +245,14 @@ def _is_marker(name: str) -> bool:
 
 def interrupted(root: str) -> str | None:
     """What an interrupted removal or creation left at ``root`` (a marker ``.nbkit.json.nbkit-<op>-…``
-    and no ``nbkit.json``): that operation's description, or ``None``."""
+    and no ``nbkit.json``): that operation's description, or ``None``.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp(); os.close(os.open(os.path.join(d, staging_name(fmt.META, "trash")), os.O_CREAT | os.O_WRONLY))
+        >>> interrupted(d)
+        'an interrupted removal (nbkit rm, prune or overwrite=True)'
+    """
     try:
         names = os.listdir(root)
     except OSError:
@@ -251,6 +272,12 @@ def create_cache(root: str, meta: dict) -> dict:
     first). Else any data files in ``root`` belong to no cache (an interrupted removal or creation, or
     a ``nbkit.json`` deleted by hand): they are removed, never adopted. Then the files are created and
     sized, made durable, and ``nbkit.json`` is published last, durably.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())  # creates it
+        >>> create_cache(ds.root, dict(ds.store.meta, generation="another"))["generation"] == ds.store.meta["generation"]
+        True
     """
     recover(root)  # before anything is made at root: a swap interrupted there puts the old cache back
     makedirs(root)

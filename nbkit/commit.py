@@ -115,7 +115,15 @@ _claims: dict = {}  # path -> descriptor holding its flock
 
 def claim(path: str) -> None:
     """Mark the staged file or directory ``path`` as being worked on by this process (an exclusive
-    ``flock`` held until :func:`release`): :func:`is_claimed` tells cleanup to leave it alone."""
+    ``flock`` held until :func:`release`): :func:`is_claimed` tells cleanup to leave it alone.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp(); claim(d); is_claimed(d)
+        True
+        >>> release(d); is_claimed(d)
+        False
+    """
     fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
     if fcntl is not None:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -211,12 +219,24 @@ def disk_full(path: str, needed: int | None = None, cause: BaseException | None 
 
 
 def unnamed_full_disk(e: BaseException) -> bool:
-    """Whether ``e`` is a full disk that no :func:`disk_full` has named yet (a bare ``[Errno 28]``)."""
+    """Whether ``e`` is a full disk that no :func:`disk_full` has named yet (a bare ``[Errno 28]``).
+
+    Example:
+        >>> unnamed_full_disk(OSError(errno.ENOSPC, "No space left on device")), unnamed_full_disk(disk_full("/d/x"))
+        (True, False)
+    """
     return isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, DiskFullError)
 
 
 def write_all(fd: int, data, offset: int | None = None, *, path: str = "?") -> None:
-    """Write every byte of ``data`` to ``fd`` (at ``offset`` with ``pwrite``); a full disk names ``path``."""
+    """Write every byte of ``data`` to ``fd`` (at ``offset`` with ``pwrite``); a full disk names ``path``.
+
+    Example:
+        >>> import tempfile
+        >>> path = tempfile.mkdtemp() + "/x"; fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+        >>> write_all(fd, b"abc", path=path); os.close(fd); open(path, "rb").read()
+        b'abc'
+    """
     view, done = memoryview(data).cast("B"), 0
     try:
         while done < len(view):
@@ -457,7 +477,12 @@ class Dir:
 
 def sync_tree(path: str) -> None:
     """``fsync`` every regular file under ``path``, then every directory (deepest first), so what was
-    written there survives a power loss before it is renamed into place."""
+    written there survives a power loss before it is renamed into place.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp(); _ = atomic_write(d + "/x", b"1", sync=False); sync_tree(d)
+    """
     with Dir(path) as d:
         _sync_dir(d)
 
@@ -487,6 +512,14 @@ def swap_in(staged: str, dest: str) -> None:
     kernel can (``renameat2``); elsewhere the old one is renamed aside to ``.<dest>.nbkit-old-<hex>``
     first and :func:`recover` (run by every open) renames it back if a crash came before the new one
     was in place. The replaced copy is removed last; a crash before that leaves it as a leftover.
+
+    Example:
+        >>> import tempfile
+        >>> parent = tempfile.mkdtemp(); dest = os.path.join(parent, "c"); os.mkdir(dest)
+        >>> staged = os.path.join(parent, staging_name("c", "import")); os.mkdir(staged)
+        >>> _ = atomic_write(os.path.join(staged, "new"), b"x"); swap_in(staged, dest)
+        >>> os.listdir(dest), os.listdir(parent)
+        (['new'], ['c'])
     """
     parent, name = os.path.split(os.path.abspath(dest))
     staged_name = os.path.basename(staged)
@@ -518,7 +551,14 @@ def swap_in(staged: str, dest: str) -> None:
 
 def recover(dest: str) -> bool:
     """After a crash inside :func:`swap_in`'s fallback: if nothing is at ``dest`` but a copy moved
-    aside for it is, rename that copy back. Returns whether it did. Cheap when ``dest`` exists."""
+    aside for it is, rename that copy back. Returns whether it did. Cheap when ``dest`` exists.
+
+    Example:
+        >>> import tempfile
+        >>> parent = tempfile.mkdtemp(); os.mkdir(os.path.join(parent, staging_name("c", "old")))
+        >>> recover(os.path.join(parent, "c")), os.listdir(parent)
+        (True, ['c'])
+    """
     dest = os.path.abspath(dest)
     if os.path.lexists(dest):
         return False
@@ -544,7 +584,13 @@ def recover(dest: str) -> bool:
 
 
 def remove_tree(path: str) -> None:
-    """Remove ``path`` and everything below it through descriptors (:meth:`Dir.remove_tree`)."""
+    """Remove ``path`` and everything below it through descriptors (:meth:`Dir.remove_tree`).
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp(); os.makedirs(d + "/a/b"); remove_tree(d + "/a"); os.listdir(d)
+        []
+    """
     parent, name = os.path.split(os.path.abspath(path))
     try:
         with Dir(parent) as p:
@@ -572,6 +618,12 @@ def atomic_write(path: str, data: bytes, *, exclusive: bool = False, sync: bool 
 
     Returns:
         Whether ``path`` now holds ``data`` (``False`` only when ``exclusive`` found a file there).
+
+    Example:
+        >>> import tempfile
+        >>> path = tempfile.mkdtemp() + "/x"
+        >>> atomic_write(path, b"1"), open(path, "rb").read()
+        (True, b'1')
     """
     head, tail = os.path.split(os.path.abspath(path))
     with Dir(head) as d:
@@ -640,7 +692,13 @@ def file_lock(path: str):
 
 def makedirs(path: str) -> None:
     """``os.makedirs(path, exist_ok=True)``, also when another process removes ``path`` meanwhile
-    (``nbkit rm`` of an empty cache directory): made again, never a ``FileExistsError`` for a directory."""
+    (``nbkit rm`` of an empty cache directory): made again, never a ``FileExistsError`` for a directory.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp() + "/a/b"; makedirs(d); makedirs(d); os.path.isdir(d)
+        True
+    """
     while True:
         try:
             os.makedirs(path, exist_ok=True)

@@ -172,7 +172,14 @@ def _tree_bytes(path: str) -> int:
 
 
 def leftover_problem(path: str) -> str | None:
-    """Why ``path`` is a leftover (what left it, and how to remove it), or ``None`` if it is not one."""
+    """Why ``path`` is a leftover (what left it, and how to remove it), or ``None`` if it is not one.
+
+    Example:
+        >>> import tempfile
+        >>> left = os.path.join(tempfile.mkdtemp(), ".c.nbkit-pull-0123456789ab"); os.mkdir(left)
+        >>> leftover_problem(left).split(";")[0]
+        'leftover of an interrupted nbkit.pull (a copy being downloaded or the cache it replaced)'
+    """
     left = leftover_of(os.path.basename(path))
     if left is not None:
         what = left[1]

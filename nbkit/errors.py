@@ -46,7 +46,14 @@ class UnsafeArchiveError(ValueError):
 
 class DiskFullError(OSError):
     """A write found the disk full (``errno`` ``ENOSPC``); the message names the file, the room it
-    needed, what is free, and what to do. Nothing stored before it is lost."""
+    needed, what is free, and what to do. Nothing stored before it is lost.
+
+    Example:
+        >>> import errno
+        >>> e = DiskFullError(errno.ENOSPC, "not enough disk space to write /d/x ...")
+        >>> isinstance(e, OSError), str(e)
+        (True, 'not enough disk space to write /d/x ...')
+    """
 
     def __str__(self) -> str:
         return self.strerror or super().__str__()
