@@ -265,10 +265,7 @@ class RedisLocation(Location):
         except redis.exceptions.TimeoutError as e:
             raise self.silent(k, e) from e
         except redis.exceptions.ConnectionError as e:
-            raise ConnectionError(
-                f"the Redis server {self.addresses[k]} of the cache {self.root} does not answer ({e}). Start it again "
-                "(a server that comes back empty is refilled from the source), or check the URL and storage_options."
-            ) from e
+            raise self.unreachable(k, e) from e
 
     def get_small(self, k: int, key: str, fix: str) -> bytes | None:
         """The value of ``key`` (metadata) on server ``k``, or ``None``; its size is checked before it is read."""
@@ -277,6 +274,12 @@ class RedisLocation(Location):
         trust.check_bound(size, trust.MAX_JSON_BYTES, f"{key} on the Redis server {self.addresses[k]}", "bytes",
                           "far more than any nbkit metadata", fix)
         return self.call(k, c.get, key) if size else None
+
+    def unreachable(self, k: int, e: Exception) -> ConnectionError:
+        """The error for server ``k`` refusing or dropping the connection."""
+        return ConnectionError(
+            f"the Redis server {self.addresses[k]} of the cache {self.root} does not answer ({e}). Start it again "
+            "(a server that comes back empty is refilled from the source), or check the URL and storage_options.")
 
     def silent(self, k: int, e: Exception) -> TimeoutError:
         """The error for server ``k`` leaving a connection or a command unanswered past the timeout."""
@@ -327,10 +330,7 @@ class RedisLocation(Location):
         except redis.exceptions.ConnectionError as e:
             if "RESP" in str(e):  # "Invalid RESP version": a map without proto 3
                 raise ConnectionError(f"the server at {address} does not speak RESP3 (HELLO failed: {e}): {need}.") from e
-            raise ConnectionError(
-                f"the Redis server {address} of the cache {self.root} does not answer ({e}). Start it, or check the URL "
-                "and storage_options."
-            ) from e
+            raise self.unreachable(k, e) from e
         finally:
             conn.disconnect()
 
