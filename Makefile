@@ -82,11 +82,11 @@ notebooks:
 	$(PYTHON_RUN) scripts/stamp_notebooks.py
 	$(PYTHON_RUN) scripts/run_notebooks.py --check-stripped
 
-# dist/nbkit-<version>-py3-none-any.whl: upload it to a Colab runtime's /content and the notebooks'
+# dist/nbkit_cache-<version>-py3-none-any.whl (the distribution is nbkit-cache; the index's nbkit is unrelated): upload it to a Colab runtime's /content and the notebooks'
 # install cell uses it (or attach it to a release and give its URL in the cell's nbkit_source field).
 dist:
 	$(PYTHON_RUN) -m pip wheel --no-deps -w dist .
-	@ls -1 dist/nbkit-*.whl
+	@ls -1 dist/nbkit_cache-*.whl
 
 clean:
 	rm -rf out test-artifacts .pytest_cache dist

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib missing: no plot (pip install 'nbkit[notebook]')")
+        print("matplotlib missing: no plot (pip install matplotlib)")
     else:
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
         xs = [100 * r["fraction"] for r in rows]

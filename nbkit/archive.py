@@ -108,7 +108,7 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
     Args:
         cache_path: local cache directory (do not warm it while exporting).
         tar_path: a local path or any fsspec URL (``gs://bucket/cache.tar.zst``); streamed.
-        compression: ``None``, ``"gz"`` or ``"zst"`` (needs ``pip install 'nbkit[zst]'``).
+        compression: ``None``, ``"gz"`` or ``"zst"`` (needs ``pip install zstandard``; the ``zst`` extra).
         callback: progress in bytes of cache read; ``stop_requested`` aborts and leaves no tar.
         storage_options: passed to fsspec for a remote ``tar_path``.
 

@@ -348,7 +348,7 @@ class EpochComparison:
             A :class:`matplotlib.figure.Figure` (shown when it is a cell's last value).
 
         Raises:
-            ImportError: matplotlib is not installed (``pip install 'nbkit[notebook]'``).
+            ImportError: matplotlib is not installed (``pip install matplotlib``; the ``notebook`` extra).
         """
         plt = require("matplotlib.pyplot", extra="notebook", feature="nbkit.bench plots")
         raw, cached = self.raw, self.cached

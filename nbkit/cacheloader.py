@@ -36,7 +36,7 @@ class CacheLoader:
 
     Args:
         path_or_url: a local directory (created if absent), or ``redis://[[user]:password@]host[:port]
-            [,host[:port]…]/<db>/<name>`` to share one cache between hosts (``pip install 'nbkit[redis]'``).
+            [,host[:port]…]/<db>/<name>`` to share one cache between hosts (``pip install redis``; the ``redis`` extra).
             ``gs://`` and other bucket URLs are refused, with the reason: a bucket only receives complete
             caches, and a key-value cache is never complete; keep it local (copy the directory when
             nothing writes to it) or use Redis.

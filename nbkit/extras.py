@@ -1,4 +1,4 @@
-"""Optional dependencies: import one, or raise an ``ImportError`` that names the pip extra to install.
+"""Optional dependencies: import one, or raise an ``ImportError`` that names the extra and the package.
 
 ``import nbkit`` needs torch, numpy and fsspec only. Everything else (ipywidgets, matplotlib, gcsfs,
 redis, zstandard, torch_xla) is imported where it is used, through :func:`require`, so a missing
@@ -11,14 +11,19 @@ Example:
     >>> require("no_such_module_xyz", extra="gcs", feature="gs:// caches")
     Traceback (most recent call last):
     ...
-    ImportError: gs:// caches needs the no_such_module_xyz package: pip install 'nbkit[gcs]'
+    ImportError: gs:// caches needs the no_such_module_xyz package (nbkit-cache's 'gcs' extra): pip install no_such_module_xyz
 """
 
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["require", "EXTRAS", "moved"]
+__all__ = ["require", "EXTRAS", "DISTRIBUTION", "moved"]
+
+# nbkit's distribution name (pyproject.toml's [project] name). The package index's "nbkit" is an
+# unrelated project: no message ever sends anyone to `pip install nbkit`. Until nbkit-cache is
+# published, messages name the package an extra needs (`pip install gcsfs`), never nbkit itself.
+DISTRIBUTION = "nbkit-cache"
 
 # pip extra -> what it installs (kept in step with pyproject.toml's optional-dependencies)
 EXTRAS = {
@@ -30,21 +35,23 @@ EXTRAS = {
 }
 
 
-def require(module: str, *, extra: str, feature: str, package: str | None = None):
+def require(module: str, *, extra: str, feature: str, package: str | None = None, install: str | None = None):
     """Import ``module`` and return it; if it is missing, raise ``ImportError`` naming ``feature``
-    (what needed it) and the ``pip install 'nbkit[extra]'`` command.
+    (what needed it), the extra of nbkit-cache that brings it, and the ``pip install`` of the package.
 
     Args:
         module: the dotted module name to import (``"matplotlib.pyplot"``).
-        extra: the pip extra of nbkit that installs it.
+        extra: the extra of nbkit-cache (pyproject.toml) that installs it.
         feature: what the user tried to use, for the message (``"nbkit.widgets"``).
         package: the distribution name when it differs from the module's top-level name.
+        install: the command to give when ``pip install <package>`` is not the right one.
     """
     try:
         return importlib.import_module(module)
     except ImportError as e:
         name = package or module.split(".")[0]
-        raise ImportError(f"{feature} needs the {name} package: pip install 'nbkit[{extra}]'") from e
+        raise ImportError(f"{feature} needs the {name} package ({DISTRIBUTION}'s {extra!r} extra): "
+                          f"{install or 'pip install ' + name}") from e
 
 
 def moved(alias: str, table: dict):

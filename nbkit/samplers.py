@@ -275,7 +275,7 @@ def check_resume_state(state, kind: str, ours: dict, length: int) -> dict:
     state = check_json(state, Obj(fields), where, fix)
     if state["version"] > STATE_VERSION:
         raise ValueError(f"{where} has version {state['version']}; this nbkit reads version {STATE_VERSION}. "
-                         "Upgrade nbkit (pip install -U nbkit) to load it.")
+                         "Install a newer nbkit (the nbkit-cache distribution: README, Install) to load it.")
     for name, value in ours.items():
         theirs = state[name]
         if name == "cache" and theirs is None:

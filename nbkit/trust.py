@@ -506,8 +506,8 @@ def load_json(raw: bytes, where: str, fix: str, *, format_name: str, what: str, 
         raise CorruptCacheError(f"{where} is not {what} (format field is {shown(found)}). {fix}")
     got = value.get("version")
     if version is not None and isinstance(got, int) and not isinstance(got, bool) and got > version:
-        raise CorruptCacheError(f"{where} has format version {got!r}; this nbkit reads version {version}. Upgrade "
-                                "nbkit (pip install -U nbkit) to open it.")
+        raise CorruptCacheError(f"{where} has format version {got!r}; this nbkit reads version {version}. Install "
+                                "a newer nbkit (the nbkit-cache distribution: README, Install) to open it.")
     return value
 
 

@@ -108,7 +108,7 @@ class RedisServer(LoopbackServer):
 def _need_redis():
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (sh scripts/install-system-deps.sh installs it)")
-    pytest.importorskip("redis", reason="the redis package is not installed: pip install 'nbkit[redis]'")
+    pytest.importorskip("redis", reason="the redis package is not installed: pip install redis (make setup)")
 
 
 @pytest.fixture(scope="session")

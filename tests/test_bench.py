@@ -288,7 +288,7 @@ def test_plot_without_matplotlib_names_the_extra():
         "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert "pip install 'nbkit[notebook]'" in out.stdout
+    assert "(nbkit-cache's 'notebook' extra): pip install matplotlib" in out.stdout
 
 
 def test_mnist_like_offline_fallback_says_so(tmp_path, capsys):

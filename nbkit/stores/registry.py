@@ -3,7 +3,7 @@
 A local path (no scheme, ``file://``) is a directory; ``redis://`` / ``rediss://`` are Redis servers;
 ``local_max_bytes=`` reads a remote cache through a bounded local area; any other fsspec URL is
 used through a local working copy (the mirror). A backend whose package is missing fails with the
-``pip install 'nbkit[extra]'`` that installs it. Register another with :func:`register`.
+extra and the ``pip install`` that brings it. Register another with :func:`register`.
 
 Example:
     >>> loc = resolve("/tmp/my-cache")

@@ -34,11 +34,11 @@ __all__ = ["spawn", "warmup_shared", "device_loader"]
 
 def _require_xla():
     """Import torch_xla and the parts nbkit uses, or raise an ImportError that names the pip command."""
-    feature = (f"nbkit.tpu (torch_xla matching torch {torch.__version__}: "
-               f"{pip_display(xla_requirements(torch.__version__, True))}; without a TPU, drop [tpu])")
+    install = (f"{pip_display(xla_requirements(torch.__version__, True))} (torch_xla matching torch "
+               f"{torch.__version__}; without a TPU, drop [tpu])")
     modules = ("torch_xla", "torch_xla.core.xla_model", "torch_xla.runtime",
                "torch_xla.distributed.xla_multiprocessing", "torch_xla.distributed.parallel_loader")
-    return tuple(require(m, extra="tpu", feature=feature) for m in modules)
+    return tuple(require(m, extra="tpu", feature="nbkit.tpu", install=install) for m in modules)
 
 
 def _default_start_method() -> str:

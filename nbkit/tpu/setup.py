@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping, Optional, Sequence
 
 from nbkit.text import Table
+from nbkit.extras import DISTRIBUTION
 
 from .runtime import RuntimeInfo, describe, dist_version, libtpu_version, past_xla, pip_display, xla_requirements
 
@@ -221,7 +222,7 @@ def _extra_requirements(extras: Sequence[str]) -> tuple:
     if isinstance(extras, str):
         extras = (extras,)
     try:
-        declared = importlib.metadata.requires("nbkit") or []
+        declared = importlib.metadata.requires(DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:
         declared = []
     out = []

@@ -6,7 +6,7 @@ Both are views, in the sense of ``tqdm.notebook``: they render what the engine a
 :class:`nbkit.progress.Job` and its callback, ``ds.stats`` through :class:`nbkit.stats.EpochCounter`)
 and hold no caching logic. Outside a notebook kernel the same calls print plain text lines. Works
 with ipywidgets 8 and 7.7.1 (what Colab's TPU runtime ships); without ipywidgets, importing this
-package raises an ``ImportError`` naming ``pip install 'nbkit[notebook]'``.
+package raises an ``ImportError`` naming the ``notebook`` extra and ``pip install ipywidgets``.
 
 Example:
     >>> import torch, tempfile

@@ -391,7 +391,7 @@ def test_import_nbkit_does_not_import_redis_and_missing_package_names_the_extra(
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "pip install 'nbkit[redis]'" in out.stdout
+    assert "(nbkit-cache's 'redis' extra): pip install redis" in out.stdout
 
 
 # -- issue 25: what a server sends is bounded and checked before it is used -------------------------

@@ -40,7 +40,7 @@ def test_a_missing_backend_package_names_the_extra():
             "from nbkit.stores.registry import resolve\n"
             "try:\n    resolve('gs://bucket/cache')\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "gs:// caches needs the gcsfs package: pip install 'nbkit[gcs]'" in out.stdout, out.stderr
+    assert "gs:// caches needs the gcsfs package (nbkit-cache's 'gcs' extra): pip install gcsfs" in out.stdout, out.stderr
 
 
 @pytest.mark.parametrize("old, name, new", [

@@ -51,7 +51,7 @@ def test_missing_ipywidgets_names_the_extra():
         """
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "nbkit.widgets needs the ipywidgets package: pip install 'nbkit[notebook]'"
+    assert r.stdout.strip() == "nbkit.widgets needs the ipywidgets package (nbkit-cache's 'notebook' extra): pip install ipywidgets"
 
 
 def test_running_ipywidgets_version():
