@@ -7,6 +7,9 @@
 #                                          torchvision that install and import together, no torch_xla
 #                                          (the tests that need torch_xla skip)
 # torch_xla runs on the CPU with PJRT_DEVICE=CPU.
+# Both also build the test environments that some tests run in (tests/testenvs.py): ipywidgets 7.7.1 and
+# ipykernel 6 (.venvs/ipywidgets7, .venvs/ipykernel6) and the classic Notebook 6 (.venvs/classic-py3.13).
+# None holds torch, so the two stacks share them. The tests never install.
 
 # Colab's TPU runtime runs Python 3.13: use it (on PATH or under pyenv); python3 only when there is none.
 PY313 ?= $(shell for p in $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.13*/bin/python3.13 $$(command -v python3.13); do "$$p" -c "" 2>/dev/null && { echo "$$p"; break; }; done)
@@ -30,7 +33,9 @@ export PJRT_DEVICE ?= CPU
 python-check:
 	@test -n "$(PY313)" || [ "$(origin PYTHON)" != file ] || echo "make: no python3.13 found (on PATH or under pyenv): using $$(python3 -V 2>&1), not Colab's Python 3.13; install 3.13 or run make PYTHON=/path/to/python3.13" >&2
 
+# testenvs.py build: builds the test environments that are missing or out of date, says the rest are up to date.
 setup: python-check $(VENV)/.installed
+	$(BIN)/python tests/testenvs.py build
 
 # A venv built by another Python (e.g. an older .venv on 3.11) is rebuilt with $(PYTHON).
 pyver = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
@@ -53,6 +58,7 @@ $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$
 	$(call venv_recipe,$(VENV),$(TORCH_STACK))
 
 setup-newest: python-check $(VENV_NEWEST)/.installed
+	$(VENV_NEWEST)/bin/python tests/testenvs.py build
 
 $(VENV_NEWEST)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$(VENV_NEWEST))
 	$(call venv_recipe,$(VENV_NEWEST),$(NEWEST_STACK),PIP_CONSTRAINT=/dev/null)
