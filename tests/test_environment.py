@@ -1,5 +1,7 @@
-"""The environments the suite runs in: tests never install.
+"""The environments the suite runs in: environment.yml matches ``make setup``, and tests never install.
 
+* environment.yml (conda) pins the stack ``make setup`` builds: the Python version the Makefile
+  prefers, its TORCH_STACK, ``-e .[dev]`` and PJRT_DEVICE. Both are read, so they cannot drift apart.
 * ``make test`` / ``make test-newest`` run pytest with the package index unreachable, and nothing under
   tests/ or scripts/ installs packages or makes a virtual environment at test time except the builder
   ``make setup`` runs (tests/testenvs.py); a missing test environment fails with "run make setup".
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import testenvs
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 MAKEFILE = (REPO / "Makefile").read_text()
@@ -31,6 +34,26 @@ def recipe(target: str) -> list[str]:
     m = re.search(rf"^{re.escape(target)}:[^\n]*\n((?:\t[^\n]*\n)*)", MAKEFILE, re.M)
     assert m, f"the Makefile has no {target} target"
     return [line.strip() for line in m.group(1).splitlines()]
+
+
+# -- environment.yml --------------------------------------------------------------------------------------
+
+
+def test_environment_yml_pins_the_stack_make_setup_builds():
+    env = yaml.safe_load((REPO / "environment.yml").read_text())
+    deps = env["dependencies"]
+    pythons = [d.split("=", 1)[1] for d in deps if isinstance(d, str) and re.match(r"python\s*=", d)]
+    pip = next(d["pip"] for d in deps if isinstance(d, dict) and "pip" in d)
+
+    # The Python the Makefile looks for (PY313: pyenv's 3.13.* or python3.13 on PATH).
+    preferred = set(re.findall(r"python(\d+\.\d+)", make_variable("PY313")))
+    assert len(preferred) == 1, preferred
+    assert pythons == [preferred.pop()], (pythons, make_variable("PY313"))
+
+    assert pip == [*make_variable("TORCH_STACK").split(), "-e .[dev]"]
+    assert "$(call venv_recipe,$(VENV),$(TORCH_STACK))" in MAKEFILE  # make setup installs TORCH_STACK ...
+    assert "pip install -e '.[dev]' $(2)" in MAKEFILE  # ... and the dev extra with it
+    assert env["variables"] == {"PJRT_DEVICE": make_variable("PJRT_DEVICE")}
 
 
 # -- no installs at test time --------------------------------------------------------------------------------
