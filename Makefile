@@ -7,6 +7,10 @@
 #                                          torchvision that install and import together, no torch_xla
 #                                          (the tests that need torch_xla skip)
 # torch_xla runs on the CPU with PJRT_DEVICE=CPU.
+# Both also build the test environments that some tests run in (tests/testenvs.py): ipywidgets 7.7.1 and
+# ipykernel 6 (.venvs/ipywidgets7, .venvs/ipykernel6) and the classic Notebook 6 (.venvs/classic-py3.13).
+# None holds torch, so the two stacks share them. The tests never install: make test and make
+# test-newest run pytest with the package index unreachable (OFFLINE below).
 
 # Colab's TPU runtime runs Python 3.13: use it (on PATH or under pyenv); python3 only when there is none.
 PY313 ?= $(shell for p in $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.13*/bin/python3.13 $$(command -v python3.13); do "$$p" -c "" 2>/dev/null && { echo "$$p"; break; }; done)
@@ -23,6 +27,9 @@ TORCH_STACK  := torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0
 NEWEST_STACK := torch==2.15.0 torchvision==0.29.2
 VENV_NEWEST  ?= .venv-newest
 export PJRT_DEVICE ?= CPU
+# The environment of every pytest run: whatever the suite starts finds no package index (pip, uv).
+# tests/test_environment.py checks that the test targets use it.
+OFFLINE := PIP_NO_INDEX=1 PIP_INDEX_URL=http://127.0.0.1:9/simple UV_OFFLINE=1
 
 .PHONY: FORCE setup setup-newest test test-newest crash demo bench notebooks dist clean python-check
 
@@ -30,7 +37,9 @@ export PJRT_DEVICE ?= CPU
 python-check:
 	@test -n "$(PY313)" || [ "$(origin PYTHON)" != file ] || echo "make: no python3.13 found (on PATH or under pyenv): using $$(python3 -V 2>&1), not Colab's Python 3.13; install 3.13 or run make PYTHON=/path/to/python3.13" >&2
 
+# testenvs.py build: builds the test environments that are missing or out of date, says the rest are up to date.
 setup: python-check $(VENV)/.installed
+	$(BIN)/python tests/testenvs.py build
 
 # A venv built by another Python (e.g. an older .venv on 3.11) is rebuilt with $(PYTHON).
 pyver = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
@@ -53,21 +62,22 @@ $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$
 	$(call venv_recipe,$(VENV),$(TORCH_STACK))
 
 setup-newest: python-check $(VENV_NEWEST)/.installed
+	$(VENV_NEWEST)/bin/python tests/testenvs.py build
 
 $(VENV_NEWEST)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$(VENV_NEWEST))
 	$(call venv_recipe,$(VENV_NEWEST),$(NEWEST_STACK),PIP_CONSTRAINT=/dev/null)
 
 test: setup
-	$(BIN)/python -m pytest
+	$(OFFLINE) $(BIN)/python -m pytest
 
 # Every crash point of every operation (docs/CRASH.md); make test runs a fixed budget of them.
 # The summary table also goes to out/crash-report.json.
 crash: setup
-	NBKIT_CRASH=all NBKIT_CRASH_REPORT=out/crash-report.json $(BIN)/python -m pytest -m crash tests/crash -p no:cacheprovider
+	$(OFFLINE) NBKIT_CRASH=all NBKIT_CRASH_REPORT=out/crash-report.json $(BIN)/python -m pytest -m crash tests/crash -p no:cacheprovider
 
 # The same suite on the newest torch, without torch_xla: what needs torch_xla skips and says why.
 test-newest: setup-newest
-	$(VENV_NEWEST)/bin/python -m pytest
+	$(OFFLINE) $(VENV_NEWEST)/bin/python -m pytest
 
 demo: setup
 	$(BIN)/python -m nbkit.demo

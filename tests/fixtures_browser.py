@@ -21,6 +21,7 @@ from pathlib import Path
 
 import frontends
 import pytest
+import testenvs
 from servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,12 +132,13 @@ def lab_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def classic_server(tmp_path_factory, request):
-    """The classic Notebook 6 with ipywidgets 7.7.1 in server and kernel (see frontends.classic_env)."""
-    try:
-        python = frontends.classic_env(Path(request.config.cache.mkdir("nbkit-frontends")))
-    except frontends.FrontEndUnavailable as e:
-        pytest.skip(f"!!! the classic Notebook with ipywidgets 7.7.1 NOT TESTED: its environment could not be built: {e}")
+def classic_server(tmp_path_factory):
+    """The classic Notebook 6 with ipywidgets 7.7.1 in server and kernel (see frontends.classic_env).
+
+    ``make setup`` builds its environment; when it is missing the tests fail and say so (they never
+    install packages).
+    """
+    python = testenvs.required(frontends.classic_env)
     root = tmp_path_factory.mktemp("classic-root")
     with frontends.serve("classic", root, ARTIFACTS / "classic-server", python=str(python)) as server:
         yield server

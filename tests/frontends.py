@@ -3,9 +3,10 @@
 * **JupyterLab 4 with ipywidgets 8**: the ``jupyterlab`` of this environment (``make setup``
   installs it through the ``dev`` extra).
 * **The classic Notebook 6 with ipywidgets 7.7.1** (Colab's widget version): a separate virtual
-  environment made from ``tests/widgets7/classic.txt`` (:func:`classic_env`), whose server *and*
-  kernel import ipywidgets 7.7.1; a ``.pth`` file puts this environment's site-packages after its
-  own, so the kernel still imports torch, torchvision and nbkit from here.
+  environment made from ``tests/widgets7/classic.txt`` by ``make setup`` (tests/testenvs.py;
+  :func:`classic_env`), whose server *and* kernel import ipywidgets 7.7.1; a ``.pth`` file puts this
+  environment's site-packages (``NBKIT_MAIN_SITE``) after its own, so the kernel still imports torch,
+  torchvision and nbkit from here.
 
 Both servers run on a free 127.0.0.1 port with a token, serve a directory of notebook copies (they
 autosave), and keep their settings, runtime files and kernels away from the user's ``~/.jupyter``.
@@ -21,7 +22,6 @@ Copy chosen screenshots into the docs: ``python tests/frontends.py update-docs``
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -37,9 +37,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import testenvs
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-CLASSIC_REQUIREMENTS = HERE / "widgets7" / "classic.txt"
 ARTIFACTS = REPO / "test-artifacts"
 SCREENSHOTS = ARTIFACTS / "screenshots"
 DOCS_SCREENSHOTS = REPO / "docs" / "screenshots"
@@ -51,50 +52,18 @@ DOCS_CHOICE = [
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-class FrontEndUnavailable(RuntimeError):
-    """A front end cannot be built here (e.g. the package registry is unreachable); tests skip."""
-
-
 # -- the classic Notebook 6 environment -------------------------------------------------------------
 
 
-def classic_env(cache_dir: Path, timeout: float = 900) -> Path:
-    """The python of a virtual environment with the classic Notebook 6 and ipywidgets 7.7.1.
+def classic_env() -> Path:
+    """The python of the classic Notebook 6 environment (tests/testenvs.py; ``make setup`` builds it).
 
-    Made once per requirements file and interpreter in ``cache_dir`` (about 40 s, packages only:
-    no torch), then reused. Its site-packages come first, then this interpreter's, so the kernel
-    gets ipywidgets 7.7.1, ipykernel 6 and Notebook 6 from it and everything else from here.
+    Raises :class:`testenvs.Missing` (its message says to run ``make setup``) when it is not built:
+    the tests never install packages. The servers run it with ``NBKIT_MAIN_SITE`` set to the running
+    stack's site-packages (:func:`_isolated_env`), so its kernel gets ipywidgets 7.7.1,
+    ipykernel 6 and Notebook 6 from it and torch, torchvision and nbkit from here.
     """
-    pins = CLASSIC_REQUIREMENTS.read_text() + (HERE / "widgets7" / "requirements.txt").read_text()
-    main_site = sysconfig.get_paths()["purelib"]
-    key = hashlib.sha256(f"{pins}\n{sys.executable}\n{main_site}".encode()).hexdigest()[:12]
-    env_dir = Path(cache_dir) / f"classic-{key}"
-    python = env_dir / "bin" / "python"
-    marker = env_dir / ".complete"
-    if marker.exists():
-        return python
-    shutil.rmtree(env_dir, ignore_errors=True)
-    # The base interpreter, not this venv's: the new environment must not inherit this one's packages.
-    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    subprocess.run([str(base if base.exists() else sys.executable), "-m", "venv", str(env_dir)],
-                   check=True, capture_output=True, timeout=120)
-    r = subprocess.run(
-        [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "-r", str(CLASSIC_REQUIREMENTS)],
-        capture_output=True, text=True, timeout=timeout,
-    )
-    if r.returncode != 0:
-        offline = ("Max retries exceeded", "NewConnectionError", "Network is unreachable",
-                   "Temporary failure in name resolution", "No matching distribution found", "Could not fetch URL")
-        message = f"pip install -r {CLASSIC_REQUIREMENTS.relative_to(REPO)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-        if any(s in r.stdout + r.stderr for s in offline):
-            raise FrontEndUnavailable(message)
-        raise RuntimeError(message)
-    own_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              check=True, capture_output=True, text=True).stdout.strip()
-    # addsitedir appends, and runs that directory's .pth files (the editable nbkit install, ...).
-    (Path(own_site) / "zz_nbkit_main_env.pth").write_text(f"import site; site.addsitedir({main_site!r})\n")
-    marker.write_text(json.dumps({"requirements": pins, "main_site": main_site}))
-    return python
+    return testenvs.classic_python()
 
 
 # -- servers ---------------------------------------------------------------------------------------------
@@ -159,6 +128,8 @@ def _isolated_env(state: Path) -> dict:
         "JUPYTERLAB_SETTINGS_DIR": str(dirs["settings"]),
         "JUPYTERLAB_WORKSPACES_DIR": str(dirs["workspaces"]),
         "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU"),
+        # The classic Notebook's environment adds this environment's packages after its own (testenvs.py).
+        "NBKIT_MAIN_SITE": sysconfig.get_paths()["purelib"],
         # The kernels import the checkout under test (not some other installed nbkit).
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     })

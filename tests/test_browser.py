@@ -8,8 +8,8 @@
   panel and the meter at 400, 600, 1000 and 1400 px, and nothing cut at 400 or 600 px.
 
 The front ends and the driver are in ``tests/frontends.py``. Run alone:
-``PJRT_DEVICE=CPU .venv/bin/python -m pytest tests/test_browser.py`` (the first run also builds the
-classic Notebook's environment, about 40 s). Screenshots land in ``test-artifacts/screenshots/``;
+``PJRT_DEVICE=CPU .venv/bin/python -m pytest tests/test_browser.py`` (after ``make setup``, which also
+builds the classic Notebook's environment: tests/testenvs.py). Screenshots land in ``test-artifacts/screenshots/``;
 ``python tests/frontends.py update-docs`` copies them into ``docs/screenshots/``.
 """
 

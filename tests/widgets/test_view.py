@@ -2,13 +2,12 @@
 kernel, widgets inside one, and ipywidgets 7.7.1.
 
 Run: ``PJRT_DEVICE=CPU .venv/bin/python -m pytest tests/widgets``. The last test runs this whole
-directory again in a subprocess with ipywidgets 7.7.1 (Colab's TPU runtime) first on the path.
+directory again in a subprocess with ipywidgets 7.7.1 (Colab's TPU runtime) first on the path, from
+``.venvs/ipywidgets7`` (``make setup`` builds it: tests/testenvs.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import subprocess
@@ -17,11 +16,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import testenvs
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-WIDGETS7_REQUIREMENTS = HERE.parent / "widgets7" / "requirements.txt"
-IPYKERNEL6_REQUIREMENTS = HERE.parent / "ipykernel6" / "requirements.txt"
 
 
 # -- optional import --------------------------------------------------------------------------------
@@ -137,44 +135,17 @@ def test_in_a_kernel_both_widgets_render_as_widgets(tmp_path, monkeypatch):
 # -- ipywidgets 7.7.1 (Colab's TPU runtime) --------------------------------------------------------------
 
 
-def _widgets7_dir(request, requirements: Path = WIDGETS7_REQUIREMENTS, name: str = "ipywidgets7") -> Path:
-    """ipywidgets 7.7.1 and its companions (or another ``requirements`` file), pip-installed once into a cached directory."""
-    pins = requirements.read_text()
-    key = hashlib.sha256(pins.encode()).hexdigest()[:12]
-    target = Path(request.config.cache.mkdir(f"{name}-{key}"))
-    marker = target / ".complete"
-    if marker.exists():
-        return target
-    # --no-deps: only these packages go first on the path; IPython, traitlets and ipykernel stay
-    # the environment's own, as on Colab where ipywidgets 7 sits next to the runtime's kernel.
-    r = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--disable-pip-version-check",
-         "--target", str(target), "-r", str(requirements)],
-        capture_output=True, text=True, timeout=600,
-    )
-    if r.returncode != 0:
-        offline = ("Max retries exceeded", "NewConnectionError", "Network is unreachable", "Temporary failure in name resolution",
-                   "No matching distribution found", "Could not fetch URL", "ConnectTimeout", "ProxyError")
-        if any(s in r.stdout + r.stderr for s in offline):
-            pytest.skip(
-                "!!! ipywidgets 7.7.1 NOT TESTED: the package registry is unreachable, so pip could not install "
-                f"{requirements}. pip said: {(r.stderr or r.stdout).strip().splitlines()[-1]}"
-            )
-        raise RuntimeError(f"pip install of {requirements} failed:\n{r.stdout}\n{r.stderr}")
-    marker.write_text(json.dumps({"requirements": pins}))
-    return target
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get("NBKIT_EXPECT_IPYWIDGETS")), reason="already the ipywidgets 7 run")
-def test_this_directory_passes_with_ipywidgets_7_7_1(request):
-    target = _widgets7_dir(request)
+def test_this_directory_passes_with_ipywidgets_7_7_1():
+    # make setup builds both directories (tests/testenvs.py); a missing one fails the test and says so.
+    target = testenvs.required(testenvs.widgets7_dir)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(target), str(REPO), os.environ.get("PYTHONPATH", "")]),
         "NBKIT_EXPECT_IPYWIDGETS": "7.7.1",
         # Colab pairs ipywidgets 7.7.1 with ipykernel 6: test_poll.py also starts a kernel with it.
-        "NBKIT_IPYKERNEL6_PATH": str(_widgets7_dir(request, IPYKERNEL6_REQUIREMENTS, "ipykernel6")),
+        "NBKIT_IPYKERNEL6_PATH": str(testenvs.required(testenvs.ipykernel6_dir)),
     }
     r = subprocess.run(
         # Left out: tests that exercise no ipywidgets code (the import checks) or only wait (the
