@@ -52,6 +52,8 @@ define venv_recipe
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install --upgrade pip
 	$(3) $(1)/bin/python -m pip install $(2)
+	# A venv made before the rename (the distribution was "nbkit", the index's unrelated project's name).
+	$(1)/bin/python -m pip uninstall -y -q nbkit 2>/dev/null || true
 	$(3) $(1)/bin/python -m pip install -e '.[dev]' $(2)
 	sh scripts/install-system-deps.sh
 	$(1)/bin/python -c 'import sys, torch, torchvision; print("$(1):", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__)'
