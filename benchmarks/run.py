@@ -3,9 +3,11 @@
 Each benchmark is a script that runs on its own (``python benchmarks/bench_x.py``), accepts
 ``--quick`` for a small smoke run, prints its table and writes it as markdown to
 ``benchmarks/results/<x>.md``. This runner starts each one in its own process (one crashing does
-not stop the others), then writes ``BENCHMARKS.md``: the hand-written introduction (the text above
-the marker line of the existing file is kept as is), the machine the numbers come from, and every
-``benchmarks/results/*.md``.
+not stop the others), stamps the results files each run wrote with this machine and today's date
+(a ``<!-- measured on: MACHINE; DATE -->`` line on top), then writes ``BENCHMARKS.md``: the
+hand-written introduction (the text above the marker line of the existing file is kept as is), the
+machine that ran it, and every ``benchmarks/results/*.md``, each section titled with the machine
+and date of its numbers. Results of one benchmark from one machine form one section.
 
 Usage::
 
@@ -30,6 +32,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -115,9 +118,52 @@ def machine_info() -> str:
         ("numpy", _version("numpy")),
         ("nbkit revision", _git_revision()),
     ]
-    lines = ["## Machine", "", "| | |", "|---|---|"]
+    lines = ["## Machine that ran `benchmarks/run.py` last", "",
+             "Each section below names the machine and the date of its own numbers.", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"
+
+
+def _gpus() -> str | None:
+    """The NVIDIA GPUs here, as ``nvidia-smi`` names them ("NVIDIA H100 80GB HBM3"), else None."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [n.strip() for n in out if n.strip()]
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else f"{len(names)} × {names[0]}"
+
+
+def this_machine() -> str:
+    """This machine in a few words, for section titles: the GPU if any, the CPUs, the memory."""
+    cpus = f"{os.cpu_count()} × {_cpu_model()}"
+    gpu = _gpus()
+    if gpu:
+        return f"{gpu} ({cpus}, {_memory_gb()} RAM)"
+    return f"{cpus} ({_memory_gb()} RAM, no GPU)"
+
+
+# The provenance line at the top of a results file; the bench scripts do not write it, run.py does.
+_STAMP = re.compile(r"^<!-- measured on: (?P<machine>[^;\n]+); (?P<date>\d{4}-\d{2}-\d{2}) -->\n", re.M)
+
+
+def stamp(md: Path, machine: str, date: str) -> None:
+    """Record in a results file the machine and the date its numbers come from (replacing an older stamp)."""
+    text = _STAMP.sub("", md.read_text())
+    md.write_text(f"<!-- measured on: {machine}; {date} -->\n{text}")
+
+
+def stamp_new_results(results_dir: Path, since: float) -> list[Path]:
+    """Stamp every results file written since ``since`` (a ``time.time()``) with this machine and today."""
+    fresh = [md for md in sorted(results_dir.glob("*.md")) if md.stat().st_mtime >= since]
+    if fresh:
+        machine, today = this_machine(), datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        for md in fresh:
+            stamp(md, machine, today)
+    return fresh
 
 
 def read_intro(path: Path = OUTPUT) -> str:
@@ -152,15 +198,72 @@ def _relink(text: str, md_dir: Path, out_dir: Path) -> str:
     return _LINK.sub(fix, text)
 
 
+@dataclass
+class Result:
+    """One results file: its section title, the rest of its text, and where and when it was measured."""
+
+    path: Path
+    title: str
+    body: str
+    machine: str
+    dates: list[str]
+
+
+_MACHINE_LINE = re.compile(r"^Machine: (.+?)\.(?: |$)", re.M)  # bench_device's own line
+_MEASURED = re.compile(r"\bmeasured (\d{4}-\d{2}-\d{2})")     # bench_engine's per-workload dates
+
+
+def read_result(md: Path) -> Result:
+    """Parse a results file: its first ``## `` heading, its stamp (else bench_device's "Machine:" line)."""
+    text = md.read_text()
+    found = _STAMP.search(text)
+    text = _STAMP.sub("", text).lstrip("\n")
+    first, _, body = text.partition("\n")
+    title = first[3:].strip() if first.startswith("## ") else md.stem
+    body = body if first.startswith("## ") else text
+    if found:
+        machine = found["machine"].strip()
+    elif line := _MACHINE_LINE.search(text):
+        # "one NVIDIA H100 80GB HBM3, 16 CPU cores, torch 2.11.0+cu130, Python 3.12.3": the hardware only.
+        machine = ", ".join(p for p in line[1].split(", ") if not p.startswith(("torch", "Python")))
+    else:
+        machine = "machine not recorded"
+    dates = sorted(set(_MEASURED.findall(text)) | ({found["date"]} if found else set()))
+    return Result(md, title, body, machine, dates)
+
+
+def _title(r: Result) -> str:
+    dates = " and ".join(r.dates) or "date not recorded"
+    return f"{r.machine}, {dates}"
+
+
+def _one_level_down(text: str) -> str:
+    return re.sub(r"^(#{2,5}) ", r"#\1 ", text, flags=re.M)
+
+
 def assemble(results_dir: Path = RESULTS, output: Path = OUTPUT, failures: list[str] | None = None) -> str:
     """Write ``output`` from its kept introduction, the machine section and every results file."""
     parts = [read_intro(output), MARKER, "", machine_info()]
     # The engine first (issue 2's targets), the device benchmark (issue 11), then the issues in order.
     order = {name: k for k, name in enumerate(("engine", "device-cuda", "device-cpu", "scale", "transfer", "trust", "budget", "redis",
                                                "readthrough"))}
-    for md in sorted(results_dir.glob("*.md"), key=lambda p: (order.get(p.stem, len(order)), p.stem)):
-        parts.append(_relink(md.read_text(), md.parent, output.parent).rstrip() + "\n")
-        parts.append(f"<sub>Source: `benchmarks/results/{md.name}`.</sub>\n")
+    results = [read_result(md) for md in sorted(results_dir.glob("*.md"), key=lambda p: (order.get(p.stem, len(order)), p.stem))]
+    # One section per benchmark (title) and machine, the sections of one benchmark together; a second
+    # results file of the same benchmark from the same machine follows the first, one heading level down.
+    sections: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        sections.setdefault((r.title, r.machine), []).append(r)
+    titles = list(dict.fromkeys(r.title for r in results))
+    for (title, _), group in sorted(sections.items(), key=lambda kv: titles.index(kv[0][0])):
+        first, *more = group
+        parts.append(f"## {title} — {_title(first)}\n")
+        for r in group:
+            body = _relink(r.body, r.path.parent, output.parent).strip() + "\n"
+            if r is not first:
+                parts.append(f"### Also measured on this machine, {' and '.join(r.dates) or 'date not recorded'}\n")
+                body = _one_level_down(body)
+            parts.append(body)
+            parts.append(f"<sub>Source: `benchmarks/results/{r.path.name}`.</sub>\n")
     if failures:
         parts.append("## Benchmarks that failed in this run\n")
         parts += [f"- {f}" for f in failures]
@@ -195,7 +298,9 @@ def main(argv=None) -> int:
     failures = []
     if not args.assemble_only:
         for script in scripts:
+            started = time.time()
             rc, seconds = run_benchmark(script, ["--quick"] if args.quick else [])
+            stamp_new_results(RESULTS, since=started)
             if rc != 0:
                 failures.append(f"`{script.name}` exited with status {rc} after {seconds:.0f} s; see its output.")
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -126,6 +126,28 @@ def test_assemble_rewrites_relative_links_to_resolve_from_the_output(tmp_path):
     assert "[c](https://x.org/a.png)" in text and "[d](gone.png)" in text
 
 
+def test_assemble_titles_each_section_with_its_machine_and_shows_each_machine_once(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "device-cuda.md").write_text("## Device\n\nMachine: one NVIDIA H100 80GB HBM3, 16 CPU cores, torch 2.11.0, "
+                                            "Python 3.12.3. Batch 256.\n\n### mnist\n\ngpu numbers\n")
+    (results / "device-cpu.md").write_text("## Device\n\ncpu numbers\n")
+    (results / "device-cpu-recheck.md").write_text("## Device\n\n### mnist\n\nrecheck numbers\n")
+    (results / "transfer.md").write_text("## Transfer\n\nnumbers\n")
+    for stem in ("device-cpu", "device-cpu-recheck"):
+        bench_run.stamp(results / f"{stem}.md", "2 × CPU (8.0 GiB RAM, no GPU)", "2026-11-23")
+    bench_run.stamp(results / "device-cpu.md", "2 × CPU (8.0 GiB RAM, no GPU)", "2026-11-24")  # a rerun replaces the stamp
+    text = bench_run.assemble(results, tmp_path / "BENCHMARKS.md")
+
+    titles = [ln for ln in text.splitlines() if ln.startswith("## ") and not ln.startswith("## Machine")]
+    assert titles == ["## Device — one NVIDIA H100 80GB HBM3, 16 CPU cores, date not recorded",  # from its Machine: line
+                      "## Device — 2 × CPU (8.0 GiB RAM, no GPU), 2026-11-24",
+                      "## Transfer — machine not recorded, date not recorded"]
+    # The same machine's second file follows its first, one heading level down.
+    assert text.index("cpu numbers") < text.index("### Also measured on this machine, 2026-11-23") < text.index("#### mnist")
+    assert "<!--" not in text.split(bench_run.MARKER, 1)[1]
+
+
 def test_data_check_tells_a_wrong_batch_from_a_right_one():
     import torch
 
