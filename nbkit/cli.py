@@ -6,6 +6,8 @@ Each takes ``--json`` (one JSON document on stdout) and ``--debug`` (a traceback
 Exit codes: 0 done; 1 the operation failed or found a problem (a damaged cache, a refusal, a
 network error: one line on stderr says what and the fix); 2 the command line is wrong.
 Long operations show a progress line on stderr when it is a terminal (``--progress`` forces it).
+Parsing the command line imports nothing of nbkit's engine: each command imports what it uses, and
+``ls``, ``info``, ``verify``, ``rm`` and ``prune`` never import torch (``tests/test_cli_imports.py``).
 
 Example:
     >>> import tempfile
@@ -19,13 +21,11 @@ Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
 import sys
 
-from . import disk
 from .text import Table, format_bytes, format_count, format_seconds, printable
 
 __all__ = ["main", "parse_size", "parse_duration", "OK", "FAILED", "USAGE"]
@@ -37,6 +37,9 @@ _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(s|m|h|d|w)?\s*\Z", re.I)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _MAX_SIZE = float(2**63)  # bytes: above any disk, and what an int64 offset holds
 _MAX_SECONDS = 100 * 365.25 * 86400
+#: ``nbkit ls --max-depth``'s default: :data:`nbkit.disk.MAX_DEPTH`, written here so that parsing the
+#: command line imports nothing (tests/test_cli.py checks that they agree).
+LS_MAX_DEPTH = 6
 
 
 def parse_size(text: str) -> int:
@@ -108,6 +111,8 @@ def _emit(args, data, text: str) -> None:
 
 
 def _report(args, what: str, report) -> int:
+    import dataclasses
+
     data = dataclasses.asdict(report)
     text = (f"{what}: {len(report.transferred)} files copied ({format_bytes(report.bytes)}), {len(report.skipped)} "
             f"already there, in {format_seconds(report.seconds)}" + (" (stopped)" if report.stopped else ""))
@@ -119,6 +124,8 @@ def _report(args, what: str, report) -> int:
 
 
 def _ls(args) -> int:
+    from . import disk
+
     found = disk.caches(*args.roots, max_depth=args.max_depth)
     _emit(args, [c.to_json() for c in found], found.table().text())
     return OK
@@ -147,6 +154,7 @@ def _leaf_names(node, prefix: str = "") -> list[str]:
 
 
 def _info(args) -> int:
+    from . import disk
     from . import format as fmt
     from .cachedir import cache_root
     from .codec import Schema
@@ -195,20 +203,27 @@ def _info(args) -> int:
 
 
 def _verify(args) -> int:
-    from .dataset import CachedDataset
+    # CachedDataset.open(path).verify(), without the dataset (and so without torch): the same store, the same check.
+    from . import format as fmt
     from .errors import CorruptCacheError
+    from .stores import registry
 
-    ds = CachedDataset.open(args.path, storage_options=args.options)
+    location = registry.resolve(args.path, args.options)
+    location.prepare()
+    meta = location.read_meta()
+    if meta is None:
+        raise location.not_found()
+    store = location.open_store(meta, writable=False)
     cb = _progress(args, "verify")
     try:
-        n = ds.verify(callback=cb)
+        n = fmt.verify_store(store, where=location.url, callback=cb)
     except CorruptCacheError as e:
         _done(cb)
         if args.json:
             _emit(args, {"path": args.path, "ok": False, "error": str(e)}, "")
         raise
     _done(cb)
-    total = len(ds)
+    total = int(meta["length"])
     _emit(args, {"path": args.path, "ok": True, "verified": n, "length": total},
           f"{args.path}: {format_count(n)} stored samples of {format_count(total)} verified, all intact")
     return OK
@@ -255,6 +270,8 @@ def _removals(args, removed: list, verb: str) -> int:
 
 
 def _rm(args) -> int:
+    from . import disk
+
     removed = []
     for path in args.paths:
         try:
@@ -269,6 +286,8 @@ def _rm(args) -> int:
 def _prune(args) -> int:
     if args.older_than is None and args.max_size is None:
         args.parser.error("say what to prune: --older-than 7d, --max-size 10GB, or both")
+    from . import disk
+
     removed = disk.prune(older_than=args.older_than, max_bytes=args.max_size, dry_run=args.dry_run)
     return _removals(args, removed, "removed")
 
@@ -299,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("ls", _ls, "list the caches under ROOTS and every working copy in $NBKIT_CACHE_DIR")
     p.add_argument("roots", nargs="*", metavar="ROOT")
-    p.add_argument("--max-depth", type=int, default=disk.MAX_DEPTH, help="directories to look down (default %(default)s)")
+    p.add_argument("--max-depth", type=int, default=LS_MAX_DEPTH, help="directories to look down (default %(default)s)")
     p = command("info", _info, "schema, fields, source fingerprint and completeness of one cache")
     p.add_argument("path")
     p = command("verify", _verify, "check every stored sample's checksum (exit 1 if any is damaged)", (common, remote))

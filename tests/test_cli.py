@@ -140,6 +140,13 @@ def test_ls_lists_caches_as_a_table_and_as_json(tmp_path, env):
     assert json.loads(ok(nbkit_cli(env, "ls", "--json")).stdout) == []  # an empty $NBKIT_CACHE_DIR
 
 
+def test_ls_max_depth_default_is_the_one_nbkit_caches_uses():
+    from nbkit.cli import LS_MAX_DEPTH
+    from nbkit.disk import MAX_DEPTH
+
+    assert LS_MAX_DEPTH == MAX_DEPTH
+
+
 def test_info_describes_schema_fields_fingerprint_and_completeness(tmp_path, env):
     root = make_cache(tmp_path / "c")
     data = json.loads(ok(nbkit_cli(env, "info", "--json", root)).stdout)
