@@ -125,9 +125,15 @@ def _report(args, what: str, report) -> int:
 
 def _ls(args) -> int:
     from . import disk
+    from .stores.mirror import cache_dir
 
     found = disk.caches(*args.roots, max_depth=args.max_depth)
-    _emit(args, [c.to_json() for c in found], found.table().text())
+    copies = f"working copies of remote caches in {cache_dir()} ($NBKIT_CACHE_DIR)"
+    if args.roots:
+        where = f"caches under {', '.join(os.path.abspath(os.path.expanduser(r)) for r in args.roots)}, and {copies}"
+    else:
+        where = f"{copies}; nbkit ls DIR lists the caches under DIR"
+    _emit(args, [c.to_json() for c in found], f"{where}\n\n{found.table().text()}")
     return OK
 
 
@@ -151,6 +157,54 @@ def _leaf_names(node, prefix: str = "") -> list[str]:
     fields = node[3] or [f"[{k}]" for k in range(len(node[2]))]  # a namedtuple
     return [n for f, c in zip(fields, node[2])
             for n in _leaf_names(c, prefix + (f if f.startswith("[") or not prefix else "." + f))]
+
+
+_CONTAINERS = {"T": ("tuple", "()"), "L": ("list", "[]"), "D": ("dict", "{}")}
+#: Children of one container shown by :func:`describe_structure` (the field table lists them all).
+_SHOWN = 8
+
+
+def _leaf_text(leaf) -> str:
+    """One stored value as :func:`nbkit.transforms.describe_sample` writes a sample's: ``Tensor[1, 28, 28] float32``."""
+    if leaf.kind in ("tensor", "ndarray"):
+        shape = ", ".join(map(str, leaf.shape)) if leaf.store == "col" else "…"  # a var leaf's shape varies
+        dtype = _dtype_name(leaf.dtype)
+        return f"{'Tensor' if leaf.kind == 'tensor' else 'ndarray'}[{shape}]" + (f" {dtype}" if dtype else "")
+    if leaf.kind == "npscalar":
+        return f"numpy {_dtype_name(leaf.dtype)}"
+    if leaf.kind == "pil":
+        return f"PIL image {leaf.mode} {leaf.shape[1]}x{leaf.shape[0]}" if leaf.store == "col" else "PIL image"
+    return {"none": "None", "pickle": "pickled object"}.get(leaf.kind, leaf.kind)
+
+
+def describe_structure(structure, leaves) -> str:
+    """A cache's sample as Python types, from its schema (``structure``, ``leaves``).
+
+    Example:
+        >>> from nbkit.codec import Schema
+        >>> s = Schema.from_json({"structure": ["T", ["*", "*"]], "leaves": [
+        ...     {"kind": "tensor", "store": "col", "dtype": "float32", "shape": [1, 28, 28], "column": 0},
+        ...     {"kind": "int", "store": "col", "dtype": "<i8", "shape": [], "column": 1}]})
+        >>> describe_structure(s.structure, s.leaves)
+        'tuple (Tensor[1, 28, 28] float32, int)'
+    """
+    it = iter(leaves)
+
+    def node(n) -> str:
+        if n == "*":
+            return _leaf_text(next(it))
+        children = n[1] if n[0] in ("T", "L") else n[2]
+        parts = [node(c) for c in children]  # every child: the leaves are consumed in order
+        if n[0] == "D":
+            parts = [f"{k!r}: {p}" for k, p in zip(n[1], parts)]
+        elif n[0] == "N" and n[3] is not None:
+            parts = [f"{f}: {p}" for f, p in zip(n[3], parts)]
+        if len(parts) > _SHOWN:
+            parts = parts[:_SHOWN] + [f"… {len(parts) - _SHOWN} more"]
+        name, brackets = _CONTAINERS.get(n[0]) or (n[1].rpartition(":")[2].rpartition(".")[2], "()")
+        return f"{name} {brackets[0]}{', '.join(parts)}{brackets[1]}"
+
+    return node(structure)
 
 
 def _info(args) -> int:
@@ -179,7 +233,8 @@ def _info(args) -> int:
     data = {
         "path": root, "version": meta["version"], "length": about.length, "stored": about.stored,
         "complete": about.complete, "bytes": about.bytes, "in_use": about.in_use,
-        "structure": None if schema is None else meta["schema"]["structure"], "fields": leaves,
+        "structure": None if schema is None else meta["schema"]["structure"],
+        "sample": None if schema is None else describe_structure(schema.structure, schema.leaves), "fields": leaves,
         "fingerprint": {"type": fp.get("type"), "length": fp.get("length"), "transforms": transforms,
                         "probes": len(fp.get("samples") or {})},
         "max_bytes": meta.get("max_bytes"), "allow_pickle": meta.get("allow_pickle", False),
@@ -189,7 +244,7 @@ def _info(args) -> int:
         ("samples", f"{format_count(about.stored)}/{format_count(about.length)}" + (" (complete)" if about.complete else "")),
         ("on disk", format_bytes(about.bytes) + (" (in use)" if about.in_use else "")),
         ("format", f"version {meta['version']}"),
-        ("structure", "free-form samples" if schema is None else json.dumps(data["structure"])),
+        ("sample", "free-form samples (each stored with its own structure)" if schema is None else data["sample"]),
         ("source", f"{fp.get('type')} of {length}, {len(fp.get('samples') or {})} samples hashed"
          + (f", {transforms}" if transforms else "")),
     ]
@@ -311,13 +366,16 @@ def build_parser() -> argparse.ArgumentParser:
                "Working copies of remote caches live in $NBKIT_CACHE_DIR (default ~/.cache/nbkit).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name, fn, help, parents=(common,)):
-        p = sub.add_parser(name, parents=list(parents), help=help, description=help)
+    def command(name, fn, help, parents=(common,), description=None):
+        p = sub.add_parser(name, parents=list(parents), help=help, description=description or help)
         p.set_defaults(fn=fn, parser=p, options=[])
         return p
 
-    p = command("ls", _ls, "list the caches under ROOTS and every working copy in $NBKIT_CACHE_DIR")
-    p.add_argument("roots", nargs="*", metavar="ROOT")
+    p = command("ls", _ls, "list the caches under ROOTs and the working copies in $NBKIT_CACHE_DIR",
+                description="List the caches under each ROOT, and the working copies of remote caches in $NBKIT_CACHE_DIR "
+                            "(default ~/.cache/nbkit). With no ROOT it lists only those working copies: nbkit ls DIR lists "
+                            "the caches under DIR, nbkit ls . those under this directory.")
+    p.add_argument("roots", nargs="*", metavar="ROOT", help="a directory to look for caches in (and below it)")
     p.add_argument("--max-depth", type=int, default=LS_MAX_DEPTH, help="directories to look down (default %(default)s)")
     p = command("info", _info, "schema, fields, source fingerprint and completeness of one cache")
     p.add_argument("path")
