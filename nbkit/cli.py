@@ -242,7 +242,7 @@ def _info(args) -> int:
     lines = [
         ("path", root),
         ("samples", f"{format_count(about.stored)}/{format_count(about.length)}" + (" (complete)" if about.complete else "")),
-        ("on disk", format_bytes(about.bytes) + (" (in use)" if about.in_use else "")),
+        ("on disk", format_bytes(about.bytes) + " (sample data, index and metadata)" + (", in use" if about.in_use else "")),
         ("format", f"version {meta['version']}"),
         ("sample", "free-form samples (each stored with its own structure)" if schema is None else data["sample"]),
         ("source", f"{fp.get('type')} of {length}, {len(fp.get('samples') or {})} samples hashed"

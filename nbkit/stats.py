@@ -118,7 +118,7 @@ class Stats(HitRate):
         return (
             f"cached {self.cached}/{self.total}{budget} ({100.0 * self.cached / max(self.total, 1):.1f}%), "
             f"hits {self.hits}, misses {self.misses}, hit rate {100.0 * self.hit_rate:.1f}%, "
-            f"{format_bytes(self.bytes)} stored"
+            f"{format_bytes(self.bytes)} of sample data"
         )
 
 
