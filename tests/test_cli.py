@@ -170,6 +170,7 @@ def test_info_describes_schema_fields_fingerprint_and_completeness(tmp_path, env
     text = ok(nbkit_cli(env, "info", root)).stdout
     assert "48/48 (complete)" in text and "float32" in text and "3×4" in text and "TensorDataset" in text
     assert "sample   tuple (Tensor[3, 4] float32, Tensor[] int64)\n" in text and '["T"' not in text
+    assert f"on disk  {nbkit.text.format_bytes(data['bytes'])} (sample data, index and metadata)\n" in text
     failed(nbkit_cli(env, "info", tmp_path), "no nbkit cache")
     debug = nbkit_cli(env, "info", "--debug", tmp_path)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
