@@ -7,7 +7,8 @@ Exit codes: 0 done; 1 the operation failed or found a problem (a damaged cache, 
 network error: one line on stderr says what and the fix); 2 the command line is wrong.
 Long operations show a progress line on stderr when it is a terminal (``--progress`` forces it).
 Parsing the command line imports nothing of nbkit's engine: each command imports what it uses, and
-``ls``, ``info``, ``verify``, ``rm`` and ``prune`` never import torch (``tests/test_cli_imports.py``).
+none imports torch (``tests/test_cli_imports.py``): a cache is listed, checked, copied and removed
+without reading a sample into a tensor.
 
 Example:
     >>> import tempfile

@@ -1,4 +1,4 @@
-"""The ``nbkit`` commands that list, describe, check and remove caches never import torch (issue 26).
+"""No ``nbkit`` command imports torch: listing, describing, checking, copying and removing a cache need none (issue 26).
 
 Each command runs in a fresh interpreter on a real cache, and reports what it left in ``sys.modules``.
 How fast that makes them is measured by ``benchmarks/bench_cli.py``, not asserted here.
@@ -61,7 +61,7 @@ def test_help_loads_neither_torch_nor_numpy(env):
         assert run(env, *args) == {"rc": 0, "loaded": []}, args
 
 
-def test_ls_info_verify_rm_prune_never_import_torch(tmp_path, env):
+def test_no_command_imports_torch(tmp_path, env):
     root = make_cache(tmp_path / "caches" / "c")
     doomed = make_cache(tmp_path / "caches" / "doomed")
     copy = make_cache(Path(env["NBKIT_CACHE_DIR"]) / "copy")
@@ -71,6 +71,9 @@ def test_ls_info_verify_rm_prune_never_import_torch(tmp_path, env):
         ["verify", root], ["verify", "--json", "--progress", root],
         ["rm", "--dry-run", doomed], ["rm", doomed],
         ["prune", "--older-than", "0s", "--dry-run"], ["prune", "--max-size", "0"],
+        ["export", root, tmp_path / "c.tar"], ["import", tmp_path / "c.tar", tmp_path / "imported"],
+        ["push", root, f"file://{tmp_path}/bucket/c"], ["pull", f"file://{tmp_path}/bucket/c", tmp_path / "pulled"],
+        ["verify", f"file://{tmp_path}/bucket/c"],
     ]
     for args in commands:
         result = run(env, *args)
