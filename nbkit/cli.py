@@ -318,7 +318,7 @@ def _pull(args) -> int:
 
 def _removals(args, removed: list, verb: str) -> int:
     freed = sum(r.bytes for r in removed)
-    lines = [f"{'would remove' if args.dry_run else verb} {r.path} ({format_bytes(r.bytes)})"
+    lines = [f"{'would remove' if args.dry_run else verb} {r.path} ({format_bytes(r.bytes)} on disk)"
              + (f"; left in place (not cache files): {', '.join(r.left)}" if r.left else "") for r in removed]
     lines.append(f"{'would free' if args.dry_run else 'freed'} {format_bytes(freed)}")
     _emit(args, {"removed": [r.to_json() for r in removed], "bytes": freed, "dry_run": args.dry_run}, "\n".join(lines))
