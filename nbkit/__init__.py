@@ -45,8 +45,8 @@ __all__ = [
 ]
 
 # Each public name is imported from its module on first use, so that ``import nbkit`` (and the
-# ``nbkit`` command, whose ``ls``, ``info``, ``verify``, ``rm`` and ``prune`` never need torch) loads
-# no more than it uses: torch loads with the engine, the optional world with its front end.
+# ``nbkit`` command, which never needs torch) loads no more than it uses: torch loads with the
+# engine, the optional world with its front end.
 _PUBLIC = {
     "CachedDataset": "dataset", "CacheLoader": "cacheloader", "DeviceLoader": "loader", "collate": "collate",
     "fields": "transforms", "register_namedtuple": "codec", "Callback": "progress", "TextProgress": "progress",

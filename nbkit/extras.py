@@ -3,8 +3,8 @@
 ``import nbkit`` needs torch, numpy and fsspec only. Everything else (ipywidgets, matplotlib, gcsfs,
 redis, zstandard, torch_xla) is imported where it is used, through :func:`require`, so a missing
 package fails at the first use with the exact install command. torch itself loads on the first use
-of what needs it (a dataset, a tensor): the command line's listing and checking commands never do,
-and :func:`is_tensor` tells a tensor without importing torch.
+of what needs it (a dataset, a tensor): the ``nbkit`` command never does, and :func:`is_tensor`
+tells a tensor without importing torch.
 
 Example:
     >>> from nbkit.extras import require
