@@ -10,15 +10,14 @@ Example:
     torch.Size([16, 4])
 """
 
-from .cacheloader import CacheLoader
-from .codec import register_namedtuple
-from .collate import collate
-from .dataset import CachedDataset
-from .loader import DeviceLoader
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
 from .errors import (CorruptCacheError, MissingSampleError, NondeterministicSourceError, StaleCacheError,
                      UnsafeArchiveError)
-from .progress import Callback, TextProgress
-from .transforms import fields
 
 __version__ = "0.1.0"
 
@@ -45,28 +44,46 @@ __all__ = [
     "prune",
 ]
 
+# Each public name is imported from its module on first use, so that ``import nbkit`` (and the
+# ``nbkit`` command, which never needs torch) loads no more than it uses: torch loads with the
+# engine, the optional world with its front end.
+_PUBLIC = {
+    "CachedDataset": "dataset", "CacheLoader": "cacheloader", "DeviceLoader": "loader", "collate": "collate",
+    "fields": "transforms", "register_namedtuple": "codec", "Callback": "progress", "TextProgress": "progress",
+    "export_tar": "archive", "import_tar": "archive", "push": "transfer", "pull": "transfer",
+    "caches": "disk", "remove": "disk", "prune": "disk",
+}
+
 
 def __getattr__(name):
-    # Transfer functions live in their own modules; import them on first use.
-    if name in ("export_tar", "import_tar"):
-        from . import archive
-
-        return getattr(archive, name)
-    if name in ("caches", "remove", "prune"):
-        from . import disk
-
-        return getattr(disk, name)
-    if name in ("push", "pull"):
-        from . import transfer
-
-        return getattr(transfer, name)
-    if name in _SUBMODULES:
-        # nbkit.tpu, nbkit.widgets … load (with their optional dependencies) on first use.
-        import importlib
-
-        return importlib.import_module(f"{__name__}.{name}")
+    module = _PUBLIC.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        globals()[name] = value  # found directly from now on
+        return value
+    if not name.startswith("_"):
+        # A submodule (nbkit.tpu, nbkit.widgets, nbkit.dataset …) loads, with its dependencies, on first use.
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module 'nbkit' has no attribute {name!r}")
 
 
-_SUBMODULES = ("tpu", "widgets", "bench", "offline", "readthrough", "redis_store", "storage", "progress", "stats",
-               "stores", "samplers")
+def __dir__():
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """``nbkit``: a public name that is also a submodule's (``nbkit.collate``, the function, lives in
+    ``nbkit/collate.py``) stays the public object when the submodule is imported later; the import
+    system would otherwise set the package's attribute to the module."""
+
+    def __setattr__(self, name, value):
+        if name in _PUBLIC and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

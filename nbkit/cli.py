@@ -6,6 +6,9 @@ Each takes ``--json`` (one JSON document on stdout) and ``--debug`` (a traceback
 Exit codes: 0 done; 1 the operation failed or found a problem (a damaged cache, a refusal, a
 network error: one line on stderr says what and the fix); 2 the command line is wrong.
 Long operations show a progress line on stderr when it is a terminal (``--progress`` forces it).
+Parsing the command line imports nothing of nbkit's engine: each command imports what it uses, and
+none imports torch (``tests/test_cli_imports.py``): a cache is listed, checked, copied and removed
+without reading a sample into a tensor.
 
 Example:
     >>> import tempfile
@@ -19,13 +22,11 @@ Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
 import sys
 
-from . import disk
 from .text import Table, format_bytes, format_count, format_seconds, printable
 
 __all__ = ["main", "parse_size", "parse_duration", "OK", "FAILED", "USAGE"]
@@ -37,6 +38,9 @@ _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(s|m|h|d|w)?\s*\Z", re.I)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _MAX_SIZE = float(2**63)  # bytes: above any disk, and what an int64 offset holds
 _MAX_SECONDS = 100 * 365.25 * 86400
+#: ``nbkit ls --max-depth``'s default: :data:`nbkit.disk.MAX_DEPTH`, written here so that parsing the
+#: command line imports nothing (tests/test_cli.py checks that they agree).
+LS_MAX_DEPTH = 6
 
 
 def parse_size(text: str) -> int:
@@ -108,6 +112,8 @@ def _emit(args, data, text: str) -> None:
 
 
 def _report(args, what: str, report) -> int:
+    import dataclasses
+
     data = dataclasses.asdict(report)
     text = (f"{what}: {len(report.transferred)} files copied ({format_bytes(report.bytes)}), {len(report.skipped)} "
             f"already there, in {format_seconds(report.seconds)}" + (" (stopped)" if report.stopped else ""))
@@ -119,8 +125,16 @@ def _report(args, what: str, report) -> int:
 
 
 def _ls(args) -> int:
+    from . import disk
+    from .stores.mirror import cache_dir
+
     found = disk.caches(*args.roots, max_depth=args.max_depth)
-    _emit(args, [c.to_json() for c in found], found.table().text())
+    copies = f"working copies of remote caches in {cache_dir()} ($NBKIT_CACHE_DIR)"
+    if args.roots:
+        where = f"caches under {', '.join(os.path.abspath(os.path.expanduser(r)) for r in args.roots)}, and {copies}"
+    else:
+        where = f"{copies}; nbkit ls DIR lists the caches under DIR"
+    _emit(args, [c.to_json() for c in found], f"{where}\n\n{found.table().text()}")
     return OK
 
 
@@ -146,7 +160,56 @@ def _leaf_names(node, prefix: str = "") -> list[str]:
             for n in _leaf_names(c, prefix + (f if f.startswith("[") or not prefix else "." + f))]
 
 
+_CONTAINERS = {"T": ("tuple", "()"), "L": ("list", "[]"), "D": ("dict", "{}")}
+#: Children of one container shown by :func:`describe_structure` (the field table lists them all).
+_SHOWN = 8
+
+
+def _leaf_text(leaf) -> str:
+    """One stored value as :func:`nbkit.transforms.describe_sample` writes a sample's: ``Tensor[1, 28, 28] float32``."""
+    if leaf.kind in ("tensor", "ndarray"):
+        shape = ", ".join(map(str, leaf.shape)) if leaf.store == "col" else "…"  # a var leaf's shape varies
+        dtype = _dtype_name(leaf.dtype)
+        return f"{'Tensor' if leaf.kind == 'tensor' else 'ndarray'}[{shape}]" + (f" {dtype}" if dtype else "")
+    if leaf.kind == "npscalar":
+        return f"numpy {_dtype_name(leaf.dtype)}"
+    if leaf.kind == "pil":
+        return f"PIL image {leaf.mode} {leaf.shape[1]}x{leaf.shape[0]}" if leaf.store == "col" else "PIL image"
+    return {"none": "None", "pickle": "pickled object"}.get(leaf.kind, leaf.kind)
+
+
+def describe_structure(structure, leaves) -> str:
+    """A cache's sample as Python types, from its schema (``structure``, ``leaves``).
+
+    Example:
+        >>> from nbkit.codec import Schema
+        >>> s = Schema.from_json({"structure": ["T", ["*", "*"]], "leaves": [
+        ...     {"kind": "tensor", "store": "col", "dtype": "float32", "shape": [1, 28, 28], "column": 0},
+        ...     {"kind": "int", "store": "col", "dtype": "<i8", "shape": [], "column": 1}]})
+        >>> describe_structure(s.structure, s.leaves)
+        'tuple (Tensor[1, 28, 28] float32, int)'
+    """
+    it = iter(leaves)
+
+    def node(n) -> str:
+        if n == "*":
+            return _leaf_text(next(it))
+        children = n[1] if n[0] in ("T", "L") else n[2]
+        parts = [node(c) for c in children]  # every child: the leaves are consumed in order
+        if n[0] == "D":
+            parts = [f"{k!r}: {p}" for k, p in zip(n[1], parts)]
+        elif n[0] == "N" and n[3] is not None:
+            parts = [f"{f}: {p}" for f, p in zip(n[3], parts)]
+        if len(parts) > _SHOWN:
+            parts = parts[:_SHOWN] + [f"… {len(parts) - _SHOWN} more"]
+        name, brackets = _CONTAINERS.get(n[0]) or (n[1].rpartition(":")[2].rpartition(".")[2], "()")
+        return f"{name} {brackets[0]}{', '.join(parts)}{brackets[1]}"
+
+    return node(structure)
+
+
 def _info(args) -> int:
+    from . import disk
     from . import format as fmt
     from .cachedir import cache_root
     from .codec import Schema
@@ -171,7 +234,8 @@ def _info(args) -> int:
     data = {
         "path": root, "version": meta["version"], "length": about.length, "stored": about.stored,
         "complete": about.complete, "bytes": about.bytes, "in_use": about.in_use,
-        "structure": None if schema is None else meta["schema"]["structure"], "fields": leaves,
+        "structure": None if schema is None else meta["schema"]["structure"],
+        "sample": None if schema is None else describe_structure(schema.structure, schema.leaves), "fields": leaves,
         "fingerprint": {"type": fp.get("type"), "length": fp.get("length"), "transforms": transforms,
                         "probes": len(fp.get("samples") or {})},
         "max_bytes": meta.get("max_bytes"), "allow_pickle": meta.get("allow_pickle", False),
@@ -179,9 +243,9 @@ def _info(args) -> int:
     lines = [
         ("path", root),
         ("samples", f"{format_count(about.stored)}/{format_count(about.length)}" + (" (complete)" if about.complete else "")),
-        ("on disk", format_bytes(about.bytes) + (" (in use)" if about.in_use else "")),
+        ("on disk", format_bytes(about.bytes) + " (sample data, index and metadata)" + (", in use" if about.in_use else "")),
         ("format", f"version {meta['version']}"),
-        ("structure", "free-form samples" if schema is None else json.dumps(data["structure"])),
+        ("sample", "free-form samples (each stored with its own structure)" if schema is None else data["sample"]),
         ("source", f"{fp.get('type')} of {length}, {len(fp.get('samples') or {})} samples hashed"
          + (f", {transforms}" if transforms else "")),
     ]
@@ -195,20 +259,27 @@ def _info(args) -> int:
 
 
 def _verify(args) -> int:
-    from .dataset import CachedDataset
+    # CachedDataset.open(path).verify(), without the dataset (and so without torch): the same store, the same check.
+    from . import format as fmt
     from .errors import CorruptCacheError
+    from .stores import registry
 
-    ds = CachedDataset.open(args.path, storage_options=args.options)
+    location = registry.resolve(args.path, args.options)
+    location.prepare()
+    meta = location.read_meta()
+    if meta is None:
+        raise location.not_found()
+    store = location.open_store(meta, writable=False)
     cb = _progress(args, "verify")
     try:
-        n = ds.verify(callback=cb)
+        n = fmt.verify_store(store, where=location.url, callback=cb)
     except CorruptCacheError as e:
         _done(cb)
         if args.json:
             _emit(args, {"path": args.path, "ok": False, "error": str(e)}, "")
         raise
     _done(cb)
-    total = len(ds)
+    total = int(meta["length"])
     _emit(args, {"path": args.path, "ok": True, "verified": n, "length": total},
           f"{args.path}: {format_count(n)} stored samples of {format_count(total)} verified, all intact")
     return OK
@@ -247,7 +318,7 @@ def _pull(args) -> int:
 
 def _removals(args, removed: list, verb: str) -> int:
     freed = sum(r.bytes for r in removed)
-    lines = [f"{'would remove' if args.dry_run else verb} {r.path} ({format_bytes(r.bytes)})"
+    lines = [f"{'would remove' if args.dry_run else verb} {r.path} ({format_bytes(r.bytes)} on disk)"
              + (f"; left in place (not cache files): {', '.join(r.left)}" if r.left else "") for r in removed]
     lines.append(f"{'would free' if args.dry_run else 'freed'} {format_bytes(freed)}")
     _emit(args, {"removed": [r.to_json() for r in removed], "bytes": freed, "dry_run": args.dry_run}, "\n".join(lines))
@@ -255,6 +326,8 @@ def _removals(args, removed: list, verb: str) -> int:
 
 
 def _rm(args) -> int:
+    from . import disk
+
     removed = []
     for path in args.paths:
         try:
@@ -269,6 +342,8 @@ def _rm(args) -> int:
 def _prune(args) -> int:
     if args.older_than is None and args.max_size is None:
         args.parser.error("say what to prune: --older-than 7d, --max-size 10GB, or both")
+    from . import disk
+
     removed = disk.prune(older_than=args.older_than, max_bytes=args.max_size, dry_run=args.dry_run)
     return _removals(args, removed, "removed")
 
@@ -292,14 +367,17 @@ def build_parser() -> argparse.ArgumentParser:
                "Working copies of remote caches live in $NBKIT_CACHE_DIR (default ~/.cache/nbkit).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name, fn, help, parents=(common,)):
-        p = sub.add_parser(name, parents=list(parents), help=help, description=help)
+    def command(name, fn, help, parents=(common,), description=None):
+        p = sub.add_parser(name, parents=list(parents), help=help, description=description or help)
         p.set_defaults(fn=fn, parser=p, options=[])
         return p
 
-    p = command("ls", _ls, "list the caches under ROOTS and every working copy in $NBKIT_CACHE_DIR")
-    p.add_argument("roots", nargs="*", metavar="ROOT")
-    p.add_argument("--max-depth", type=int, default=disk.MAX_DEPTH, help="directories to look down (default %(default)s)")
+    p = command("ls", _ls, "list the caches under ROOTs and the working copies in $NBKIT_CACHE_DIR",
+                description="List the caches under each ROOT, and the working copies of remote caches in $NBKIT_CACHE_DIR "
+                            "(default ~/.cache/nbkit). With no ROOT it lists only those working copies: nbkit ls DIR lists "
+                            "the caches under DIR, nbkit ls . those under this directory.")
+    p.add_argument("roots", nargs="*", metavar="ROOT", help="a directory to look for caches in (and below it)")
+    p.add_argument("--max-depth", type=int, default=LS_MAX_DEPTH, help="directories to look down (default %(default)s)")
     p = command("info", _info, "schema, fields, source fingerprint and completeness of one cache")
     p.add_argument("path")
     p = command("verify", _verify, "check every stored sample's checksum (exit 1 if any is damaged)", (common, remote))

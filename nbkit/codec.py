@@ -57,9 +57,9 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import numpy as np
-import torch
 
 from .errors import CorruptCacheError
+from .extras import is_tensor
 from .trust import AnyJSON, Bool, Float, Int, List, Obj, Str, check_json, shown
 
 __all__ = ["Schema", "flatten", "unflatten", "encode_freeform", "decode_freeform", "infer_schema", "register_namedtuple"]
@@ -390,11 +390,14 @@ def count_leaves(structure) -> int:
 # ---------------------------------------------------------------------------------------------
 # leaves
 
+@lru_cache(maxsize=None)
 def _torch_dtypes() -> dict:
     """Every dtype this torch can hold in a dense tensor, by name (``"float8_e4m3fn"``).
 
     Quantized dtypes are left out: their values need a scale and zero point besides the bytes.
     """
+    import torch
+
     out = {}
     for name in dir(torch):
         d = getattr(torch, name)
@@ -403,7 +406,6 @@ def _torch_dtypes() -> dict:
     return out
 
 
-_TORCH_DTYPES = _torch_dtypes()
 _NP_KINDS = set("biufcSU")  # never "O" (objects) or "V" (void/structured)
 #: The numpy dtype strings a cache may name (as ``dtype.str`` writes them): numbers, bools, and
 #: fixed-size byte or unicode strings. Never objects, structured, datetime or sub-array dtypes.
@@ -411,13 +413,26 @@ _DTYPE = re.compile(r"[<>|=]?(?:[biufc](?:1|2|4|8|16)|[SU][1-9][0-9]{0,7})\Z")
 # dtypes numpy lacks travel as their bit pattern in an integer of the same size (bfloat16 as int16,
 # as the first nbkit stored it; float8 as uint8 …), and are viewed back on read.
 _BITS = {1: np.dtype("|u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
-_BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: The stored bytes of each tensor dtype torch names (its numpy twin, else :data:`_BITS` of its size),
+#: so that metadata is checked without importing torch: ``nbkit ls``, ``info`` and ``verify`` never
+#: do. A name missing here (a newer torch's dtype) is looked up in torch itself; tests/test_codec.py
+#: checks the table against the installed torch.
+_TENSOR_STORAGE = {name: np.dtype(code) for name, code in {
+    "bool": "|b1", "uint8": "|u1", "int8": "|i1", "int16": "<i2", "uint16": "<u2", "int32": "<i4", "uint32": "<u4",
+    "int64": "<i8", "uint64": "<u8", "float16": "<f2", "float32": "<f4", "float64": "<f8", "complex64": "<c8",
+    "complex128": "<c16", "bfloat16": "<i2", "bits16": "<i2", "complex32": "<i4",
+    **dict.fromkeys(("bits1x8", "bits2x4", "bits4x2", "bits8", "float4_e2m1fn_x2", "float8_e4m3fn", "float8_e4m3fnuz",
+                     "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", *(f"int{k}" for k in range(1, 8)),
+                     *(f"uint{k}" for k in range(1, 8))), "|u1"),
+}.items()}
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str):
     """The torch dtype a cache names ``name``; :class:`CorruptCacheError` if this torch lacks it."""
-    d = _TORCH_DTYPES.get(name)
+    d = _torch_dtypes().get(name)
     if d is None:
+        import torch
+
         raise CorruptCacheError(
             f"unsupported tensor dtype {name!r} in cache metadata: torch {torch.__version__} has no such dtype. "
             "Open the cache with the torch version that wrote it (or a newer one)."
@@ -426,17 +441,19 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 @lru_cache(maxsize=None)
-def _numpy_twin(dtype: torch.dtype):
+def _numpy_twin(dtype):
     """The numpy dtype of a tensor of ``dtype``, or ``None`` where numpy has none (bfloat16, float8 …)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # complex32 warns that it is experimental
         try:
+            import torch
+
             return torch.empty(0, dtype=dtype).numpy().dtype
         except TypeError:
             return None
 
 
-def _torch_storage_dtype(dtype: torch.dtype) -> np.dtype:
+def _torch_storage_dtype(dtype) -> np.dtype:
     """The numpy dtype whose bytes hold a tensor of ``dtype``."""
     twin = _numpy_twin(dtype)
     return _BITS[dtype.itemsize] if twin is None else np.dtype(twin).newbyteorder("<")
@@ -541,6 +558,8 @@ def stack_pil(images: list, where: str = "batch") -> torch.Tensor:
             "in the source (e.g. transforms.Resize and CenterCrop), convert them per sample with "
             "transform=... (e.g. transforms.PILToTensor()), or pass a collate_fn that keeps a list."
         )
+    import torch
+
     return channels_first(torch.from_numpy(native(np.stack(arrays))))
 
 
@@ -556,7 +575,7 @@ def channels_first(pixels: torch.Tensor) -> torch.Tensor:
 
 
 def leaf_kind(value, where: str, allow_pickle: bool) -> str:
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
         if value.is_quantized:
             raise TypeError(
                 f"{where} is a quantized tensor ({value.dtype}), which nbkit cannot store: its values need a scale "
@@ -612,6 +631,8 @@ def _refuse(value, where: str):
 def leaf_to_array(kind: str, value) -> np.ndarray:
     """The numpy array whose bytes store a leaf of ``kind`` (col and var leaves)."""
     if kind == "tensor":
+        import torch
+
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -619,7 +640,7 @@ def leaf_to_array(kind: str, value) -> np.ndarray:
             raise TypeError(f"nbkit stores dense tensors only, got layout {t.layout}; call .to_dense() in your dataset")
         t = t.resolve_conj().resolve_neg().contiguous()
         if _numpy_twin(t.dtype) is None:
-            t = t.view(_BITS_TORCH[t.dtype.itemsize])
+            t = t.view(torch_dtype(_BITS[t.dtype.itemsize].name))
         return t.numpy()
     if kind == "ndarray":
         return np.ascontiguousarray(value)
@@ -655,7 +676,8 @@ def leaf_dtype_shape(kind: str, value):
 def storage_dtype(kind: str, dtype_name: str) -> np.dtype:
     """The numpy dtype of the stored bytes for a leaf described by ``(kind, dtype_name)``."""
     if kind == "tensor":
-        return _torch_storage_dtype(torch_dtype(dtype_name))
+        known = _TENSOR_STORAGE.get(dtype_name)
+        return known if known is not None else _torch_storage_dtype(torch_dtype(dtype_name))
     if not isinstance(dtype_name, str) or not _DTYPE.match(dtype_name):
         raise CorruptCacheError(f"refusing array dtype {dtype_name!r} in cache metadata (only numbers, bools and "
                                 "fixed-size strings are stored; objects are never loaded)")
@@ -671,6 +693,8 @@ def storage_dtype(kind: str, dtype_name: str) -> np.dtype:
 def array_to_leaf(kind: str, dtype_name: str, arr: np.ndarray):
     """Turn stored bytes (as an array of the storage dtype) back into a leaf of ``kind``."""
     if kind == "tensor":
+        import torch
+
         t = torch.from_numpy(arr)
         dtype = torch_dtype(dtype_name)
         return t if t.dtype == dtype else t.view(dtype)
@@ -686,7 +710,7 @@ def batch_leaf_values(kind: str, dtype_name: str, col: np.ndarray, mode: str = "
     if kind == "pil":
         return [pil_from_pixels(mode, row) for row in col]
     if kind == "tensor":
-        return list(torch.unbind(array_to_leaf(kind, dtype_name, col)))
+        return list(array_to_leaf(kind, dtype_name, col).unbind())
     if kind == "ndarray" or kind == "npscalar":
         return list(col)
     return col.tolist()
@@ -1172,6 +1196,8 @@ def _leaf_handler(leaf: Leaf):
         return None
     kind = leaf.kind
     if kind == "tensor":
+        import torch
+
         tdtype = torch_dtype(leaf.dtype)
         shape = torch.Size(leaf.shape)
         plain = _numpy_twin(tdtype) is not None

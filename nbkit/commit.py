@@ -47,6 +47,7 @@ import threading
 import uuid
 
 from .errors import DiskFullError, UnsafeArchiveError
+from .text import format_bytes
 from .trust import open_regular
 
 try:
@@ -192,22 +193,18 @@ def _free_bytes(path: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
 def disk_full(path: str, needed: int | None = None, cause: BaseException | None = None, *, doing: str = "write",
               note: str = "") -> OSError:
     """The :class:`nbkit.errors.DiskFullError` (``ENOSPC``) for ``path``: which file, how much it
     needed, what is free, and what to do.
 
     Example:
-        >>> str(disk_full("/tmp/c/col-0.bin", 3 << 20)).startswith("not enough disk space to write /tmp/c/col-0.bin: it needs 3.0 MiB")
+        >>> str(disk_full("/tmp/c/col-0.bin", 3 << 20)).startswith("not enough disk space to write /tmp/c/col-0.bin: it needs 3.1 MB")
         True
     """
     free = _free_bytes(os.path.dirname(path) or ".")
-    need = f": it needs {_mib(needed)}" if needed is not None else ""
-    have = f", {_mib(free)} {'is' if free == 1 else 'are'} free there" if free is not None else ""
+    need = f": it needs {format_bytes(needed)}" if needed is not None else ""
+    have = f", {format_bytes(free)} {'is' if free == 1 else 'are'} free there" if free is not None else ""
     e = DiskFullError(errno.ENOSPC,
                 f"not enough disk space to {doing} {path}{need}{have}. Nothing stored before was lost. Free some space "
                 "(nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes them) or choose a path "

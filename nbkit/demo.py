@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Subset
 import nbkit
 from nbkit.offline import has_mnist, write_mnist
 from nbkit.progress import TextProgress
+from nbkit.text import format_bytes
 
 
 def _epoch_seconds(dataset, batch_size: int, collate_fn=None) -> float:
@@ -87,7 +88,8 @@ def main(argv=None) -> int:
     print(f"\n{'epoch of ' + str(len(source)) + ' samples':45s} {'seconds':>8s} {'vs raw':>8s}")
     for name, seconds in rows:
         print(f"{name:45s} {seconds:8.3f} {raw / seconds:7.1f}x")
-    print(f"\ncache: {cached.stats.disk_bytes / 2**20:.1f} MiB on disk in {len(os.listdir(cache_path))} files at {cache_path}")
+    print(f"\ncache: {format_bytes(cached.stats.disk_bytes)} on disk (sample data, index and metadata) in "
+          f"{len(os.listdir(cache_path))} files at {cache_path}")
     return 0
 
 

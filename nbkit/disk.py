@@ -106,7 +106,8 @@ class CacheList(list):
 
     def _count(self) -> str:
         left = sum(c.leftover for c in self)
-        text = f"{len(self) - left} caches"
+        n = len(self) - left
+        text = f"{n} cache{'s' if n != 1 else ''}"
         return text + (f", {left} leftover{'s' if left != 1 else ''} of interrupted operations (nbkit rm removes them)"
                        if left else "")
 

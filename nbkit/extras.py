@@ -2,7 +2,9 @@
 
 ``import nbkit`` needs torch, numpy and fsspec only. Everything else (ipywidgets, matplotlib, gcsfs,
 redis, zstandard, torch_xla) is imported where it is used, through :func:`require`, so a missing
-package fails at the first use with the exact install command.
+package fails at the first use with the exact install command. torch itself loads on the first use
+of what needs it (a dataset, a tensor): the ``nbkit`` command never does, and :func:`is_tensor`
+tells a tensor without importing torch.
 
 Example:
     >>> from nbkit.extras import require
@@ -17,8 +19,9 @@ Example:
 from __future__ import annotations
 
 import importlib
+import sys
 
-__all__ = ["require", "EXTRAS", "DISTRIBUTION", "moved"]
+__all__ = ["require", "EXTRAS", "DISTRIBUTION", "moved", "is_tensor"]
 
 # nbkit's distribution name (pyproject.toml's [project] name). The package index's "nbkit" is an
 # unrelated project: no message ever sends anyone to `pip install nbkit`. Until nbkit-cache is
@@ -78,3 +81,15 @@ def moved(alias: str, table: dict):
         return getattr(importlib.import_module(table[name]), name)
 
     return __getattr__
+
+
+def is_tensor(value) -> bool:
+    """Whether ``value`` is a torch tensor, told without importing torch (a tensor means it is imported):
+    the command line and code that handles only numpy never load it.
+
+    Example:
+        >>> is_tensor([1, 2])
+        False
+    """
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)

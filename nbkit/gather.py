@@ -31,6 +31,7 @@ import ctypes.util
 import functools
 import mmap
 import os
+import sys
 import threading
 import weakref
 import zlib
@@ -38,8 +39,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import torch
-from torch.utils.data import get_worker_info
 
 from .errors import CorruptCacheError
 
@@ -127,10 +126,21 @@ def empty_rows(n: int, columns: list) -> list:
     allocator: ``pin_memory=True`` then has nothing left to copy, and ``.to("cuda")`` is a DMA.
     Other large columns come from :func:`recycled_rows`."""
     sizes = [n * int(np.prod(c.shape[1:], dtype=np.int64)) * c.itemsize for c in columns]
-    if sum(sizes) < PIN_MIN_BYTES or not torch.cuda.is_initialized() or get_worker_info() is not None:
+    if sum(sizes) < PIN_MIN_BYTES or not _drives_cuda():
         return [recycled_rows(n, c.shape[1:], c.dtype) if size >= RECYCLE_MIN_BYTES else np.empty((n, *c.shape[1:]), dtype=c.dtype)
                 for c, size in zip(columns, sizes)]
     return [pinned_rows(n, c.shape[1:], c.dtype)[1] for c in columns]
+
+
+def _drives_cuda() -> bool:
+    """Whether this process (not a DataLoader worker) has initialised CUDA; a process that never
+    imported torch has not, and is not made to import it here."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info() is None
 
 
 #: Output columns at least this large come from :func:`recycled_rows`.
@@ -178,6 +188,8 @@ def _recycle(free: dict, size: int, mm) -> None:
 def pinned_rows(n: int, shape, dtype: np.dtype):
     """``(buffer, array)``: ``n`` rows of ``shape`` and ``dtype`` in one page-locked uint8 tensor,
     and the numpy view of it (which keeps the buffer alive)."""
+    import torch
+
     size = n * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     buf = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)[:size]
     return buf, buf.numpy().view(dtype).reshape(n, *shape)

@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from .extras import is_tensor
 from .text import format_bytes
 
 try:
@@ -118,7 +118,7 @@ class Stats(HitRate):
         return (
             f"cached {self.cached}/{self.total}{budget} ({100.0 * self.cached / max(self.total, 1):.1f}%), "
             f"hits {self.hits}, misses {self.misses}, hit rate {100.0 * self.hit_rate:.1f}%, "
-            f"{format_bytes(self.bytes)} stored"
+            f"{format_bytes(self.bytes)} of sample data"
         )
 
 
@@ -215,7 +215,7 @@ def batch_size_of(batch) -> int | None:
         >>> batch_size_of((torch.zeros(5, 3), torch.arange(5))), batch_size_of({"x": [1, 2]})
         (5, None)
     """
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
+    if isinstance(batch, np.ndarray) or is_tensor(batch):
         return int(batch.shape[0]) if batch.ndim else None
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
     for v in values:

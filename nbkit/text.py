@@ -59,7 +59,12 @@ def printable(text) -> str:
 
 
 def format_bytes(n) -> str:
-    """Bytes in decimal units: ``512`` → ``'512 B'``, ``1_500_000`` → ``'1.5 MB'``."""
+    """Bytes in decimal units: ``512`` → ``'512 B'``, ``1_500_000`` → ``'1.5 MB'``.
+
+    Every size nbkit shows goes through here (never MiB beside MB), with words that say what it
+    counts: ``"… of sample data"`` (:attr:`nbkit.stats.Stats.bytes`) or ``"… on disk (sample data,
+    index and metadata)"`` (allocated blocks: :attr:`~nbkit.stats.Stats.disk_bytes`, ``nbkit ls``).
+    """
     n = float(n or 0)
     if abs(n) < 1000:
         return f"{n:.0f} B"

@@ -217,3 +217,16 @@ def test_bench_durability_quick_compares_before_and_after(tmp_path):
         pytest.skip(text.strip().splitlines()[-1])  # a shallow clone without the commit compared against
     for op in ("warmup", "export_tar", "import_tar", "push", "pull"):
         assert f"| {op} |" in text
+
+
+@pytest.mark.slow
+def test_bench_cli_quick_times_every_command(tmp_path):
+    results = tmp_path / "results"
+    cmd = [sys.executable, str(BENCH / "bench_cli.py"), "--quick", "--repeat", "1", "--results", str(results)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (results / "cli.md").read_text()
+    for command in ("--help", "ls", "info", "verify", "rm", "prune"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| `nbkit {command}` |"))
+        assert row.split(" | ")[4] == "no", row  # torch not imported now
+    assert "| `python -c 'import torch'` |" in text

@@ -132,12 +132,31 @@ def test_ls_lists_caches_as_a_table_and_as_json(tmp_path, env):
     broken.mkdir()
     (broken / "nbkit.json").write_text("[]")
     out = ok(nbkit_cli(env, "ls", tmp_path))
-    assert out.stdout.splitlines()[0].split()[:2] == ["path", "samples"]
+    title, blank, header = out.stdout.splitlines()[:3]
+    assert title == f"caches under {tmp_path}, and working copies of remote caches in {env['NBKIT_CACHE_DIR']} ($NBKIT_CACHE_DIR)"
+    assert blank == "" and header.split()[:2] == ["path", "samples"]
     assert root in out.stdout and "48/48" in out.stdout and "broken" in out.stdout
     listed = {c["path"]: c for c in json.loads(ok(nbkit_cli(env, "ls", "--json", tmp_path)).stdout)}
     assert listed[root]["stored"] == 48 and listed[root]["complete"] is True and listed[root]["in_use"] is False
     assert listed[str(broken)]["problem"] and listed[str(broken)]["complete"] is False
     assert json.loads(ok(nbkit_cli(env, "ls", "--json")).stdout) == []  # an empty $NBKIT_CACHE_DIR
+
+
+def test_ls_says_which_directories_it_listed_and_how_to_list_another(env):
+    # With no ROOT, ls lists only the working copies: its help and its output both say so.
+    out = ok(nbkit_cli(env, "ls"))
+    assert out.stdout.splitlines()[0] == (f"working copies of remote caches in {env['NBKIT_CACHE_DIR']} ($NBKIT_CACHE_DIR); "
+                                          "nbkit ls DIR lists the caches under DIR")
+    assert "0 caches, 0 B on disk" in out.stdout
+    text = " ".join(ok(nbkit_cli(env, "ls", "--help")).stdout.split())
+    assert "With no ROOT it lists only those working copies: nbkit ls DIR lists the caches under DIR" in text
+
+
+def test_ls_max_depth_default_is_the_one_nbkit_caches_uses():
+    from nbkit.cli import LS_MAX_DEPTH
+    from nbkit.disk import MAX_DEPTH
+
+    assert LS_MAX_DEPTH == MAX_DEPTH
 
 
 def test_info_describes_schema_fields_fingerprint_and_completeness(tmp_path, env):
@@ -147,8 +166,11 @@ def test_info_describes_schema_fields_fingerprint_and_completeness(tmp_path, env
     assert [(f["field"], f["kind"], f["dtype"], f["shape"]) for f in data["fields"]] == [
         ("[0]", "tensor", "float32", [3, 4]), ("[1]", "tensor", "int64", [])]
     assert data["fingerprint"]["type"].endswith("TensorDataset") and data["fingerprint"]["probes"] == 3
+    assert data["sample"] == "tuple (Tensor[3, 4] float32, Tensor[] int64)"
     text = ok(nbkit_cli(env, "info", root)).stdout
     assert "48/48 (complete)" in text and "float32" in text and "3×4" in text and "TensorDataset" in text
+    assert "sample   tuple (Tensor[3, 4] float32, Tensor[] int64)\n" in text and '["T"' not in text
+    assert f"on disk  {nbkit.text.format_bytes(data['bytes'])} (sample data, index and metadata)\n" in text
     failed(nbkit_cli(env, "info", tmp_path), "no nbkit cache")
     debug = nbkit_cli(env, "info", "--debug", tmp_path)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
@@ -303,12 +325,32 @@ def test_info_names_nested_fields_and_free_form_samples(tmp_path, capsys):
     nbkit.CachedDataset(Nested(), str(tmp_path / "nested")).warmup()
     nbkit.CachedDataset(Free(), str(tmp_path / "free")).warmup()
     assert main(["info", "--json", str(tmp_path / "nested")]) == 0
-    fields = json.loads(capsys.readouterr().out)["fields"]
+    data = json.loads(capsys.readouterr().out)
+    fields = data["fields"]
     assert [(f["field"], f["kind"], f["dtype"]) for f in fields] == [
         ("['image']", "tensor", "float32"), ("['meta'][0].x", "int", "int64"), ("['meta'][0].y", "int", "int64"),
         ("['meta'][1]", "str", None)]
+    assert data["sample"] == "dict {'image': Tensor[2, 2] float32, 'meta': tuple (Point (x: int, y: int), str)}"
+    assert data["structure"][0] == "D"  # the stored form stays in --json
     assert main(["info", str(tmp_path / "free")]) == 0
     assert "free-form samples" in capsys.readouterr().out
+
+
+def test_info_describes_every_kind_of_stored_value():
+    from nbkit.cli import describe_structure
+    from nbkit.codec import Schema
+
+    def leaf(kind, store, dtype="", shape=(), column=-1, **extra):
+        return {"kind": kind, "store": store, "dtype": dtype, "shape": list(shape), "column": column, **extra}
+
+    schema = Schema.from_json({
+        "structure": ["L", ["*", "*", "*", "*", ["N", "m:Pair", ["*", "*"]], ["T", ["*"] * 10]]],
+        "leaves": [leaf("tensor", "var", "bfloat16"), leaf("ndarray", "col", "<f4", (3, 4), 0),
+                   leaf("pil", "col", "|u1", (28, 32), 1, mode="L"), leaf("npscalar", "col", "<i2", (), 2),
+                   leaf("none", "const"), leaf("pickle", "var"), *[leaf("str", "var")] * 10]})
+    assert describe_structure(schema.structure, schema.leaves) == (
+        "list [Tensor[…] bfloat16, ndarray[3, 4] float32, PIL image L 32x28, numpy int16, Pair (None, pickled object), "
+        "tuple (str, str, str, str, str, str, str, str, … 2 more)]")
 
 
 # -- what reaches the terminal (issue 25) ---------------------------------------------------------
@@ -343,7 +385,7 @@ def test_ls_and_info_show_escape_sequences_from_a_cache_as_text(tmp_path, env):
 
     out = ok(nbkit_cli(env, "ls", tmp_path))
     assert not _raw_controls(out.stdout + out.stderr), out.stdout
-    assert len(out.stdout.splitlines()) == 1 + 3 + 1  # header, one line a cache, the total
+    assert len(out.stdout.splitlines()) == 2 + 1 + 3 + 1  # what was listed, header, one line a cache, the total
     assert "evil\\x1b]0;pwned\\x07\\x1b[2J\\x1b[H\\r\\u202e\\x9b1A\\nfake row" in out.stdout
     assert "gs://b/\\x1b]0;pwned" in out.stdout and "broken\\x1b]0;pwned" in out.stdout
 
@@ -351,6 +393,7 @@ def test_ls_and_info_show_escape_sequences_from_a_cache_as_text(tmp_path, env):
     assert not _raw_controls(out.stdout + out.stderr), out.stdout
     assert "evil\\x1b]0;pwned" in out.stdout and "Data\\x1b]0;pwned" in out.stdout and "t=\\x1b]0;pwned" in out.stdout
     assert "['image\\x1b]0;pwned\\x07" in out.stdout  # the field table names each dict key, escaped
+    assert "dict {'image\\x1b]0;pwned\\x07" in out.stdout  # and so does the sample's description
     assert json.loads(ok(nbkit_cli(env, "info", "--json", root)).stdout)["fingerprint"]["type"] == f"Data{ESCAPES}"
 
     line = failed(nbkit_cli(env, "info", broken), "broken\\x1b]0;pwned")  # an error quoting the path

@@ -242,7 +242,7 @@ def test_disk_full_names_the_file_the_room_and_the_fix(tmp_path):
     e = commit.disk_full(str(tmp_path / "c" / "col-0.bin"), 3 << 20)
     assert isinstance(e, DiskFullError) and isinstance(e, OSError) and e.errno == errno.ENOSPC
     text = str(e)
-    assert str(tmp_path / "c" / "col-0.bin") in text and "3.0 MiB" in text and "nbkit prune" in text
+    assert str(tmp_path / "c" / "col-0.bin") in text and "3.1 MB" in text and "nbkit prune" in text
     assert not text.startswith("[Errno")
 
 

@@ -145,7 +145,7 @@ def test_working_copies_are_listed_with_the_url_they_mirror(tmp_path, cache_dir)
     (info,) = nbkit.caches()  # no roots: $NBKIT_CACHE_DIR alone
     assert (info.path, info.url, info.working_copy, info.stored, info.length) == (root, url, True, 16, 16)
     table = nbkit.caches().table().text()
-    assert url in table and "1 caches" in table
+    assert url in table and "1 cache," in table
 
 
 def test_listing_orders_least_recently_used_first_and_prints_a_table(tmp_path, cache_dir):
@@ -376,11 +376,11 @@ def test_panel_shows_size_on_disk_and_where_working_copies_live(tmp_path, cache_
     ds.warmup()
     panel = WarmupPanel(ds)
     text = _shown(panel.disk_label.value)
-    assert text.startswith(f"{nbkit.text.format_bytes(ds.stats.disk_bytes)} on disk in {ds.path}. ")
+    assert text.startswith(f"{nbkit.text.format_bytes(ds.stats.disk_bytes)} on disk (sample data, index and metadata) in {ds.path}. ")
     assert str(cache_dir).replace(os.path.expanduser("~"), "~") in text and "nbkit prune" in text
     assert panel.disk_label in panel.widget.children
     remote = nbkit.CachedDataset(TensorDataset(torch.randn(64, 8)), "memory://nbkit-disk-test/panel")
-    assert f"on disk in the working copy {remote.root.replace(os.path.expanduser('~'), '~')}" in _shown(WarmupPanel(remote).disk_label.value)
+    assert f"on disk (sample data, index and metadata) in the working copy {remote.root.replace(os.path.expanduser('~'), '~')}" in _shown(WarmupPanel(remote).disk_label.value)
 
 
 def _shown(markup: str) -> str:

@@ -8,6 +8,7 @@ cache at the target is still whole, and nothing is left that ``nbkit ls`` does n
 
 import errno
 import os
+import re
 import shutil
 import subprocess
 
@@ -83,7 +84,7 @@ def assert_disk_full(e, name):
     text = str(e)
     assert not text.startswith("[Errno"), text
     assert name in text, f"{name} not named: {text}"
-    assert "MiB" in text and ("needs" in text or "need" in text), f"no room needed in: {text}"
+    assert re.search(r"[0-9] [KMGT]?B\b", text) and ("needs" in text or "need" in text), f"no room needed in: {text}"
     assert "Free some space" in text or "free some space" in text, f"no fix in: {text}"
 
 

@@ -38,7 +38,7 @@ def test_reset_and_pickle():
 def test_stats_snapshot_text():
     s = Stats(hits=3, misses=1, recomputed=0, stored=4, cached=4, total=8, bytes=2**20)
     assert s.hit_rate == 0.75 and not s.complete and s.reads == 4
-    assert "cached 4/8 (50.0%)" in str(s) and "hit rate 75.0%" in str(s)
+    assert "cached 4/8 (50.0%)" in str(s) and "hit rate 75.0%" in str(s) and str(s).endswith(", 1.0 MB of sample data")
     assert Stats(0, 0, 0, 0, 0, 1, 0).hit_rate == 0.0
 
 

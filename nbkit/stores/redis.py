@@ -31,7 +31,7 @@ from ..codec import Schema
 from ..errors import CorruptCacheError, MissingSampleError
 from ..extras import require
 from ..gather import physical_memory
-from ..text import format_list
+from ..text import format_bytes, format_list
 from .base import Location
 
 __all__ = ["RedisLocation", "RedisStore", "is_oom", "RedisURL", "parse_url", "resolve", "resolve_redis", "FULL_RETRY_SECONDS",
@@ -361,7 +361,7 @@ class RedisLocation(Location):
         clients = self.clients()
         if meta["length"] > MAX_LENGTH or _HEADER.size + _row_bytes(meta) > MAX_VALUE_BYTES:
             raise ValueError(
-                f"a Redis cache holds at most {MAX_LENGTH:,} samples of at most {MAX_VALUE_BYTES >> 20} MiB each (its bitmap "
+                f"a Redis cache holds at most {MAX_LENGTH:,} samples of at most {format_bytes(MAX_VALUE_BYTES)} each (its bitmap "
                 f"of stored samples is one Redis string, each sample one value); this source has {meta['length']:,} samples "
                 f"of {_row_bytes(meta):,} bytes of fixed-shape fields. Cache it in a local directory or a gs:// bucket instead."
             )
@@ -430,7 +430,7 @@ class RedisLocation(Location):
         limit, why = MAX_LENGTH, "the bitmap of stored samples of a Redis cache holds 2**32"
         if 0 < ram < MAX_LENGTH * _READER_BYTES:
             limit = ram // _READER_BYTES
-            why = f"a reader needs {_READER_BYTES} bytes of memory per sample and this host has {ram / 2**30:.1f} GiB"
+            why = f"a reader needs {_READER_BYTES} bytes of memory per sample and this host has {format_bytes(ram)}"
         trust.check_bound(meta["length"], limit, where, "samples", why, fix)
         trust.check_bound(_HEADER.size + _row_bytes(meta), MAX_VALUE_BYTES, where, "bytes per sample (record and rows)",
                           "the largest value a Redis server stores", fix)
@@ -784,8 +784,8 @@ class RedisStore(fmt.Store):
             info = {}
         stored_here = int(self.location.call(k, c.bitcount, self._bits))
         warnings.warn(
-            f"the Redis server {self.location.addresses[k]} is full (maxmemory {int(info.get('maxmemory', 0)) / 2**20:.1f} MiB, "
-            f"used {int(info.get('used_memory', 0)) / 2**20:.1f} MiB) after storing {stored_here} samples of the cache "
+            f"the Redis server {self.location.addresses[k]} is full (maxmemory {format_bytes(int(info.get('maxmemory', 0)))}, "
+            f"used {format_bytes(int(info.get('used_memory', 0)))}) after storing {stored_here} samples of the cache "
             f"{self.location.root} there; {refused} samples were not stored. nbkit stops storing on that server: its other "
             "samples are computed from the source on every read (correct, but misses). Raise its maxmemory "
             "(CONFIG SET maxmemory …), add servers to the URL, or free memory.",

@@ -426,7 +426,7 @@ class WarmupPanel(View):
         self.progress.description = "Cache"
         self.progress.value = (stats.cached / total) if total else 1.0
         self.percent_label.value = f"{_floor_percent(stats.cached, total)}%"
-        self._show_counts(f"{format_count(stats.cached)}/{format_count(total)} samples", f"{format_bytes(stats.bytes)} stored")
+        self._show_counts(f"{format_count(stats.cached)}/{format_count(total)} samples", f"{format_bytes(stats.bytes)} of sample data")
 
     def _show_idle(self, stats, ended: Job | None = None) -> None:
         """Nothing runs: buttons on, the bar and counts show the cache (not the last operation, whose
@@ -446,7 +446,7 @@ class WarmupPanel(View):
         self._show_idle(stats)
         total = int(stats.total)
         if stats.complete:
-            self._set_status(f"Cache complete: {format_count(total)} samples, {format_bytes(stats.bytes)} stored.", GREEN, bold=True)
+            self._set_status(f"Cache complete: {format_count(total)} samples, {format_bytes(stats.bytes)} of sample data.", GREEN, bold=True)
         elif self.ds.source is None:
             self._set_status(f"{_partial_text(stats)} {self._warmup_unavailable(stats)}", AMBER)
         else:
@@ -505,7 +505,7 @@ class WarmupPanel(View):
                 computed = getattr(job.report, "computed", cb.moved)
                 rate = f", {format_rate(computed / seconds, 'samples')}" if computed and seconds > 0 else ""
                 self._set_status(
-                    f"Cache complete: {format_count(stats.total)} samples, {format_bytes(stats.bytes)} stored "
+                    f"Cache complete: {format_count(stats.total)} samples, {format_bytes(stats.bytes)} of sample data "
                     f"({format_count(computed)} computed in {format_seconds(seconds)}{rate}).",
                     GREEN, bold=True,
                 )
@@ -572,7 +572,7 @@ class WarmupPanel(View):
         live = (format_rate(rate, unit) if rate else f"0 {unit}/s", f"ETA {format_seconds(eta)}" if eta is not None else "ETA –")
         if cb.phase == "warmup":
             stats = self.ds.stats
-            self._show_counts(done, *live, f"{format_bytes(stats.bytes)} stored")
+            self._show_counts(done, *live, f"{format_bytes(stats.bytes)} of sample data")
             self._show_title(stats)
         else:
             self._show_counts(done, *live)
@@ -627,7 +627,7 @@ def disk_text(ds, stats) -> str:
     Example:
         >>> import torch, tempfile, nbkit
         >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), tempfile.mkdtemp())
-        >>> disk_text(ds, ds.stats).startswith(nbkit.text.format_bytes(ds.stats.disk_bytes) + " on disk in /")
+        >>> disk_text(ds, ds.stats).startswith(nbkit.text.format_bytes(ds.stats.disk_bytes) + " on disk (sample data, index and metadata) in /")
         True
     """
     root = str(getattr(ds, "root", ""))
@@ -635,7 +635,7 @@ def disk_text(ds, stats) -> str:
         where = f"in the working copy {_home_short(root)}"
     else:
         where = f"in {os.fspath(getattr(ds, 'path', None) or root)}"
-    size = "" if stats.disk_bytes is None else f"{format_bytes(stats.disk_bytes)} on disk {where}. "
+    size = "" if stats.disk_bytes is None else f"{format_bytes(stats.disk_bytes)} on disk (sample data, index and metadata) {where}. "
     return (f"{size}Working copies of remote caches live in {_home_short(cache_dir())} ($NBKIT_CACHE_DIR): "
             "nbkit ls lists every cache, nbkit rm and nbkit prune free the space.")
 

@@ -55,7 +55,7 @@ def units_html(units, *, color: str = GREY, path_first: bool = False) -> str:
     holds a path, which may break inside itself when it is longer than the line.
 
     Example:
-        >>> units_html(["1,000 samples", "1.2 MB stored"]).count("white-space:nowrap")
+        >>> units_html(["1,000 samples", "1.2 MB of sample data"]).count("white-space:nowrap")
         2
     """
     spans = []

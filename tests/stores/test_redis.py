@@ -195,7 +195,7 @@ def test_full_server_stops_storing_and_serves_from_source(redis_factory):
     server = redis_factory("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
     src = TupleSource(1500, shape=(1, 32, 32))  # 4 KiB a sample: about 6 MB in all
     ds = nbkit.CachedDataset(src, server.url())
-    with pytest.warns(UserWarning, match=r"is full \(maxmemory 3.0 MiB.*not stored") as caught:
+    with pytest.warns(UserWarning, match=r"is full \(maxmemory 3.1 MB.*not stored") as caught:
         report = ds.warmup(chunk_size=100)
     assert len([w for w in caught if "is full" in str(w.message)]) == 1  # said once
     stored = ds.stats.cached

@@ -38,7 +38,7 @@ def test_warmup_click_fills_the_cache_and_shows_counters(tmp_path):
     assert panel.progress.value == 1.0 and panel.progress.bar_style == "success"
     assert panel.percent_label.value == "100%"
     # Idle again: the line under the bar is the cache (no rate or ETA); the status has the warmup's numbers.
-    assert panel.counts[0] == "1,000/1,000 samples" and panel.counts[1].endswith("stored") and len(panel.counts) == 2
+    assert panel.counts[0] == "1,000/1,000 samples" and panel.counts[1].endswith(" of sample data") and len(panel.counts) == 2
     assert panel.status_text().startswith("Cache complete: 1,000 samples")
     assert re.search(r"\(1,000 computed in [\d.]+ ?m?s, [\d,]+ samples/s\)\.$", panel.status_text()), panel.status_text()
     assert "#2e7d32" in panel.status.value  # green
@@ -460,7 +460,7 @@ def test_a_refused_upload_does_not_repaint_the_export_bar(tmp_path):
 def test_a_stopped_panel_shows_no_eta_or_live_rate(tmp_path):
     ds, panel = _stopped_midway(tmp_path)
     idle = ("512/3,000 samples", f"{panel.counts[1]}")
-    assert panel.counts == idle and panel.counts[1].endswith(" stored")
+    assert panel.counts == idle and panel.counts[1].endswith(" of sample data")
     rate, elapsed = panel.job.callback.rate(), panel.job.callback.elapsed()
     panel._render_progress(panel.job.callback)  # a late redraw changes nothing: the clock stopped
     assert panel.counts == idle and "ETA" not in panel.counters.value
@@ -513,7 +513,7 @@ def _idle_truths(panel, ds):
     says = _says(panel)
     assert panel.progress.description == "Cache" and panel.progress.value == pytest.approx(stats.cached / stats.total), says
     assert panel.counts == (f"{stats.cached:,}/{stats.total:,} samples", panel.counts[1]), says
-    assert panel.counts[1].endswith(" stored"), says
+    assert panel.counts[1].endswith(" of sample data"), says
     assert "–" not in panel.counters.value and "ETA" not in says and "/s" not in " ".join(panel.counts), says
     assert "Warmup:" not in says and ".)." not in says and says.count("to resume") <= 1, says
 
