@@ -1,7 +1,10 @@
 """Shared test fixtures. Per-topic fixtures live in tests/fixtures_*.py and are imported by the
 test modules that use them."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -9,6 +12,12 @@ import pytest
 collect_ignore = ["tpu_scripts", "notebooks", "widgets7"]
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+# Working copies of remote caches (and what `nbkit ls`/`nbkit.caches()` list besides their roots) go
+# to a folder of this run's own, never to the user's ~/.cache/nbkit: a run neither sees what another
+# run or the user left there nor leaves anything behind. Subprocesses inherit it.
+os.environ["NBKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="nbkit-test-working-copies-")
+atexit.register(shutil.rmtree, os.environ["NBKIT_CACHE_DIR"], ignore_errors=True)
 
 # Property-based tests (the fuzzing of everything nbkit parses) run a fixed, deterministic budget in
 # CI; NBKIT_FUZZ=long runs many more examples with fresh randomness (see docs/SECURITY.md):
