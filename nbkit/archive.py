@@ -44,7 +44,7 @@ from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
 from .transfer import Stopped, TransferReport, check_whole, describe
 from .trust import MAX_COLUMNS, MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
 
-__all__ = ["export_tar", "import_tar", "open_decompressed", "stale_tar_reason"]
+__all__ = ["export_tar", "import_tar", "compression_of", "open_decompressed", "stale_tar_reason"]
 
 COMPRESSIONS = (None, "gz", "zst")
 #: Files up to this size are compared by sha256 in :func:`stale_tar_reason` (``index.bin`` holds every
@@ -101,14 +101,31 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
     return ti
 
 
-def export_tar(cache_path, tar_path, *, compression: str | None = None, callback=None,
+def compression_of(tar_path: str) -> str | None:
+    """The compression a tar's name asks for: ``"gz"`` for ``.gz``/``.tgz``, ``"zst"`` for ``.zst``, else ``None``.
+
+    Example:
+        >>> compression_of("gs://b/mnist.tar.gz"), compression_of("c.tar.zst"), compression_of("c.tar")
+        ('gz', 'zst', None)
+    """
+    name = str(tar_path).lower().rstrip("/")
+    if name.endswith((".gz", ".tgz")):
+        return "gz"
+    if name.endswith((".zst", ".zstd")):
+        return "zst"
+    return None
+
+
+def export_tar(cache_path, tar_path, *, compression: str | None = "auto", callback=None,
                storage_options: dict | None = None) -> TransferReport:
     """Write the cache at ``cache_path`` into one reproducible tar file at ``tar_path``.
 
     Args:
         cache_path: local cache directory (do not warm it while exporting).
         tar_path: a local path or any fsspec URL (``gs://bucket/cache.tar.zst``); streamed.
-        compression: ``None``, ``"gz"`` or ``"zst"`` (needs ``pip install zstandard``; the ``zst`` extra).
+        compression: ``"auto"`` (the default: from ``tar_path``'s suffix, ``.gz``/``.tgz`` gzip, ``.zst``
+            zstandard, anything else none), ``None``, ``"gz"`` or ``"zst"`` (needs ``pip install zstandard``;
+            the ``zst`` extra).
         callback: progress in bytes of cache read; ``stop_requested`` aborts and leaves no tar.
         storage_options: passed to fsspec for a remote ``tar_path``.
 
@@ -121,9 +138,11 @@ def export_tar(cache_path, tar_path, *, compression: str | None = None, callback
         >>> nbkit.export_tar(ds.root, tempfile.mkdtemp() + "/c.tar").transferred
         ('col-0.bin', 'index.bin', 'manifest.json', 'nbkit.json')
     """
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    if compression != "auto" and compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be 'auto' or one of {COMPRESSIONS}, got {compression!r}")
     tar_path = check_url(tar_path, "tar_path")
+    if compression == "auto":
+        compression = compression_of(tar_path)
     start = time.perf_counter()
     cb = as_callback(callback)
     root = cache_root(check_path(cache_path, "cache_path"))

@@ -178,7 +178,7 @@ def test_stop_requested_leaves_no_tar(tmp_path, cache):
 
 def test_missing_zstandard_names_the_extra(tmp_path, cache, monkeypatch):
     monkeypatch.setitem(sys.modules, "zstandard", None)
-    with pytest.raises(ImportError, match=r"pip install 'nbkit\[zst\]'"):
+    with pytest.raises(ImportError, match=r"'zst' extra\): pip install zstandard"):
         nbkit.export_tar(cache, tmp_path / "c.tar.zst", compression="zst")
     assert os.listdir(tmp_path) == []
 
@@ -797,3 +797,18 @@ def test_a_long_chain_of_extended_headers_is_refused_not_a_recursion_error(tmp_p
         tar = tmp_path / "chain.tar"
         tar.write_bytes(link * 3000 + _header(fmt.LOCK, 0) + b"\0" * 1024)
         assert_refused(tar, dest, good, UnsafeArchiveError, "more than 8 extended headers in a row")
+
+
+@pytest.mark.parametrize("name, magic", [("c.tar.gz", b"\x1f\x8b"), ("c.tgz", b"\x1f\x8b"),
+                                         ("c.tar.zst", b"\x28\xb5\x2f\xfd"), ("c.tar", b"")])
+def test_the_tar_s_name_chooses_its_compression(tmp_path, cache, name, magic):
+    """`nbkit export cache c.tar.gz` writes gzip, as its name says (it wrote a plain tar before)."""
+    tar = tmp_path / name
+    nbkit.export_tar(cache, tar)
+    head = tar.read_bytes()[:4]
+    assert head.startswith(magic) and (magic or head not in (b"\x1f\x8b", b"\x28\xb5\x2f\xfd"))
+    nbkit.import_tar(tar, tmp_path / "back")
+    assert nbkit.CachedDataset.open(tmp_path / "back").verify() is not None
+    plain = tmp_path / ("plain-" + name)
+    nbkit.export_tar(cache, plain, compression=None)  # None: no compression, whatever the name
+    assert not plain.read_bytes()[:2] == b"\x1f\x8b"
