@@ -1,6 +1,6 @@
 """Optional dependencies: import one, or raise an ``ImportError`` that names the extra and the package.
 
-``import nbkit`` needs torch, numpy and fsspec only. Everything else (ipywidgets, matplotlib, gcsfs,
+nbkit depends on torch, numpy and fsspec only. Everything else (ipywidgets, matplotlib, gcsfs,
 redis, zstandard, torch_xla) is imported where it is used, through :func:`require`, so a missing
 package fails at the first use with the exact install command. torch itself loads on the first use
 of what needs it (a dataset, a tensor): the ``nbkit`` command never does, and :func:`is_tensor`

@@ -13,7 +13,7 @@ expected and the fix. The rest of nbkit never re-checks. ``docs/SECURITY.md`` sa
 * **JSON** (metadata, manifests) is checked against a declarative spec (:class:`Int`, :class:`Str`,
   :class:`List`, :class:`Obj` …) by :func:`check_json`, which raises :class:`CorruptCacheError`
   naming the file and the field. (A spec language of our own rather than pydantic or msgspec:
-  ``import nbkit`` needs torch and numpy only, and the checks that matter — names from a pattern,
+  nbkit depends on torch, numpy and fsspec only, and the checks that matter — names from a pattern,
   sizes against real files — are ours either way.)
 
 Example:
