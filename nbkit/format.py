@@ -252,7 +252,8 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1
     """
     parts = spans(n, min(threads, n)) if threads > 1 and n else []
     if len(parts) > 1:
-        out = np.concatenate(list(pool().map(lambda s: batch_crc([c[s[0]:s[1]] for c in columns], s[1] - s[0]), parts)))
+        with pool() as p:
+            out = np.concatenate(list(p.map(lambda s: batch_crc([c[s[0]:s[1]] for c in columns], s[1] - s[0]), parts)))
         for j, blob in (blobs or {}).items():
             out[j] = zlib.crc32(blob, int(out[j]))
         return out.astype(np.uint32, copy=False)
