@@ -229,6 +229,10 @@ class Store:
         """Make what was stored durable (a power loss keeps it); called at the end of a warmup.
         Default: nothing to do (a server keeps what it acknowledged)."""
 
+    def close(self) -> None:
+        """Release what the store holds in this process (files, maps, threads, buffers); called
+        once, by ``CachedDataset.close()``. Default: nothing to release."""
+
 
 def admission_slots(length: int, capacity: int, seed: int) -> np.ndarray:
     """Slot of each index under a byte budget (``-1``: not admitted).

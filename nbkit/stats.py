@@ -476,8 +476,7 @@ class SharedCounters:
         self._row = None
         self._pid = None
         self._base = np.zeros(len(FIELDS), np.int64)
-        if owner:
-            weakref.finalize(self, _unlink, path)
+        self._finalizer = weakref.finalize(self, _unlink, path) if owner else None
 
     @classmethod
     def create(cls) -> "SharedCounters":
@@ -515,7 +514,10 @@ class SharedCounters:
             return self._row
         arr = self._arr()
         slot = _SLOTS - 1  # shared overflow row if every row is taken by a live process
-        fd = os.open(self.path, os.O_RDWR) if os.path.exists(self.path) else None
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:  # removed by its owner meanwhile (closed, or gone): the row is private
+            fd = None
         try:
             if fd is not None and fcntl is not None:
                 fcntl.lockf(fd, fcntl.LOCK_EX)
@@ -561,6 +563,20 @@ class SharedCounters:
     def reset(self) -> None:
         """Start counting from zero (in this process's view; workers started later inherit it)."""
         self._base = self._raw_totals().copy()
+
+    def close(self) -> None:
+        """Let go of the shared file: unmapped once no array made from it is left, and removed if this
+        handle created it. Processes that mapped it keep counting into their map; a later count in
+        this process, or in a process that had not mapped it yet, goes to private memory.
+
+        Example:
+            >>> c = SharedCounters.create(); c.add(hits=1); c.close()
+            >>> os.path.exists(c.path)
+            False
+        """
+        self._array = self._row = self._mm = self._pid = None
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 def _unlink(path: str) -> None:
