@@ -114,12 +114,19 @@ class Stats(HitRate):
         return self.capacity is not None and self.capacity < self.total
 
     def __str__(self) -> str:
+        """One line; before the first read it says so rather than showing a 0.0% hit rate.
+
+        Example:
+            >>> print(Stats(hits=0, misses=0, recomputed=0, stored=8, cached=8, total=8, bytes=256))
+            cached 8/8 (100.0%), no samples read yet, 256 B stored
+            >>> print(Stats(hits=3, misses=1, recomputed=0, stored=1, cached=8, total=8, bytes=256))
+            cached 8/8 (100.0%), hits 3, misses 1, hit rate 75.0%, 256 B stored
+        """
         budget = f" (budget: {self.capacity} samples)" if self.budgeted else ""
-        return (
-            f"cached {self.cached}/{self.total}{budget} ({100.0 * self.cached / max(self.total, 1):.1f}%), "
-            f"hits {self.hits}, misses {self.misses}, hit rate {100.0 * self.hit_rate:.1f}%, "
-            f"{format_bytes(self.bytes)} stored"
-        )
+        reads = (f"hits {self.hits}, misses {self.misses}, hit rate {100.0 * self.hit_rate:.1f}%" if self.reads
+                 else "no samples read yet")
+        return (f"cached {self.cached}/{self.total}{budget} ({100.0 * self.cached / max(self.total, 1):.1f}%), {reads}, "
+                f"{format_bytes(self.bytes)} stored")
 
 
 @dataclass
