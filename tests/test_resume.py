@@ -367,7 +367,8 @@ TRAIN = textwrap.dedent("""
 
 
 def read_log(path):
-    rows = [line.split(" ", 2) for line in open(path).read().splitlines()]
+    with open(path) as f:
+        rows = [line.split(" ", 2) for line in f.read().splitlines()]
     return [(int(step), int(epoch), batch) for step, epoch, batch in rows]
 
 
