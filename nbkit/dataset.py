@@ -203,9 +203,10 @@ class CachedDataset(Dataset):
         ds:`` closes it at the end of the block.
 
         A closed dataset keeps its ``path`` and length, and raises ``ValueError`` on every read,
-        ``warmup``, ``stats`` and the like, saying how to open it again. Copies already in running
-        DataLoader workers keep their own files open until the workers end; a batch they send back
-        to this closed dataset fails with the same ``ValueError`` (close after the training loop).
+        ``warmup``, ``stats`` and the like, saying how to open it again. Close it once the loops
+        reading it have ended: copies already in running DataLoader workers keep their own files
+        open until the workers end, but a batch they send back to this closed dataset fails with
+        the same ``ValueError``, and so does a ``DeviceLoader`` pass still reading it.
 
         Example:
             >>> import torch, tempfile, nbkit
