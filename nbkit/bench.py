@@ -1017,7 +1017,7 @@ def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transfor
         finally:
             socket.setdefaulttimeout(previous)
 
-    from nbkit.offline import has_mnist, write_mnist
+    from nbkit.offline import has_mnist, stand_in_notice, write_mnist
 
     layout = "MNIST" if name == "EMNIST" else name
     offline_root = Path(root) / f"nbkit-offline-{offline_samples}"
@@ -1027,10 +1027,7 @@ def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transfor
     ds = getattr(datasets, layout)(offline_root, download=False, train=train, transform=transform)
     ds.nbkit_source = "offline"
     note = " (EMNIST has no offline layout; using MNIST-format data instead)" if name == "EMNIST" else ""
-    print(
-        f"Using offline {layout}-format stand-in data ({len(ds):,} samples): {reason}. "
-        f"The images are synthetic, learnable patterns, not real {name}{note}."
-    )
+    print(stand_in_notice(len(ds), reason, layout=layout, name=name, note=note))
     return ds
 
 

@@ -748,5 +748,10 @@ class CacheFiles(fmt.Store):
         os.fsync(self._index_fd)
 
     def close(self) -> None:
-        """Close the files (and end this process's use of the cache: :func:`in_use`)."""
+        """Close the files (and end this process's use of the cache: :func:`in_use`), and let go of
+        the maps: each is unmapped once no array made from it is left (closing a map that an array
+        still views would fail, ``BufferError``). Closing twice does nothing more."""
         _close_fds(self._fds)
+        self.records = self.state = self.flags = self.crc = self.off = self.len = None
+        self.columns, self.column_fds, self._column_files = [], [], []
+        self._index_mmap = self._index_fd = self._heap_fd = None

@@ -124,6 +124,7 @@ class CachedDataset(Dataset):
         self._unfilled_from = 0  # no index below this one is missing (a hint: it only grows)
         self._token = uuid.uuid4().hex  # names this dataset to batch handles sent by DataLoader workers
         register_gatherer(self._token, self._collate_stored)
+        self._closed = False
 
     @classmethod
     def open(cls, path, *, transform=None, allow_pickle: bool = False, storage_options: dict | None = None,
@@ -190,11 +191,68 @@ class CachedDataset(Dataset):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("_closed", False)  # pickled by an nbkit without close()
         register_gatherer(self._token, self._collate_stored)
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what this dataset holds in this process: its files and memory maps (and with them
+        its hold on the cache, so ``nbkit.remove`` can delete it), its store's connections and
+        threads, its shared counters. Closing twice does nothing more; ``with CachedDataset(...) as
+        ds:`` closes it at the end of the block.
+
+        A closed dataset keeps its ``path`` and length, and raises ``ValueError`` on every read,
+        ``warmup``, ``stats`` and the like, saying how to open it again. Close it once the loops
+        reading it have ended: copies already in running DataLoader workers keep their own files
+        open until the workers end, but a batch they send back to this closed dataset fails with
+        the same ``ValueError``, and so does a ``DeviceLoader`` pass still reading it.
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> path = tempfile.mkdtemp() + "/cache"
+            >>> with nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), path) as ds:
+            ...     ds.warmup().computed
+            4
+            >>> ds[0]  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: this CachedDataset of .../cache was closed (ds.close(), or the end of its with block)...
+            >>> nbkit.remove(path).bytes > 0    # nothing holds the cache any more
+            True
+        """
+        if self._closed:
+            return
+        self._closed = True
+        store, self._files_obj, self._files_pid, self._verified = self._files_obj, None, None, None
+        if store is not None:
+            store.close()
+        self._location.close()
+        self._counters.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (here, or before this copy was pickled)."""
+        return self._closed
+
+    def __enter__(self) -> "CachedDataset":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(
+                f"this CachedDataset of {self.path} was closed (ds.close(), or the end of its with block), so it no "
+                f"longer reads or writes the cache. Open it again: nbkit.CachedDataset(source, {self.path!r}), or "
+                f"nbkit.CachedDataset.open({self.path!r}) without the source."
+            )
 
     @property
     def store(self) -> fmt.Store:
         """The sample store of this process (``docs/DESIGN.md``, "Store protocol"), opened on first use."""
+        self._check_open()
         pid = os.getpid()
         if self._files_obj is None or self._files_pid != pid:
             # Each process maps the files itself (after fork too: never share fds or locks), and
@@ -210,6 +268,7 @@ class CachedDataset(Dataset):
         """Raise :class:`StaleCacheError` if the cache was rebuilt since this handle opened it (one
         ``stat`` of ``nbkit.json``; at most every ``every`` seconds); reopen the store if its files
         were replaced by a copy of the same build."""
+        self._check_open()  # first: a closed dataset's cache may be gone, and that is not the news
         now = time.monotonic()
         if every and now - self._generation_checked < every:
             return
@@ -232,7 +291,7 @@ class CachedDataset(Dataset):
 
     def __repr__(self) -> str:
         src = type(self._source).__name__ if self._source is not None else "no source"
-        return f"CachedDataset({src}, {self.path!r}, {len(self)} samples)"
+        return f"CachedDataset({src}, {self.path!r}, {len(self)} samples{', closed' if self._closed else ''})"
 
     # -- reads -----------------------------------------------------------------------------------------
 
@@ -682,6 +741,7 @@ class CachedDataset(Dataset):
 
     def sync(self, callback=None) -> None:
         """Push the local working copy of a remote cache (``gs://…``) to its URL; no-op for local paths."""
+        self._check_open()
         self._location.publish(callback=callback)
 
     def verify(self, callback=None) -> int:
@@ -715,6 +775,7 @@ class CachedDataset(Dataset):
 
     def reset_stats(self) -> None:
         """Start hits/misses/recomputed/stored from zero (``cached`` is a fact about the disk and stays)."""
+        self._check_open()
         self._counters.reset()
 
     @property

@@ -1,8 +1,9 @@
 """The terminal demo: ``python -m nbkit.demo`` (what ``make demo`` runs first).
 
-Builds offline MNIST-format files, wraps torchvision's ``MNIST`` (``ToTensor`` + ``Normalize``) in
-a :class:`nbkit.CachedDataset`, warms it up with a progress line, reopens it without the source as
-a new session would, and prints raw vs cached epoch times.
+Builds offline MNIST-format files (synthetic stand-ins for MNIST, and it says so first), wraps
+torchvision's ``MNIST`` (``ToTensor`` + ``Normalize``) in a :class:`nbkit.CachedDataset`, warms it
+up with a progress line, reopens it without the source as a new session would, and prints raw vs
+cached epoch times.
 
 Example:
     >>> from nbkit.demo import main
@@ -24,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import nbkit
-from nbkit.offline import has_mnist, write_mnist
+from nbkit.offline import has_mnist, stand_in_notice, write_mnist
 from nbkit.progress import TextProgress
 from nbkit.text import format_bytes
 
@@ -55,8 +56,12 @@ def main(argv=None) -> int:
     data_root = os.path.join(args.workdir, "data")
     cache_path = os.path.join(args.workdir, "cache")
     if not has_mnist(data_root):
+        print(stand_in_notice(args.samples, "the demo writes its own files and never downloads"))
         print("writing offline MNIST-format files (no download needed) ...")
         write_mnist(data_root, n_train=max(args.samples, 1000), n_test=1000)
+    else:
+        print(f"Using the MNIST-format files already in {data_root}: the synthetic stand-ins an earlier demo run "
+              "wrote there, unless you put the real MNIST there.")
     transform = T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))])
     source = datasets.MNIST(data_root, train=True, download=False, transform=transform)
     if args.samples < len(source):

@@ -343,7 +343,8 @@ def remove(path, *, dry_run: bool = False) -> Removal:
         with unused(here) as free:
             if not free:
                 raise OSError(errno.EBUSY, f"refusing to remove {root}: a process has the cache open (a dataset, a "
-                              "DataLoader worker, a training run). Close it (or end that process) and remove it again.")
+                              "DataLoader worker, a training run). Close it with ds.close() (or open it in a `with "
+                              "CachedDataset(...) as ds:` block), or end that process, and remove it again.")
             files = _files_of(here)
             size = sum(allocated(s) for name, s in files if trust.is_cache_file(name) or name == fmt.LOCK
                        or leftover_of(name) is not None)

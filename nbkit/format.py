@@ -229,6 +229,10 @@ class Store:
         """Make what was stored durable (a power loss keeps it); called at the end of a warmup.
         Default: nothing to do (a server keeps what it acknowledged)."""
 
+    def close(self) -> None:
+        """Release what the store holds in this process (files, maps, threads, buffers); called
+        once, by ``CachedDataset.close()``. Default: nothing to release."""
+
 
 def admission_slots(length: int, capacity: int, seed: int) -> np.ndarray:
     """Slot of each index under a byte budget (``-1``: not admitted).
@@ -252,7 +256,8 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1
     """
     parts = spans(n, min(threads, n)) if threads > 1 and n else []
     if len(parts) > 1:
-        out = np.concatenate(list(pool().map(lambda s: batch_crc([c[s[0]:s[1]] for c in columns], s[1] - s[0]), parts)))
+        with pool() as p:
+            out = np.concatenate(list(p.map(lambda s: batch_crc([c[s[0]:s[1]] for c in columns], s[1] - s[0]), parts)))
         for j, blob in (blobs or {}).items():
             out[j] = zlib.crc32(blob, int(out[j]))
         return out.astype(np.uint32, copy=False)

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -43,7 +44,8 @@ import numpy as np
 from .errors import CorruptCacheError
 
 __all__ = ["take_rows", "gather_rows", "read_rows", "resident", "will_need", "crc_rows", "spans", "auto_threads",
-           "pool", "io_pool", "empty_rows", "pinned_rows", "recycled_rows", "physical_memory", "read_mode", "READ_MODES"]
+           "pool", "io_pool", "stop_pools", "empty_rows", "pinned_rows", "recycled_rows", "physical_memory", "read_mode",
+           "READ_MODES"]
 
 # Batches at least this large are gathered straight into pinned memory when this process uses CUDA.
 PIN_MIN_BYTES = 64 << 10
@@ -52,8 +54,16 @@ PIN_MIN_BYTES = 64 << 10
 PARALLEL_MIN_BYTES = 2 << 20
 MAX_THREADS = 8
 
+# The process's pools, lent for the length of a gather (:func:`pool`, :func:`io_pool`) and stopped
+# before every fork (:func:`stop_pools`): the parent forks with no thread of ours alive (Python warns
+# about a multi-threaded process that forks: the child may inherit a lock another thread held), and
+# the child starts without them. The next gather starts them again.
 _pools = {}  # name: (pool, the pid that made it)
-_pool_lock = threading.Lock()
+_pools_state = threading.Condition()
+_lent = 0  # pools lent out now (a gather in flight)
+_forking = False  # a fork waits for the pools to be idle: nothing is lent meanwhile
+#: The longest a fork waits for the gathers in flight before it goes ahead with the pools running.
+FORK_WAIT_SECONDS = 10.0
 
 #: Concurrent reads of rows that are not in the page cache: an SSD (or a cloud disk) reaches its
 #: throughput only with many requests in flight (here: 170 MB/s with 1, 470 MB/s with 32).
@@ -78,21 +88,80 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _process_pool(name: str, threads: int) -> ThreadPoolExecutor:
-    """This process's pool called ``name`` (a forked child builds its own: threads do not survive fork)."""
+@contextlib.contextmanager
+def _lend(name: str, threads: int):
+    """This process's pool called ``name``, for the duration of the block (work submitted to it is
+    done by the block's end). Waits while a fork stops the pools."""
+    global _lent
     pid = os.getpid()
-    pool_ = _pools.get(name)
-    if pool_ is None or pool_[1] != pid:
-        with _pool_lock:
-            pool_ = _pools.get(name)
-            if pool_ is None or pool_[1] != pid:
-                pool_ = _pools[name] = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name), pid)
-    return pool_[0]
+    with _pools_state:
+        _pools_state.wait_for(lambda: not _forking)
+        pool_ = _pools.get(name)
+        if pool_ is None or pool_[1] != pid:  # pid: a child forked without the hooks (a C-level fork) makes its own
+            pool_ = _pools[name] = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name), pid)
+        _lent += 1
+    try:
+        yield pool_[0]
+    finally:
+        with _pools_state:
+            _lent -= 1
+            _pools_state.notify_all()
 
 
-def pool() -> ThreadPoolExecutor:
-    """This process's gather pool (a forked child builds its own: threads do not survive fork)."""
-    return _process_pool("nbkit-gather", max(1, min(MAX_THREADS, cpu_count())))
+def pool():
+    """This process's gather pool, lent for a ``with`` block: ``with pool() as p: p.map(...)``.
+
+    Example:
+        >>> with pool() as p:
+        ...     list(p.map(abs, [-1, 2]))
+        [1, 2]
+    """
+    return _lend("nbkit-gather", max(1, min(MAX_THREADS, cpu_count())))
+
+
+def stop_pools(timeout: float = FORK_WAIT_SECONDS) -> bool:
+    """Stop this process's pools once the gathers in flight are done (at most ``timeout`` seconds);
+    the next gather starts them again. Runs before every ``os.fork``; return whether they stopped.
+
+    Example:
+        >>> with pool() as p:
+        ...     _ = p.submit(int).result()
+        >>> stop_pools(), any(t.name.startswith("nbkit-gather") for t in threading.enumerate())
+        (True, False)
+    """
+    with _pools_state:
+        idle = _pools_state.wait_for(lambda: not _lent, timeout=timeout)
+        stopping = [p for p, pid in _pools.values() if pid == os.getpid()] if idle else []
+        if idle:
+            _pools.clear()
+    for p in stopping:
+        p.shutdown(wait=True)  # idle threads: they exit at once
+    return idle
+
+
+def _before_fork() -> None:
+    global _forking
+    with _pools_state:
+        _forking = True  # no new loan while the fork waits for those in flight
+    stop_pools()
+
+
+def _after_fork_in_parent() -> None:
+    global _forking
+    with _pools_state:
+        _forking = False
+        _pools_state.notify_all()
+
+
+def _after_fork_in_child() -> None:
+    global _pools, _pools_state, _lent, _forking
+    # Only the forking thread lives on: nothing is lent, and the condition may have been held by another.
+    _pools, _pools_state, _lent, _forking = {}, threading.Condition(), 0, False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
 
 def physical_memory() -> int:
@@ -103,9 +172,10 @@ def physical_memory() -> int:
         return 0
 
 
-def io_pool() -> ThreadPoolExecutor:
-    """This process's pool of :data:`IO_THREADS` threads for explicit reads (rebuilt after fork)."""
-    return _process_pool("nbkit-read", IO_THREADS)
+def io_pool():
+    """This process's pool of :data:`IO_THREADS` threads for explicit reads, lent for a ``with``
+    block like :func:`pool`."""
+    return _lend("nbkit-read", IO_THREADS)
 
 
 def auto_threads(batch_bytes: int) -> int:
@@ -220,8 +290,9 @@ def take_rows(columns: list, rows: np.ndarray, out: list | None = None, threads:
         for c, o in zip(columns, out):
             np.take(c, rows[a:b], axis=0, out=o[a:b])
 
-    for f in [pool().submit(copy, s) for s in parts]:
-        f.result()
+    with pool() as p:
+        for f in [p.submit(copy, s) for s in parts]:
+            f.result()
     return out
 
 
@@ -449,8 +520,9 @@ def read_rows(files: list, columns: list, rows: np.ndarray, out: list | None = N
     if width <= 1:
         work()
     else:
-        for f in [io_pool().submit(work) for _ in range(width)]:
-            f.result()
+        with io_pool() as p:
+            for f in [p.submit(work) for _ in range(width)]:
+                f.result()
     if len(uniq) < n:  # rows asked more than once: copy the one read
         src = first[inverse]
         dup = np.flatnonzero(src != np.arange(n))

@@ -24,7 +24,7 @@ import numpy as np
 
 from .commit import atomic_write
 
-__all__ = ["write_mnist", "mnist_raw_folder", "has_mnist"]
+__all__ = ["write_mnist", "mnist_raw_folder", "has_mnist", "stand_in_notice"]
 
 #: The IDX files torchvision's MNIST-style classes read from ``<root>/<folder>/raw``.
 FILES = tuple(f"{split}-{kind}" for split in ("train", "t10k") for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
@@ -52,6 +52,18 @@ def has_mnist(root, name: str = "MNIST") -> bool:
     """
     raw = mnist_raw_folder(root, name)
     return all((raw / f).exists() for f in FILES)
+
+
+def stand_in_notice(samples: int, why: str, *, layout: str = "MNIST", name: str | None = None, note: str = "") -> str:
+    """The sentence that says the data is an offline stand-in, and why: the demo, the notebooks
+    (through :func:`nbkit.bench.mnist_like`) and the benchmark all say it in these words.
+
+    Example:
+        >>> stand_in_notice(3000, "the demo never downloads")
+        'Using offline MNIST-format stand-in data (3,000 samples): the demo never downloads. The images are synthetic, learnable patterns, not real MNIST.'
+    """
+    return (f"Using offline {layout}-format stand-in data ({samples:,} samples): {why}. "
+            f"The images are synthetic, learnable patterns, not real {name or layout}{note}.")
 
 
 def _class_templates(rng: np.random.Generator, n_classes: int = 10) -> np.ndarray:

@@ -56,6 +56,9 @@ class Callback(_FsspecCallback):
         ('publish', 'bytes', 0, 0)
     """
 
+    #: Seconds for ``elapsed``, ``rate`` and ``eta`` (a front end may be given another, e.g. in tests).
+    clock = time.perf_counter
+
     def __init__(self, size=None, value=0, hooks=None, *, phase: str = "", unit: str = "samples", **kwargs):
         super().__init__(size=size, value=value, hooks=hooks, **kwargs)
         self.description = ""
@@ -65,7 +68,7 @@ class Callback(_FsspecCallback):
         self._restart_clock()
 
     def _restart_clock(self) -> None:
-        self.started = time.perf_counter()
+        self.started = self.clock()
         self.ended = None  # set by close(): a finished operation's rate and time stay as they were
         self._base = self.value  # work done before this operation (e.g. samples already cached) is not speed
         self._based = False
@@ -82,7 +85,7 @@ class Callback(_FsspecCallback):
 
     def elapsed(self) -> float:
         """Seconds since this phase started (until :meth:`close`, once the operation has ended)."""
-        return (self.ended if self.ended is not None else time.perf_counter()) - self.started
+        return (self.ended if self.ended is not None else self.clock()) - self.started
 
     def rate(self) -> float:
         """Units per second in this phase (0.0 before anything moved)."""
@@ -111,7 +114,7 @@ class Callback(_FsspecCallback):
     def close(self) -> None:
         """The operation has ended: stop the clock (``elapsed``, ``rate`` and ``eta`` stop moving)."""
         if self.ended is None:
-            self.ended = time.perf_counter()
+            self.ended = self.clock()
 
     def request_stop(self) -> None:
         """Ask the running operation to stop after its current unit of work."""
@@ -200,8 +203,17 @@ def as_callback(callback) -> Callback:
 class TextProgress(Callback):
     """A plain one-line progress meter for terminals, scripts and CI logs.
 
-    Rewrites one line with ``\\r`` when the stream is a TTY, otherwise prints a line at most every
-    ``min_interval`` seconds (and always the last one), so logs stay short.
+    On a terminal (the stream's ``isatty()``) it rewrites one line with ``\\r``, at most every
+    ``min_interval`` seconds. Anywhere else (a log file, a pipe, a notebook's captured output) it
+    prints a line at each tenth of the work (:data:`LOG_STEPS`) or after :data:`LOG_SECONDS` without
+    one, whichever comes first, and the last line once: about a dozen lines for a long warmup.
+
+    Args:
+        label: what runs, at the start of the line.
+        file: the stream (default ``sys.stderr``).
+        min_interval: seconds between redraws on a terminal.
+        unit: what the counts count (``"samples"``, ``"bytes"``).
+        clock: seconds, for when to print and for the rate and ETA (default :func:`time.perf_counter`).
 
     Example:
         >>> import io
@@ -212,13 +224,22 @@ class TextProgress(Callback):
         True
     """
 
-    def __init__(self, label: str = "", *, file=None, min_interval: float = 0.5, unit: str = "samples", **kwargs):
+    #: Off a terminal, a line each time the work crosses another 1/LOG_STEPS of its size ...
+    LOG_STEPS = 10
+    #: ... or when this many seconds passed since the last line.
+    LOG_SECONDS = 30.0
+
+    def __init__(self, label: str = "", *, file=None, min_interval: float = 0.5, unit: str = "samples",
+                 clock=time.perf_counter, **kwargs):
+        self.clock = clock  # first: the callback's own clock starts in super().__init__
         super().__init__(unit=unit, **kwargs)
         self.label = label
         self.file = file if file is not None else sys.stderr
         self.min_interval = min_interval
-        self._last_print = 0.0
+        self._last_print = None
         self._tty = bool(getattr(self.file, "isatty", lambda: False)())
+        self._logged_step = None  # the tenth of the work the last logged line was in
+        self._final_logged = False  # the finished line is in the log
         self._closed = False
 
     def line(self) -> str:
@@ -237,19 +258,37 @@ class TextProgress(Callback):
         return "  ".join(parts)
 
     def call(self, *args, **kwargs):
-        now = time.perf_counter()
-        finished = self.finished
-        if not finished and now - self._last_print < self.min_interval:
-            return
+        now = self.clock()
+        if self._tty:
+            finished = self.finished
+            if not finished and self._last_print is not None and now - self._last_print < self.min_interval:
+                return
+            self._print(now, "\n" if finished else "\r")
+        elif self._log_due(now):
+            self._print(now, "\n")
+
+    def _log_due(self, now: float) -> bool:
+        """Off a terminal: whether this update gets a line (and note that it does)."""
+        if self.finished:
+            due, self._final_logged = not self._final_logged, True
+            return due
+        self._final_logged = False  # a new phase, or more work: its end gets a line again
+        step = int(self.LOG_STEPS * self.value / self.size) if self.size else None
+        if (step is not None and step != self._logged_step) or self._last_print is None \
+                or now - self._last_print >= self.LOG_SECONDS:
+            self._logged_step = step
+            return True
+        return False
+
+    def _print(self, now: float, end: str) -> None:
         self._last_print = now
-        end = "\r" if self._tty and not finished else "\n"
         print(self.line(), end=end, file=self.file, flush=True)
 
     def close(self):
         if not self._closed:
             self._closed = True
             super().close()
-            if self._tty or not self.finished:
+            if self._tty or not self._final_logged:  # ends the rewritten line; a stopped run's last state
                 print(self.line(), file=self.file, flush=True)
 
 

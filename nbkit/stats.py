@@ -114,12 +114,19 @@ class Stats(HitRate):
         return self.capacity is not None and self.capacity < self.total
 
     def __str__(self) -> str:
+        """One line; before the first read it says so rather than showing a 0.0% hit rate.
+
+        Example:
+            >>> print(Stats(hits=0, misses=0, recomputed=0, stored=8, cached=8, total=8, bytes=256))
+            cached 8/8 (100.0%), no samples read yet, 256 B of sample data
+            >>> print(Stats(hits=3, misses=1, recomputed=0, stored=1, cached=8, total=8, bytes=256))
+            cached 8/8 (100.0%), hits 3, misses 1, hit rate 75.0%, 256 B of sample data
+        """
         budget = f" (budget: {self.capacity} samples)" if self.budgeted else ""
-        return (
-            f"cached {self.cached}/{self.total}{budget} ({100.0 * self.cached / max(self.total, 1):.1f}%), "
-            f"hits {self.hits}, misses {self.misses}, hit rate {100.0 * self.hit_rate:.1f}%, "
-            f"{format_bytes(self.bytes)} of sample data"
-        )
+        reads = (f"hits {self.hits}, misses {self.misses}, hit rate {100.0 * self.hit_rate:.1f}%" if self.reads
+                 else "no samples read yet")
+        return (f"cached {self.cached}/{self.total}{budget} ({100.0 * self.cached / max(self.total, 1):.1f}%), {reads}, "
+                f"{format_bytes(self.bytes)} of sample data")
 
 
 @dataclass
@@ -476,8 +483,7 @@ class SharedCounters:
         self._row = None
         self._pid = None
         self._base = np.zeros(len(FIELDS), np.int64)
-        if owner:
-            weakref.finalize(self, _unlink, path)
+        self._finalizer = weakref.finalize(self, _unlink, path) if owner else None
 
     @classmethod
     def create(cls) -> "SharedCounters":
@@ -515,7 +521,10 @@ class SharedCounters:
             return self._row
         arr = self._arr()
         slot = _SLOTS - 1  # shared overflow row if every row is taken by a live process
-        fd = os.open(self.path, os.O_RDWR) if os.path.exists(self.path) else None
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:  # removed by its owner meanwhile (closed, or gone): the row is private
+            fd = None
         try:
             if fd is not None and fcntl is not None:
                 fcntl.lockf(fd, fcntl.LOCK_EX)
@@ -561,6 +570,20 @@ class SharedCounters:
     def reset(self) -> None:
         """Start counting from zero (in this process's view; workers started later inherit it)."""
         self._base = self._raw_totals().copy()
+
+    def close(self) -> None:
+        """Let go of the shared file: unmapped once no array made from it is left, and removed if this
+        handle created it. Processes that mapped it keep counting into their map; a later count in
+        this process, or in a process that had not mapped it yet, goes to private memory.
+
+        Example:
+            >>> c = SharedCounters.create(); c.add(hits=1); c.close()
+            >>> os.path.exists(c.path)
+            False
+        """
+        self._array = self._row = self._mm = self._pid = None
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 def _unlink(path: str) -> None:

@@ -166,10 +166,6 @@ class _Workers:
         """Fill every chunk; return how many samples were filled (fewer when a stop was requested)."""
         ctx = self.context
         tasks, results = ctx.Queue(), ctx.Queue()
-        for k in range(len(self.chunks)):
-            tasks.put(k)
-        for _ in range(self.n):
-            tasks.put(None)
         seed = random.getrandbits(48)
         self.procs = [ctx.Process(target=_worker, args=(self.cached, self.chunks, tasks, results, seed + w),
                                   daemon=True, name=f"nbkit-warmup-{w}") for w in range(self.n)]
@@ -177,6 +173,12 @@ class _Workers:
         try:
             for p in self.procs:
                 p.start()
+            # Only now: the first put starts the queue's feeder thread, and a process that forks
+            # with a thread running is one Python warns about (the child could inherit a held lock).
+            for k in range(len(self.chunks)):
+                tasks.put(k)
+            for _ in range(self.n):
+                tasks.put(None)
             while finished < len(self.chunks):
                 if cb.stop_requested is True:
                     break

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,12 +237,12 @@ def test_exporting_onto_a_full_disk_keeps_the_older_tar(disk, big_cache):
     path, older = big_cache
     tar = str(disk / "c.tar")
     nbkit.export_tar(older, tar)
-    before = open(tar, "rb").read()
+    before = Path(tar).read_bytes()
     fill(disk, leave=512 << 10)
     with pytest.raises(OSError) as e:
         nbkit.export_tar(path, tar)
     assert_disk_full(e.value, "c.tar")
-    assert open(tar, "rb").read() == before
+    assert Path(tar).read_bytes() == before
     assert_all_listed(disk, "c.tar")
 
 

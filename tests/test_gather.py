@@ -6,6 +6,8 @@ whose pages were evicted with ``posix_fadvise(DONTNEED)``."""
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -237,3 +239,32 @@ def test_small_rows_of_a_cache_that_fits_are_copied_from_the_map(tmp_path, monke
     store.gather_checked(np.arange(0, 64, 5), mode="pread")
     assert calls == [1]
     store.close()
+
+
+_FORK_AFTER_GATHERS = """
+import multiprocessing as mp, os, sys, tempfile, warnings
+import numpy as np, torch
+import nbkit
+from nbkit.gather import read_rows, take_rows
+
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    col = np.arange(64 * 4096, dtype=np.uint8).reshape(64, 4096)
+    path = os.path.join(tempfile.mkdtemp(), "col.bin"); col.tofile(path); fd = os.open(path, os.O_RDONLY)
+    rows = np.arange(0, 64, 2)
+    assert take_rows([col], rows, threads=2)[0].tolist() == col[rows].tolist()         # the gather pool
+    assert read_rows([(fd, path)], [col], rows, threads=4)[0][0].tolist() == col[rows].tolist()  # the I/O pool
+    child = mp.get_context("fork").Process(target=int); child.start(); child.join()      # a DataLoader's fork
+    ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(64)), tempfile.mkdtemp())
+    report = ds.warmup(num_workers=2, chunk_size=8, multiprocessing_context="fork")   # nbkit's own forks
+    assert report.computed == 64 and take_rows([col], rows, threads=2)[0].tolist() == col[rows].tolist()
+print("warnings:", [str(w.message) for w in caught if "fork" in str(w.message)])
+"""
+
+
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="needs the fork start method (Linux, macOS)")
+def test_a_fork_after_parallel_gathers_finds_no_thread_of_ours():
+    # A fresh interpreter: threads other tests left behind would make any fork warn.
+    out = subprocess.run([sys.executable, "-c", _FORK_AFTER_GATHERS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "warnings: []", out.stdout

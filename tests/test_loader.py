@@ -223,7 +223,7 @@ def test_xla_device_in_a_subprocess(tmp_path):
     assert "ok xla" in out.stdout
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA (torch.cuda.is_available() is False here)")
 
 
 @cuda

@@ -32,13 +32,67 @@ def test_text_progress_prints_a_readable_line():
     assert out.getvalue().rstrip().splitlines()[-1].startswith("warmup  200/200  100.0%")
 
 
-def test_text_progress_throttles():
-    out = io.StringIO()
-    p = TextProgress("x", file=out, min_interval=60)
-    p.set_size(1000)
-    for _ in range(100):
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _warmup(p, clock, n, seconds_each):
+    """``n`` samples, one update each, ``seconds_each`` apart (as warmup's chunks arrive), then done and closed."""
+    p.set_size(n)
+    for _ in range(n):
+        clock.now += seconds_each
         p.relative_update(1)
-    assert len(out.getvalue().splitlines()) <= 1
+    p.set_description("done")
+    p.close()
+
+
+def test_text_progress_in_a_log_prints_each_tenth_and_the_end_once():
+    # A 40 s warmup written to a log file: 81 lines when it printed every 0.5 s; now 0%, 10% ... 90%, 100%.
+    out, clock = io.StringIO(), _Clock()
+    _warmup(TextProgress("warmup", file=out, clock=clock), clock, 800, 0.05)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == [f"{p}.0%" for p in range(0, 101, 10)], lines
+    assert "\r" not in out.getvalue()
+
+
+def test_text_progress_in_a_log_prints_every_30_seconds_between_tenths():
+    out, clock = io.StringIO(), _Clock()
+    _warmup(TextProgress("warmup", file=out, clock=clock), clock, 100, 10.0)  # 100 s per tenth
+    lines = out.getvalue().splitlines()
+    # Per tenth (100 s): its first line, then one every 30 s (at 30, 60 and 90 s); then the end.
+    assert len(lines) == 10 * 4 + 1, lines
+    assert lines[1].startswith("warmup  3/100    3.0%") and lines[1].endswith("ETA 16m10s"), lines[1]  # the clock's rate
+    assert lines[-1].startswith("warmup  100/100  100.0%") and sum("100.0%" in line for line in lines) == 1
+
+
+def test_text_progress_in_a_log_ends_with_the_state_it_stopped_at():
+    out, clock = io.StringIO(), _Clock()
+    p = TextProgress("push", file=out, clock=clock)
+    p.set_size(1000)
+    p.relative_update(55)
+    p.set_description("stopped")
+    p.close()
+    p.close()
+    assert out.getvalue().splitlines()[-1].startswith("push  55/1,000    5.5%") and "stopped" in out.getvalue()
+    assert len(out.getvalue().splitlines()) == 2  # 0% at the start, and where it stopped
+
+
+def test_text_progress_on_a_terminal_rewrites_one_line():
+    out, clock = _Terminal(), _Clock()
+    _warmup(TextProgress("warmup", file=out, clock=clock, min_interval=0.5), clock, 800, 0.05)
+    text = out.getvalue()
+    redraws = text.count("\r")
+    assert 70 <= redraws <= 81, redraws  # every 0.5 s of a 40 s warmup, as before
+    assert text.endswith("\n") and text.rstrip("\n").splitlines()[-1].startswith("warmup  800/800  100.0%")
 
 
 def test_format_seconds():

@@ -132,7 +132,7 @@ def test_the_state_counts_what_the_loop_received_not_what_was_read_ahead():
     assert all(isinstance(v, (int, str, bool, type(None))) for v in state.values())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA (torch.cuda.is_available() is False here)")
 def test_cuda_batches_gathered_in_chunks_resume_exactly(tmp_path):
     ds = nbkit.CachedDataset(TensorDataset(torch.arange(300)), tmp_path / "c")
     ds.warmup()
@@ -367,7 +367,8 @@ TRAIN = textwrap.dedent("""
 
 
 def read_log(path):
-    rows = [line.split(" ", 2) for line in open(path).read().splitlines()]
+    with open(path) as f:
+        rows = [line.split(" ", 2) for line in f.read().splitlines()]
     return [(int(step), int(epoch), batch) for step, epoch, batch in rows]
 
 

@@ -3,6 +3,9 @@
 import multiprocessing as mp
 import pickle
 
+import torch
+
+import nbkit
 from nbkit.stats import EpochCounter, EpochStats, SharedCounters, Stats
 
 
@@ -40,6 +43,15 @@ def test_stats_snapshot_text():
     assert s.hit_rate == 0.75 and not s.complete and s.reads == 4
     assert "cached 4/8 (50.0%)" in str(s) and "hit rate 75.0%" in str(s) and str(s).endswith(", 1.0 MB of sample data")
     assert Stats(0, 0, 0, 0, 0, 1, 0).hit_rate == 0.0
+
+
+def test_stats_right_after_a_warmup_say_nothing_was_read_yet(tmp_path):
+    ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), tmp_path / "c")
+    ds.warmup()
+    text = str(ds.stats)
+    assert text.startswith("cached 8/8 (100.0%), no samples read yet, ") and "hit rate" not in text, text
+    ds[0]
+    assert "hits 1, misses 0, hit rate 100.0%" in str(ds.stats)
 
 
 def test_epoch_stats_before_any_read():

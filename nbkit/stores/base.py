@@ -2,10 +2,11 @@
 
 ``CachedDataset`` resolves its path once (:func:`nbkit.stores.registry.resolve`) and then calls
 only these hooks: ``prepare()``, ``read_meta()``, ``not_found()``, ``publish_meta(meta)``,
-``open_store(meta, writable=...)``, ``remove()``, ``publish()``, and :meth:`Location.check_generation`
-(has the cache been rebuilt since a handle opened it?). The base class implements them for
-a local directory (the store is :class:`nbkit.cachedir.CacheFiles`); a backend that keeps samples
-elsewhere (a bucket's working copy, Redis, a bucket read through) subclasses it and overrides them.
+``open_store(meta, writable=...)``, ``remove()``, ``publish()``, ``close()``, and
+:meth:`Location.check_generation` (has the cache been rebuilt since a handle opened it?). The base
+class implements them for a local directory (the store is :class:`nbkit.cachedir.CacheFiles`); a
+backend that keeps samples elsewhere (a bucket's working copy, Redis, a bucket read through)
+subclasses it and overrides them.
 
 Example:
     >>> import tempfile
@@ -157,3 +158,7 @@ class Location:
     def publish(self, callback=None) -> bool:
         """Make what was stored here visible at the URL; return whether anything was sent."""
         return False
+
+    def close(self) -> None:
+        """Release what this location holds in this process (connections); called by
+        ``CachedDataset.close()`` after its store is closed. Default: nothing to release."""

@@ -394,6 +394,14 @@ class RedisLocation(Location):
     def publish(self, callback=None) -> bool:
         return False  # samples are visible to every host as soon as they are stored
 
+    def close(self) -> None:
+        """Close this process's connections (the next use opens new ones)."""
+        clients, pid = self._clients, self._clients_pid
+        self._clients = self._clients_pid = None
+        if clients is not None and pid == os.getpid():  # a forked child never shuts its parent's sockets
+            for c in clients:
+                c.close()
+
     # -- helpers -------------------------------------------------------------------------------------
 
     def _write(self, k: int, fn, *args, **kwargs):

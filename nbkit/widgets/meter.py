@@ -150,6 +150,8 @@ class HitRateMeter(View):
         """The meter as one line of text (what a terminal shows)."""
         cur, tot = self.current, self.overall()
         budget = self._budget()
+        if not tot.reads:
+            return "nbkit hit rate: no samples read yet" + (f"  [{budget}]" if budget else "")
         cut = f", {_cut(cur)}" if cur.cut_short else ""
         return (
             f"nbkit hit rate: epoch {cur.epoch} {_pct(cur)} ({format_count(cur.hits)} hits, {format_count(cur.misses)} misses, "

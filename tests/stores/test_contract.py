@@ -145,6 +145,19 @@ class StoreContract:
         assert fmt.verify(store, idx).all()
         assert store.data_bytes() > 0 and store.stored_bytes() > 0
 
+    def test_close_then_open_again(self, backend):
+        src = TupleSource(self.n)
+        _, url, options = backend.create(src)
+        ds = backend.open(url, options)
+        assert_equal(ds[3], src[3])
+        ds.close()
+        ds.close()  # twice: nothing more
+        with pytest.raises(ValueError, match=r"was closed .*CachedDataset\.open\("):
+            ds[3]
+        with backend.open(url, options) as again:  # what it held is released: a new handle works alike
+            assert_equal(again[4], src[4])
+        assert again.closed
+
     def test_missing_samples(self, backend):
         src = TupleSource(self.n)
         ds, url, options = backend.create(src, only=range(0, self.n, 3))

@@ -3,6 +3,7 @@ smaller than the cache, with real gcsfs, real torchvision MNIST (offline files) 
 workers."""
 
 import json
+import multiprocessing as mp
 import os
 import threading
 import time
@@ -167,6 +168,31 @@ def test_prefetch_fetches_ahead(source, tmp_path, gcs):
     assert store.wait_prefetched(timeout=60)
     for key in store.pieces_of(windows[1]):
         assert os.path.exists(store._path(key)), key
+
+
+def _prefetchers():
+    return [t for t in threading.enumerate() if t.name == "nbkit-readthrough-prefetch"]
+
+
+def test_a_fork_ends_an_idle_prefetch_thread_first(source, tmp_path, gcs):
+    # A DataLoader forking its workers must not fork a process running our threads (Python warns:
+    # the child may inherit a lock one of them held). One that waits for work is ended first.
+    src, images, labels = source
+    url, size = _push(source, tmp_path, gcs)
+    ds = nbkit.CachedDataset.open(url, storage_options=gcs.storage_options, local_max_bytes=size // 4)
+    store = store_of(ds)
+    assert store.prefetch(np.arange(0, 80)) and store.wait_prefetched(timeout=60)
+    assert _prefetchers()  # done, waiting for more
+    child = mp.get_context("fork").Process(target=int)
+    child.start()
+    child.join()
+    assert child.exitcode == 0 and _prefetchers() == [] and store._thread is None
+    want = np.arange(120, 200)
+    assert store.prefetch(want) and store.wait_prefetched(timeout=60)  # the next prefetch starts a new one
+    assert store.counters["prefetched"] == len(store.pieces_of(np.arange(0, 80))) + len(store.pieces_of(want))
+    _check_batch(nbkit.collate(ds.__getitems__(want.tolist())), want, images, labels)
+    ds.close()
+    assert _prefetchers() == []
 
 
 def test_dataloader_workers_share_one_bounded_area(source, tmp_path, gcs):

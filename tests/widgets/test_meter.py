@@ -99,6 +99,15 @@ def test_meter_shows_the_running_epoch_while_tracking(tmp_path):
 
 
 
+def test_meter_text_before_the_first_read_says_so(tmp_path):
+    ds = _filled(tmp_path, 40)
+    meter = HitRateMeter(ds, min_interval=0)
+    assert meter.text() == "nbkit hit rate: no samples read yet"
+    for _ in meter.track(DataLoader(ds, batch_size=10)):
+        pass
+    assert meter.text().startswith("nbkit hit rate: epoch 1 100.0% (40 hits, 0 misses, ")
+
+
 def test_hit_rate_meter_shows_the_byte_budget(tmp_path):
     n = 400
     ds = nbkit.CachedDataset(TupleSource(n), str(tmp_path / "c"), max_bytes=n * 24 + 100 * (8 * 8 * 4 + 8))

@@ -18,6 +18,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -30,6 +31,28 @@ from .area import area_lock, area_usage, piece_lock, read_generation, reserve, s
 from .geometry import Geometry, rounded
 
 __all__ = ["ReadThroughStore", "store_of"]
+
+#: How long a prefetch thread with nothing to fetch waits for more before it ends.
+PREFETCH_IDLE_SECONDS = 30.0
+
+_prefetching = weakref.WeakSet()  # stores of this process that started a prefetch thread
+
+
+def _end_idle_prefetchers() -> None:
+    """Before a fork: end the prefetch threads that wait for work, so that the process forks (a
+    DataLoader's workers) without them; one fetching a piece is left to finish it."""
+    idle = [t for t in (store._end_if_idle() for store in list(_prefetching)) if t is not None]
+    for t in idle:
+        t.join(timeout=1.0)
+
+
+def _forget_prefetchers() -> None:
+    global _prefetching
+    _prefetching = weakref.WeakSet()  # the parent's: their threads (and perhaps their locks' holders) did not fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_end_idle_prefetchers, after_in_child=_forget_prefetchers)
 
 
 class ReadThroughStore(fmt.Store):
@@ -84,7 +107,9 @@ class ReadThroughStore(fmt.Store):
         self._queue: deque = deque()
         self._queued: set = set()
         self._cv = threading.Condition()
-        self._thread = None
+        self._thread = None  # the prefetch thread while it runs (it clears this when it ends)
+        self._fetching = False  # it is fetching a piece now
+        self._end_idle = False  # asked to end once it has nothing to fetch
         self._closed = False
         self.prefetch_error = None
         os.makedirs(os.path.join(self.root, "pieces"), exist_ok=True)
@@ -441,18 +466,26 @@ class ReadThroughStore(fmt.Store):
             if queued and (self._thread is None or not self._thread.is_alive()):
                 self._thread = threading.Thread(target=self._prefetch_loop, name="nbkit-readthrough-prefetch", daemon=True)
                 self._thread.start()
+                _prefetching.add(self)
             self._cv.notify()
         return queued
 
     def _prefetch_loop(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
-                    if not self._cv.wait(timeout=30):
-                        return  # idle: the next prefetch() starts a new thread
+                    if self._end_idle or not self._cv.wait(timeout=PREFETCH_IDLE_SECONDS):
+                        # Idle: the next prefetch() starts a new thread (decided under the lock, so
+                        # no work is queued for a thread that is ending).
+                        self._end_idle = False
+                        if self._thread is me:
+                            self._thread = None
+                        return
                 if self._closed:
                     return
                 key = self._queue.popleft()
+                self._fetching = True
             try:
                 self._ensure(key, prefetch=True)
             except Exception as e:  # noqa: BLE001 - kept for the caller; the read that needs the piece raises
@@ -460,6 +493,17 @@ class ReadThroughStore(fmt.Store):
             finally:
                 with self._cv:
                     self._queued.discard(key)
+                    self._fetching = False
+
+    def _end_if_idle(self):
+        """Ask the prefetch thread to end if it has nothing to fetch; return it (to wait for), or ``None``."""
+        with self._cv:
+            thread = self._thread
+            if thread is None or not thread.is_alive() or self._queue or self._fetching:
+                return None
+            self._end_idle = True
+            self._cv.notify_all()
+            return thread
 
     def wait_prefetched(self, timeout: float = 60.0) -> bool:
         """Block until the prefetch queue is empty (for tests and benchmarks); return whether it emptied."""
