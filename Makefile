@@ -45,14 +45,14 @@ setup: python-check $(VENV)/.installed
 pyver = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 stale = $(if $(wildcard $(1)/bin/python),$(if $(filter-out $(call pyver,$(PYTHON)),$(call pyver,$(1)/bin/python)),FORCE))
 
-# $(1): venv, $(2): torch stack, $(3): environment for pip.
+# $(1): venv, $(2): torch stack, $(3): environment for pip. The uninstall removes what a venv made
+# before the rename holds (the distribution was "nbkit", the package index's unrelated project's name).
 define venv_recipe
 	@if [ -x $(1)/bin/python ] && [ "$$($(1)/bin/python -c 'import sys; print(sys.version_info[:2])')" != "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])')" ]; then \
 	  echo "make: $(1) was built with another Python than $(PYTHON): rebuilding it" >&2; rm -rf $(1); fi
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install --upgrade pip
 	$(3) $(1)/bin/python -m pip install $(2)
-	# A venv made before the rename (the distribution was "nbkit", the index's unrelated project's name).
 	$(1)/bin/python -m pip uninstall -y -q nbkit 2>/dev/null || true
 	$(3) $(1)/bin/python -m pip install -e '.[dev]' $(2)
 	sh scripts/install-system-deps.sh
