@@ -16,7 +16,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 # Working copies of remote caches (and what `nbkit ls`/`nbkit.caches()` list besides their roots) go
 # to a folder of this run's own, never to the user's ~/.cache/nbkit: a run neither sees what another
 # run or the user left there nor leaves anything behind. Subprocesses inherit it.
-os.environ["NBKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="nbkit-test-working-copies-")
+os.environ["NBKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="nbkit-wc-")  # short: the panel shows it
 atexit.register(shutil.rmtree, os.environ["NBKIT_CACHE_DIR"], ignore_errors=True)
 
 # Property-based tests (the fuzzing of everything nbkit parses) run a fixed, deterministic budget in

@@ -285,7 +285,7 @@ def test_a_state_is_refused_by_another_dataset_or_setting(tmp_path, cache):
     ({"epoch": 1 << 70}, "'epoch' must be an integer"),
     ({"shuffle": 1}, "'shuffle' must be true or false"),
     ({"cache": 5}, "'cache' must be a string"),
-    ({"version": 2}, "has version 2; this nbkit reads version 1. Upgrade nbkit"),
+    ({"version": 2}, "has version 2; this nbkit reads version 1. Install a newer nbkit"),
     ({"kind": None}, "'kind' must be one of"),
 ])
 def test_damaged_states_are_refused_naming_the_field(cache, change, match):

@@ -82,7 +82,7 @@ def test_terminal_ipython_and_plain_python_show_text():
     assert lines == [
         "WarmupPanel(nbkit: 0/40 samples  Ready: 40 of 40 samples to compute. Click Warm up.)",
         "nbkit: 0/40 samples  Ready: 40 of 40 samples to compute. Click Warm up.",
-        "nbkit hit rate: epoch 1 – (0 hits, 0 misses, 0 samples/s)  overall – (0 hits, 0 misses)",
+        "nbkit hit rate: no samples read yet",
     ]
 
 
