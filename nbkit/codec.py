@@ -420,7 +420,7 @@ _BITS = {1: np.dtype("|u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype
 _TENSOR_STORAGE = {name: np.dtype(code) for name, code in {
     "bool": "|b1", "uint8": "|u1", "int8": "|i1", "int16": "<i2", "uint16": "<u2", "int32": "<i4", "uint32": "<u4",
     "int64": "<i8", "uint64": "<u8", "float16": "<f2", "float32": "<f4", "float64": "<f8", "complex64": "<c8",
-    "complex128": "<c16", "bfloat16": "<i2", "bits16": "<i2", "complex32": "<i4",
+    "complex128": "<c16", "bfloat16": "<i2", "bits16": "<i2", "complex32": "<i4", "bcomplex32": "<i4",
     **dict.fromkeys(("bits1x8", "bits2x4", "bits4x2", "bits8", "float4_e2m1fn_x2", "float8_e4m3fn", "float8_e4m3fnuz",
                      "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", *(f"int{k}" for k in range(1, 8)),
                      *(f"uint{k}" for k in range(1, 8))), "|u1"),
