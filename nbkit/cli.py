@@ -266,9 +266,7 @@ def _verify(args) -> int:
 
     location = registry.resolve(args.path, args.options)
     location.prepare()
-    meta = location.read_meta()
-    if meta is None:
-        raise location.not_found()
+    meta = location.existing_meta()
     store = location.open_store(meta, writable=False)
     cb = _progress(args, "verify")
     try:

@@ -106,9 +106,7 @@ class CachedDataset(Dataset):
         self.root = self._location.root
         self._location.prepare()
         if dataset is None:
-            self._meta = self._location.read_meta()
-            if self._meta is None:
-                raise self._location.not_found()
+            self._meta = self._location.existing_meta()
         else:
             self._meta = self._create_or_check(dataset, overwrite, fingerprint_samples, max_bytes)
         # Which build of the cache this handle opened: a rebuild elsewhere (overwrite=True) makes it stale.
@@ -191,7 +189,6 @@ class CachedDataset(Dataset):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.__dict__.setdefault("_closed", False)  # pickled by an nbkit without close()
         register_gatherer(self._token, self._collate_stored)
 
     # -- closing ---------------------------------------------------------------------------------

@@ -345,12 +345,23 @@ def test_fuzz_free_form_blobs(which, edits, cut):
     | st.tuples(st.just("N"), st.sampled_from(["m:P", "os:path", "x"]), st.lists(c, max_size=3), st.lists(
         st.sampled_from(["a", "b", "_c", "if"]), max_size=3)).map(list), max_leaves=12))
 def test_fuzz_structures(structure):
+    from nbkit.cli import describe_structure
     from nbkit.codec import structure_from_json
 
     try:
-        structure_from_json(structure, "nbkit.json")
+        parsed = structure_from_json(structure, "nbkit.json")
     except CorruptCacheError as e:
         assert "nbkit.json" in str(e), e
+        return
+    # What parses is what `nbkit info` shows: every leaf once, in order, whatever the nesting.
+    n = json.dumps(structure).count('"*"')
+    leaves = [{"kind": "int", "store": "col", "dtype": "<i8", "shape": [], "column": i} for i in range(n)]
+    try:
+        schema = Schema.from_json({"structure": structure, "leaves": leaves})
+    except CorruptCacheError:
+        return  # a structure the schema refuses (e.g. its leaf count)
+    assert schema.structure == parsed
+    assert describe_structure(schema.structure, schema.leaves).count("int") == n
 
 
 @pytest.mark.fuzz

@@ -131,6 +131,13 @@ class Location:
                 return None
         return fmt.read_meta(self.root)
 
+    def existing_meta(self) -> dict:
+        """The metadata of the cache that must exist here (opening without a source); else :meth:`not_found`."""
+        meta = self.read_meta()
+        if meta is None:
+            raise self.not_found()
+        return meta
+
     def not_found(self) -> Exception:
         """The error for opening a cache that does not exist here (naming how to make one)."""
         try:
