@@ -132,7 +132,16 @@ class Location:
         return fmt.read_meta(self.root)
 
     def existing_meta(self) -> dict:
-        """The metadata of the cache that must exist here (opening without a source); else :meth:`not_found`."""
+        """The metadata of the cache that must exist here (opening without a source); else :meth:`not_found`.
+
+        Example:
+            >>> import tempfile
+            >>> from nbkit.stores import registry
+            >>> registry.resolve(tempfile.mkdtemp(), None).existing_meta()  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            FileNotFoundError: ...
+        """
         meta = self.read_meta()
         if meta is None:
             raise self.not_found()
