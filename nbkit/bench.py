@@ -36,7 +36,6 @@ import html
 import math
 import socket
 import statistics
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ from pathlib import Path
 from .extras import require
 from .progress import as_callback
 from .stats import EpochCounter
-from .text import Table, format_count, format_percent, format_seconds
+from .text import Table, fill, format_count, format_percent, format_seconds
 
 __all__ = ["EpochRow", "EpochComparison", "compare_epochs", "TrainingRow", "TrainingComparison", "compare_training",
            "mnist_like", "MNIST_LIKE", "MIN_TIMED", "NOISE"]
@@ -135,12 +134,6 @@ def _about(lo: float, mid: float, hi: float, unit: str = "×") -> str:
         return _rounded(v, min(_step(v, width), 10.0 ** (math.floor(math.log10(abs(v))) - 1)) if v else 1.0)
 
     return f"about {middle}{unit} ({end(lo)}–{end(hi)}{unit})"
-
-
-def _wrap(text: str, width: int) -> str:
-    """Lines of at most ``width`` characters, broken at spaces only (never inside a word)."""
-    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False)
-                     for line in text.split("\n"))
 
 
 # --- compare_epochs ---------------------------------------------------------------------------------
@@ -389,8 +382,8 @@ def _bar_figure(plt, bars, *, headline, subtitle, width, xlabel, path, stacked=N
     over ``lo``–``hi``, each bar's label inside it when long, else after it; text wrapped to ``width``."""
     width = max(3.0, float(width))
     title, details = subtitle
-    sub = _wrap((f"{title}: " if title else "") + ", ".join(details), int(width * 8.5))  # over the axes only
-    head = _wrap(headline, int(width * 11))
+    sub = fill((f"{title}: " if title else "") + ", ".join(details), int(width * 8.5))  # over the axes only
+    head = fill(headline, int(width * 11))
     lines = sub.count("\n") + head.count("\n") + 2
     fig = plt.figure(figsize=(width, 1.3 + 0.45 * len(bars) + 0.2 * lines + 0.25 * len(legend)), layout="constrained")
     plt.close(fig)  # made through pyplot (the inline backend shows a returned Figure); not shown twice
@@ -421,7 +414,7 @@ def _bar_figure(plt, bars, *, headline, subtitle, width, xlabel, path, stacked=N
     ax.set_yticks(ys, [b[0] for b in bars], fontsize=9)
     ax.tick_params(axis="x", labelsize=9)
     ax.locator_params(axis="x", nbins=4)
-    ax.set_xlabel(_wrap(xlabel, int(width * 8)), fontsize=9)  # the axes is narrower than the figure
+    ax.set_xlabel(fill(xlabel, int(width * 8)), fontsize=9)  # the axes is narrower than the figure
     ax.spines[["top", "right"]].set_visible(False)
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)

@@ -20,11 +20,15 @@ Example:
 from __future__ import annotations
 
 import html
+import textwrap
 import unicodedata
 from typing import Sequence
 
 __all__ = ["printable", "format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent",
-           "format_list", "Table"]
+           "format_list", "fill", "say", "NARROW_COLUMNS", "Table"]
+
+#: The characters of monospaced output that fit a 400-pixel notebook (a phone, Colab's side panel).
+NARROW_COLUMNS = 40
 
 
 #: Unicode categories never shown as they are: controls (C0, DEL, C1: ESC starts a terminal escape
@@ -117,6 +121,32 @@ def format_list(items, *, limit: int = 10, show=str) -> str:
     """
     items = list(items)
     return ", ".join(map(show, items[:limit])) + (" …" if len(items) > limit else "")
+
+
+def fill(text: str, width: int = NARROW_COLUMNS) -> str:
+    """``text`` in lines of at most ``width`` characters, broken at spaces only (never inside a word,
+    never at a hyphen); its own line breaks are kept. A word longer than ``width`` stays whole.
+
+    Example:
+        >>> print(fill("reopened cache/mnist without its source: 60,000 samples", 24))
+        reopened cache/mnist
+        without its source:
+        60,000 samples
+    """
+    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False) if line else ""
+                     for line in str(text).split("\n"))
+
+
+def say(text: str, width: int = NARROW_COLUMNS) -> None:
+    """Print ``text`` through :func:`fill`, flushed: what a notebook cell prints for people to read,
+    so that it fits a 400-pixel output without a word broken in two, and shows before a slow step.
+
+    Example:
+        >>> say("built cache/mnist: 60,000 samples computed", 30)
+        built cache/mnist: 60,000
+        samples computed
+    """
+    print(fill(text, width), flush=True)
 
 
 def format_percent(fraction: float, *, digits: int = 1, missing: str = "–") -> str:
