@@ -318,13 +318,13 @@ def test_04_resume_continues_at_the_checkpointed_batch_after_the_kernel_is_kille
     # Run again with the same form, as after reconnecting: training continues, and is not killed
     # again after 13 steps of this run (the disconnect is simulated once).
     path, out = execute("04_resume", tmp_path, **params)
-    if where == "lost-cache":
-        assert f"built {cache}: 300 samples computed" in out
-        assert "(the cache was rebuilt from the same source: the same batches)" in out
-    else:
-        assert f"reopened {cache} without its source dataset: 300 MNIST samples" in " ".join(out.split())
-    assert "source: None" not in out
     flat = " ".join(out.split())  # lines are wrapped at spaces to fit a narrow output
+    if where == "lost-cache":
+        assert f"built {cache}: 300 samples computed" in flat
+        assert "(the cache was rebuilt from the same source: the same batches)" in flat
+    else:
+        assert f"reopened {cache} without its source dataset: 300 MNIST samples" in flat
+    assert "source: None" not in out
     assert f"resumed from {cache}-checkpoint.pt at step 10: epoch 1, 1 of its 9 batches already trained on" in flat
     assert "steps 11–13 will be trained again" in flat
     assert "a disconnect was already simulated (at step 13), so this run will not simulate another" in flat
