@@ -17,6 +17,7 @@ __all__ = [
     "NondeterministicSourceError",
     "UnsafeArchiveError",
     "DiskFullError",
+    "ResumeStateError",
 ]
 
 
@@ -57,3 +58,19 @@ class DiskFullError(OSError):
 
     def __str__(self) -> str:
         return self.strerror or super().__str__()
+
+
+class ResumeStateError(ValueError):
+    """A resume state (``loader.state_dict()``, read back from a checkpoint) was made for other
+    settings than the loader given it: ``field`` names the setting, ``saved`` is the state's value,
+    ``current`` the loader's. A notebook can word it for its own form from these three.
+
+    Example:
+        >>> e = ResumeStateError("batch_size", 64, 128, "create the loader with batch_size=64")
+        >>> isinstance(e, ValueError), e.field, e.saved, e.current
+        (True, 'batch_size', 64, 128)
+    """
+
+    def __init__(self, field: str, saved, current, message: str):
+        super().__init__(message)
+        self.field, self.saved, self.current = field, saved, current

@@ -219,8 +219,10 @@ class DeviceLoader:
         state taken after an epoch's last batch continues with the next epoch.
 
         Raises:
-            ValueError: the state is damaged, or was made for another dataset length, cache, batch
-                size, rank, world size, seed, shuffle or ``drop_last`` (the message names the field).
+            ValueError: the state is damaged (``CorruptCacheError``), or was made for another dataset
+                length, batch size, rank, world size, seed, shuffle, ``drop_last``, or another cache
+                not built from the same source (:class:`~nbkit.errors.ResumeStateError`, naming the
+                field). A cache rebuilt from the same source (same fingerprint) is accepted.
 
         Example:
             >>> import torch, tempfile, nbkit
@@ -239,7 +241,7 @@ class DeviceLoader:
     def _settings(self) -> dict:
         s = self.sampler
         return {"length": s.n, "batch_size": self.batch_size, "drop_last": self.drop_last, "shuffle": s.shuffle,
-                "seed": s.seed, "rank": s.rank, "world_size": s.world_size, "cache": s.cache}
+                "seed": s.seed, "rank": s.rank, "world_size": s.world_size, "cache": s.cache, "content": s.content}
 
     @property
     def epoch(self) -> int:

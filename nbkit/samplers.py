@@ -28,6 +28,8 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import operator
 import sys
 
@@ -35,14 +37,17 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from .errors import ResumeStateError
 from .trust import (MAX_EPOCH, MAX_SAMPLES, MAX_SEED, MAX_WORLD_SIZE, SEED_FIX, Bool, Int, Obj, Optional, Str, check_bool,
                     check_int, check_json, check_size)
 from .stores.readthrough import store_of
 
 __all__ = ["EpochSampler", "default_rank_world", "PrefetchSampler", "plan_windows", "cache_identity",
-           "check_resume_state"]
+           "content_identity", "check_resume_state"]
 
-#: The version of the resume states (``state_dict()``) this nbkit writes and reads.
+#: The version of the resume states (``state_dict()``) this nbkit writes and reads. The ``content``
+#: field was added without a new version: it is optional, states without it (older nbkit) load as
+#: before, and an older nbkit ignores it (and then checks ``cache`` strictly, as it always did).
 STATE_VERSION = 1
 
 
@@ -115,6 +120,7 @@ class EpochSampler(Sampler):
         else:
             self.per_rank = -(-self.n // self.world_size)
         self.cache = cache_identity(data)
+        self.content = content_identity(data)
         self._resume = None  # (epoch, position) the next pass starts at, from load_state_dict
         self._pass = None  # (epoch, iterator, length) of the latest pass: its position is length - what is left
 
@@ -205,7 +211,8 @@ class EpochSampler(Sampler):
 
     def _settings(self) -> dict:
         return {"length": self.n, "shuffle": self.shuffle, "seed": self.seed, "rank": self.rank,
-                "world_size": self.world_size, "drop_last": self.drop_last, "cache": self.cache}
+                "world_size": self.world_size, "drop_last": self.drop_last, "cache": self.cache,
+                "content": self.content}
 
 
 def cache_identity(data) -> str | None:
@@ -223,6 +230,28 @@ def cache_identity(data) -> str | None:
     return generation if isinstance(generation, str) else None
 
 
+def content_identity(data) -> str | None:
+    """What the cache behind ``data`` holds, as a short id: a hash of its source's fingerprint (type,
+    length, transforms, probe samples' hashes), so a cache rebuilt from the same source (another
+    ``generation``) has the same id, and its batches are the same. ``None`` for a dataset that is
+    not a cache, or a cache whose fingerprint holds no probe samples (``fingerprint_samples=0``:
+    nothing says the samples are the same).
+
+    Example:
+        >>> import tempfile, nbkit
+        >>> src = torch.utils.data.TensorDataset(torch.arange(4))
+        >>> a, b = (nbkit.CachedDataset(src, tempfile.mkdtemp()) for _ in range(2))
+        >>> content_identity(a) == content_identity(b) != None, cache_identity(a) != cache_identity(b)
+        (True, True)
+    """
+    meta = getattr(getattr(data, "store", None), "meta", None)
+    fp = meta.get("fingerprint") if isinstance(meta, dict) else None
+    if not isinstance(fp, dict) or not fp.get("samples"):
+        return None
+    blob = json.dumps(fp, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return "source-" + hashlib.sha256(blob).hexdigest()[:32]
+
+
 _MAX_EPOCH = MAX_EPOCH
 
 
@@ -233,25 +262,35 @@ def _check_epoch(epoch) -> int:
                      fix="epochs count from 0, and seed + epoch must fit a signed 64-bit integer")
 
 
-# Why each setting must match, and what to do about it.
+# Why each setting must match, and what a Python user can do about it ({saved}: the state's value).
+_START_OVER = "or start over: do not load this state (move the checkpoint aside)"
 _FIXES = {
-    "length": "the dataset has another number of samples: resume with the dataset the checkpoint was made with",
-    "batch_size": "create the loader with the batch_size of the checkpointed run",
-    "drop_last": "create it with the drop_last of the checkpointed run",
-    "shuffle": "create it with the shuffle of the checkpointed run",
-    "seed": "create it with the seed of the checkpointed run",
-    "rank": "load each process's own state (save one file per rank, e.g. f'loader-{rank}.pt')",
-    "world_size": "resume with as many processes as the checkpointed run (a state cannot be split over "
-                  "another number of ranks), or start the epoch over without loading it",
-    "cache": "open the cache the checkpoint was made with (this one was re-created, or is another cache); "
-             "if it holds the same samples in the same order, set state['cache'] = None to load it anyway",
+    "length": "the dataset has another number of samples: resume with the dataset the checkpoint was made with "
+              "({saved} samples), " + _START_OVER,
+    "batch_size": "create the loader with batch_size={saved}, the checkpointed run's, " + _START_OVER,
+    "drop_last": "create the loader with drop_last={saved}, the checkpointed run's, " + _START_OVER,
+    "shuffle": "create the loader with shuffle={saved}, the checkpointed run's, " + _START_OVER,
+    "seed": "create the loader with seed={saved}, the checkpointed run's, " + _START_OVER,
+    "rank": "load each process's own state (save one file per rank, e.g. f'loader-{{rank}}.pt')",
+    "world_size": "resume with {saved} processes, as the checkpointed run (a state cannot be split over "
+                  "another number of ranks), " + _START_OVER,
+    "cache": "this cache is another one, and was not built from the same source (its source fingerprint differs, "
+             "or the state or the cache has none): open the cache the checkpoint was made with, " + _START_OVER
+             + ". If you know it holds the same samples in the same order, load the state with its 'cache' "
+             "entry set to None",
 }
 
 
 def check_resume_state(state, kind: str, ours: dict, length: int) -> dict:
     """``state`` (a resume state for ``kind``, maybe read from a file) checked at the trust
     boundary: its fields and types, then each setting against ``ours``, then its position against
-    ``length`` (the items of an epoch). Raises ``ValueError`` naming the field and the fix.
+    ``length`` (the items of an epoch). Raises ``CorruptCacheError`` (a ``ValueError``) for a
+    damaged state, and :class:`~nbkit.errors.ResumeStateError` (a ``ValueError`` with ``field``,
+    ``saved`` and ``current``) for one made with other settings, naming the field and the fix.
+
+    The ``cache`` setting (the cache's ``generation``) may differ when the state's ``content``
+    equals this cache's (:func:`content_identity`): a cache rebuilt from the same source holds the
+    same samples at the same indices, so its batches are the checkpointed run's.
 
     Example:
         >>> ours = {"length": 10, "seed": 0}
@@ -259,30 +298,35 @@ def check_resume_state(state, kind: str, ours: dict, length: int) -> dict:
         >>> check_resume_state(state, "k", ours, 10)
         Traceback (most recent call last):
         ...
-        ValueError: k.load_state_dict: the state was made for length=12, but this one has length=10: the dataset has another number of samples: resume with the dataset the checkpoint was made with.
+        nbkit.errors.ResumeStateError: k.load_state_dict: the state was made for length=12, but this one has length=10: the dataset has another number of samples: resume with the dataset the checkpoint was made with (12 samples), or start over: do not load this state (move the checkpoint aside).
     """
     where = f"the state given to {kind}.load_state_dict"
     fix = f"Pass a state from {kind}.state_dict() (saved with torch.save, read back with torch.load)."
     fields = {"kind": Str(choices={kind}), "version": Int(min=1), "epoch": Int(min=0, max=_MAX_EPOCH),
               "position": Int(min=0)}
     for name, value in ours.items():
-        if name == "cache":
+        if name in ("cache", "content"):
             fields[name] = Optional(Str(max_len=256))
         elif isinstance(value, bool):
             fields[name] = Bool()
         else:
             fields[name] = Int(min=0)
-    state = check_json(state, Obj(fields), where, fix)
+    state = check_json(state, Obj(fields, required=set(fields) - {"content"}), where, fix)
     if state["version"] > STATE_VERSION:
         raise ValueError(f"{where} has version {state['version']}; this nbkit reads version {STATE_VERSION}. "
                          "Install a newer nbkit (the nbkit-cache distribution: README, Install) to load it.")
     for name, value in ours.items():
+        if name == "content":
+            continue  # not a setting: it decides whether another cache is the same (below)
         theirs = state[name]
         if name == "cache" and theirs is None:
             continue  # made for a dataset that is not a cache (or the check was waived)
+        if name == "cache" and state.get("content") is not None and state.get("content") == ours.get("content"):
+            continue  # another cache built from the same source: the same samples at the same indices
         if theirs != value:
-            raise ValueError(f"{kind}.load_state_dict: the state was made for {name}={theirs!r}, but this one has "
-                             f"{name}={value!r}: {_FIXES[name]}.")
+            raise ResumeStateError(name, theirs, value,
+                                   f"{kind}.load_state_dict: the state was made for {name}={theirs!r}, but this one "
+                                   f"has {name}={value!r}: {_FIXES[name].format(saved=theirs)}.")
     if state["position"] > length:
         raise ValueError(f"{kind}.load_state_dict: the state's position {state['position']} is past the end of its "
                          f"epoch ({length}); the state is damaged. {fix}")

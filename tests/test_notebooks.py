@@ -286,42 +286,129 @@ def test_03_benchmark_with_one_epoch_raises_the_timed_epochs_and_never_reports_t
                                          "than the run's spread: noise")), said.group(1)
 
 
-@pytest.mark.parametrize("where", ["local", "gs"])
+@pytest.mark.parametrize("where", ["local", "gs", "lost-cache"])
 def test_04_resume_continues_at_the_checkpointed_batch_after_the_kernel_is_killed(tmp_path, monkeypatch, request, where):
     from nbclient.exceptions import DeadKernelError
 
     import nbkit
 
     log = tmp_path / "batches.log"
-    params, storage_options, cache = {"log_batches": str(log)}, {}, "cache/mnist-resume"
+    params, storage_options, cache = {"log_batches": str(log), "disconnect_after_steps": 13}, {}, "cache/mnist-resume"
     if where == "gs":  # the cache and the checkpoint in a bucket, as on Colab with gs://
         gcs = request.getfixturevalue("gcs")
         cache, storage_options = f"{gcs.url}/mnist-resume", gcs.storage_options
         params.update(cache_dir=cache, storage_options=storage_options)
     areas = tmp_path / "working-copies"
     monkeypatch.setenv("NBKIT_CACHE_DIR", str(areas))  # the kernels inherit it
-    # The first run's kernel is SIGKILLed at step 13, mid-epoch (9 batches an epoch), as a
+    # The first run's kernel is SIGKILLed after 13 steps, mid-epoch (9 batches an epoch), as a
     # disconnected runtime's would be; its last checkpoint is at step 10 (epoch 1, batch 1).
     with pytest.raises(DeadKernelError):
-        run_notebooks.run("04_resume", tmp_path, {**params, "disconnect_after_steps": 13}, small=True)
+        run_notebooks.run("04_resume", tmp_path, params, small=True)
     work = tmp_path / "work"
-    if where == "local":
-        assert (work / "cache" / "mnist-resume-checkpoint.pt").exists()
-    else:
+    if where == "gs":
         assert gcs.fs.exists(f"{gcs.name}/mnist-resume-checkpoint.pt")
+        assert gcs.fs.exists(f"{gcs.name}/mnist-resume-checkpoint.pt.disconnected")
         shutil.rmtree(areas)  # a new runtime: no working copy on its disk, only the bucket
-    # Run again, as after reconnecting: the cache reopens without its source, training continues.
+    else:
+        assert (work / "cache" / "mnist-resume-checkpoint.pt").exists()
+        assert json.loads((work / "cache" / "mnist-resume-checkpoint.pt.disconnected").read_text()) == {
+            "disconnect_after_steps": 13, "step": 13}
+    if where == "lost-cache":  # Colab: the checkpoint kept (on Drive), the runtime's disk with the cache recycled
+        shutil.rmtree(work / "cache" / "mnist-resume")
+    # Run again with the same form, as after reconnecting: training continues, and is not killed
+    # again after 13 steps of this run (the disconnect is simulated once).
     path, out = execute("04_resume", tmp_path, **params)
-    assert f"reopened {cache} without its source: 300 samples, source: None" in out
-    assert f"resumed from {cache}-checkpoint.pt at step 10: epoch 1, 1 of its 9 batches already trained on" in out
-    assert "trained 14 steps in this run, to step 24" in out
+    flat = " ".join(out.split())  # lines are wrapped at spaces to fit a narrow output
+    if where == "lost-cache":
+        assert f"built {cache}: 300 samples computed" in flat
+        assert "(the cache was rebuilt from the same source: the same batches)" in flat
+    else:
+        assert f"reopened {cache} without its source dataset: 300 MNIST samples" in flat
+    assert "source: None" not in out
+    assert f"resumed from {cache}-checkpoint.pt at step 10: epoch 1, 1 of its 9 batches already trained on" in flat
+    assert "steps 11–13 will be trained again" in flat
+    assert "a disconnect was already simulated (at step 13), so this run will not simulate another" in flat
+    assert "trained 14 steps in this run, to step 24" in flat
+    assert all(len(line) <= 40 or " " not in line for line in out.splitlines() if not line.startswith(("Using ", "{", "VBox("))), out
     rows = [line.split(" ", 1) for line in log.read_text().splitlines()]
     steps = [int(s) for s, _ in rows]
     assert steps == list(range(13)) + list(range(10, 24))  # killed at 13; steps 10-12 trained again, once
     first, second = [b for _, b in rows[:13]], [b for _, b in rows[13:]]
     assert first[10:] == second[:3]
     # The batches trained on are an uninterrupted run's: the same loader, never stopped.
-    opened = nbkit.CachedDataset.open(work / cache if where == "local" else cache, storage_options=storage_options)
+    opened = nbkit.CachedDataset.open(work / cache if where != "gs" else cache, storage_options=storage_options)
     loader = opened.loader(32, drop_last=True, seed=0)
     want = [str(labels.tolist()) for _ in range(3) for _, labels in loader][:24]
     assert first[:10] + second == want
+
+
+def test_04_a_disconnect_before_the_first_checkpoint_is_not_simulated_again(tmp_path):
+    from nbclient.exceptions import DeadKernelError
+
+    # Killed after 3 steps, before the first checkpoint (step 5): the next run starts at step 0 and
+    # would come round to the kill again, but the marker says it happened.
+    with pytest.raises(DeadKernelError):
+        run_notebooks.run("04_resume", tmp_path, {"disconnect_after_steps": 3}, small=True)
+    assert not (tmp_path / "work" / "cache" / "mnist-resume-checkpoint.pt").exists()
+    path, out = execute("04_resume", tmp_path, disconnect_after_steps=3)
+    flat = " ".join(out.split())
+    assert "no checkpoint at cache/mnist-resume-checkpoint.pt: starting at step 0" in flat
+    assert "a disconnect was already simulated (at step 3), so this run will not simulate another" in flat
+    assert "trained 24 steps in this run, to step 24" in flat
+
+
+def _stopped(tmp_path, **params):
+    """Run 04 expecting it to stop with one line (no traceback): that line."""
+    import papermill
+
+    with pytest.raises(papermill.PapermillExecutionError) as e:
+        run_notebooks.run("04_resume", tmp_path, params, small=True)
+    assert e.value.ename == "Stop", e.value
+    nb = nbformat.read(str(tmp_path / "04_resume.ipynb"), as_version=4)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert len(errors) == 1 and len(errors[0].traceback) == 1, errors  # the reason alone, no traceback wall
+    assert all(len(line) <= 40 or " " not in line for line in errors[0].traceback[0].splitlines())
+    return " ".join(errors[0].traceback[0].split())
+
+
+def test_04_a_changed_dataset_gets_its_own_cache_and_a_mismatched_one_is_refused(tmp_path):
+    execute("04_resume", tmp_path, train_steps=5)
+    # Another dataset in the form: its own cache and checkpoint, never the MNIST one.
+    path, out = execute("04_resume", tmp_path, dataset="FashionMNIST", train_steps=5)
+    flat = " ".join(out.split())
+    assert "cache: cache/fashionmnist-resume checkpoint: cache/fashionmnist-resume-checkpoint.pt" in flat
+    assert "built cache/fashionmnist-resume: 300 samples computed" in flat
+    assert "no checkpoint at cache/fashionmnist-resume-checkpoint.pt" in flat
+    # A cache_dir that holds another dataset, or another size, than the form's: one line, no training.
+    line = _stopped(tmp_path, dataset="KMNIST", cache_dir="cache/mnist-resume")
+    assert line == ("cache/mnist-resume holds MNIST samples, but the form's dataset is KMNIST: set dataset back to "
+                    "MNIST, or set cache_dir to another folder (or leave it empty).")
+    line = _stopped(tmp_path, offline_samples=600)
+    assert line.startswith("cache/mnist-resume holds 300 MNIST samples, but the form asks for 600 (offline_samples)")
+
+
+def test_04_a_changed_batch_size_says_why_in_one_line_and_start_over_moves_the_checkpoint_aside(tmp_path):
+    execute("04_resume", tmp_path, train_steps=10)
+    line = _stopped(tmp_path, batch_size=16)
+    assert line == ("The checkpoint cache/mnist-resume-checkpoint.pt does not fit: it was made with batch_size 32, "
+                    "this run has 16. To resume it, set batch_size to 32; to start at step 0, tick start_over (it "
+                    "moves the checkpoint aside, never deleting it).")
+    path, out = execute("04_resume", tmp_path, batch_size=16, start_over=True)
+    flat = " ".join(out.split())
+    moved = re.search(r"so it was moved to (cache/mnist-resume-checkpoint\.started-over-[0-9-]+\.pt); starting at step 0",
+                      flat)
+    assert moved, flat
+    assert "trained 24 steps in this run, to step 24" in flat
+    aside = torch_load(tmp_path / "work" / moved.group(1))
+    assert aside["step"] == 10 and aside["loader"]["batch_size"] == 32  # the old checkpoint, kept whole
+    # Left ticked, start_over does nothing to a checkpoint that fits: the next run resumes it.
+    path, out = execute("04_resume", tmp_path, batch_size=16, start_over=True, train_steps=30)
+    flat = " ".join(out.split())
+    assert "start_over is ticked, but the checkpoint fits this form: resuming it" in flat
+    assert "resumed from cache/mnist-resume-checkpoint.pt at step 24" in flat
+
+
+def torch_load(path):
+    import torch
+
+    return torch.load(path, weights_only=True)

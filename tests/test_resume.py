@@ -128,7 +128,7 @@ def test_the_state_counts_what_the_loop_received_not_what_was_read_ahead():
     state = loader.state_dict()
     assert (state["epoch"], state["position"]) == (0, 2)
     assert set(state) == {"kind", "version", "epoch", "position", "length", "batch_size", "drop_last", "shuffle",
-                          "seed", "rank", "world_size", "cache"}
+                          "seed", "rank", "world_size", "cache", "content"}
     assert all(isinstance(v, (int, str, bool, type(None))) for v in state.values())
 
 
@@ -264,16 +264,55 @@ def test_a_state_is_refused_by_another_dataset_or_setting(tmp_path, cache):
     two = round_trip(cache.loader(4, seed=1, rank=1, world_size=2).state_dict())
     with pytest.raises(ValueError, match="rank=1.*load each process's own state"):
         cache.loader(4, seed=1, rank=0, world_size=2).load_state_dict(two)
-    # The same samples in a re-created cache: another generation, refused, unless waived.
-    rebuilt = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "c", overwrite=True)
-    with pytest.raises(ValueError, match="made for cache='[0-9a-f]{32}'.*set state\\['cache'\\] = None"):
-        rebuilt.loader(4, seed=1).load_state_dict(state)
-    rebuilt.loader(4, seed=1).load_state_dict(dict(state, cache=None))
+    # Refusals are ResumeStateErrors naming the field, the saved and the current value, and a fix
+    # with the saved value (no variable the caller may not have).
+    with pytest.raises(nbkit.errors.ResumeStateError, match="batch_size=4, the checkpointed run's, or start over") as e:
+        cache.loader(5, seed=1).load_state_dict(state)
+    assert (e.value.field, e.value.saved, e.value.current) == ("batch_size", 4, 5)
+    assert "state[" not in str(e.value)
     # A loader's state is not a sampler's, and the other way round.
     with pytest.raises(ValueError, match="'kind' must be one of \\['nbkit.EpochSampler'\\]"):
         EpochSampler(cache, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="'kind' must be one of \\['nbkit.DeviceLoader'\\]"):
         loader.load_state_dict(EpochSampler(cache, seed=1).state_dict())
+
+
+def test_a_cache_rebuilt_from_the_same_source_resumes_another_is_refused(tmp_path, cache):
+    # The realistic Colab case: the checkpoint kept on Drive, the cache on the runtime's disk, lost
+    # and rebuilt from the same source: another generation, the same samples at the same indices.
+    loader = cache.loader(4, seed=1)
+    it = iter(loader)
+    seen = [next(it)[0].tolist() for _ in range(3)]
+    state = round_trip(loader.state_dict())
+    assert state["content"] and state["content"] == nbkit.samplers.content_identity(cache)
+    rebuilt = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "c", overwrite=True)
+    assert rebuilt.store.meta["generation"] != state["cache"]
+    again = rebuilt.loader(4, seed=1)
+    again.load_state_dict(state)
+    assert seen + [x.tolist() for (x,) in again] == [b.tolist() for b in cache.loader(4, seed=1).batches(0)]
+    # The same too for a copy opened without its source (a pulled or imported cache keeps the fingerprint).
+    rebuilt.warmup()
+    nbkit.CachedDataset.open(tmp_path / "c").loader(4, seed=1).load_state_dict(state)
+    # Another source of the same length: its batches would differ, refused with the field and the fix.
+    other = nbkit.CachedDataset(TensorDataset(torch.arange(30) + 1), tmp_path / "c", overwrite=True)
+    with pytest.raises(nbkit.errors.ResumeStateError, match="made for cache='[0-9a-f]{32}'.*not built from the same "
+                       "source.*start over.*'cache' entry set to None") as e:
+        other.loader(4, seed=1).load_state_dict(state)
+    assert e.value.field == "cache" and e.value.saved == state["cache"]
+    other.loader(4, seed=1).load_state_dict(dict(state, cache=None))  # waived by the caller, as before
+    # A state saved by the previous release (no "content"): the same cache loads, a rebuilt one is refused.
+    old = {k: v for k, v in state.items() if k != "content"}
+    rebuilt = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "c", overwrite=True)
+    with pytest.raises(nbkit.errors.ResumeStateError, match="made for cache="):
+        rebuilt.loader(4, seed=1).load_state_dict(old)
+    rebuilt.loader(4, seed=1).load_state_dict(dict(old, cache=rebuilt.store.meta["generation"]))
+    # A cache without probe samples in its fingerprint has no content identity: only its own generation fits.
+    blind = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "b", fingerprint_samples=0)
+    blind_state = blind.loader(4, seed=1).state_dict()
+    assert blind_state["content"] is None
+    blind = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "b", fingerprint_samples=0, overwrite=True)
+    with pytest.raises(nbkit.errors.ResumeStateError):
+        blind.loader(4, seed=1).load_state_dict(blind_state)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -285,6 +324,8 @@ def test_a_state_is_refused_by_another_dataset_or_setting(tmp_path, cache):
     ({"epoch": 1 << 70}, "'epoch' must be an integer"),
     ({"shuffle": 1}, "'shuffle' must be true or false"),
     ({"cache": 5}, "'cache' must be a string"),
+    ({"content": 5}, "'content' must be a string"),
+    ({"content": "x" * 300}, "'content' must be a string"),
     ({"version": 2}, "has version 2; this nbkit reads version 1. Install a newer nbkit"),
     ({"kind": None}, "'kind' must be one of"),
 ])
@@ -314,8 +355,8 @@ VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 1 << 64), st.floats
 
 @pytest.mark.fuzz
 @given(st.dictionaries(st.sampled_from(["kind", "version", "epoch", "position", "length", "batch_size", "drop_last",
-                                        "shuffle", "seed", "rank", "world_size", "cache", "extra"]),
-                       VALUES, max_size=5), st.sets(st.sampled_from(["epoch", "position", "seed", "cache"])))
+                                        "shuffle", "seed", "rank", "world_size", "cache", "content", "extra"]),
+                       VALUES, max_size=5), st.sets(st.sampled_from(["epoch", "position", "seed", "cache", "content"])))
 def test_mutated_states_load_cleanly_or_are_refused(changes, dropped):
     ds = TensorDataset(torch.arange(26))
     state = make_loader(ds, batch_size=4).state_dict()

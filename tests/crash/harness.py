@@ -333,7 +333,30 @@ def check_target(op: Operation, work: str, known: Known, scratch: str, *, final:
         return [("5", m) for m in check_keyed(target, scratch, final=final)]
     if op.kind == "file":  # the harness's own tests (crash.toys)
         return [("1", m) for m in check_file(target, op, final=final)]
+    if op.kind == "aside":
+        return [("1", m) for m in check_aside(target, op, final=final)]
     raise ValueError(op.kind)
+
+
+def check_aside(path: str, op: Operation, *, final: bool) -> list[str]:
+    """A file moved aside (``nbkit.checkpoint.set_aside``): its old content readable under its name
+    or the new one (the first entry of ``op.entries``) at every point, and only the new one at the end."""
+    from crash.toys import content
+
+    found = {}
+    for where in (path, os.path.join(os.path.dirname(path), op.entries[0])):
+        try:
+            with open(where, "rb") as f:
+                found[where] = f.read()
+        except FileNotFoundError:
+            continue
+    bad = [f"{os.path.basename(w)} holds {len(d)} bytes that are not the old content" for w, d in found.items()
+           if d != content(op.old.seed)]
+    if not found:
+        bad.append("the file is gone under both names")
+    elif final and path in found:
+        bad.append("the file is still under its old name after the move")
+    return bad
 
 
 def check_file(path: str, op: Operation, *, final: bool) -> list[str]:

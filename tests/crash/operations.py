@@ -315,6 +315,17 @@ def _run_checkpoint(work):
     nbkit.remote.write_url(_p(work, "parent", "checkpoint.pt"), content(2))
 
 
+#: Where set_aside moves the checkpoint (its stamp is fixed, so every run uses the same name).
+ASIDE = "checkpoint.started-over-T.pt"
+
+
+def _run_set_aside(work):
+    import nbkit.checkpoint
+
+    # What notebook 04's start_over does with a checkpoint that does not fit: moved, never deleted.
+    nbkit.checkpoint.set_aside(_p(work, "parent", "checkpoint.pt"), label="started-over", stamp="T")
+
+
 _BY = ("parent/bystander",)
 
 OPERATIONS: dict[str, Operation] = {op.name: op for op in [
@@ -342,4 +353,6 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in [
               inputs=_BY, removable=False),
     Operation("checkpoint", _setup_checkpoint, _run_checkpoint, "parent/checkpoint.pt", "file", Expect(1), Expect(2),
               inputs=_BY, power_loss=True, removable=False),
+    Operation("set_aside", _setup_checkpoint, _run_set_aside, "parent/checkpoint.pt", "aside", Expect(1), None,
+              absent_ok=True, inputs=_BY, entries=(ASIDE,), power_loss=True, removable=False),
 ]}
