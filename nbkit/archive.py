@@ -40,6 +40,7 @@ from .commit import CHUNK, Dir, claim, disk_full, release, staging_name, unnamed
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
                        manifest_bytes, parse_manifest, sha256_file)
 from .progress import as_callback
+from .text import fix as fix_for
 from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
 from .transfer import Stopped, TransferReport, check_whole, describe
 from .trust import MAX_COLUMNS, MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
@@ -420,7 +421,7 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
         raw = opened.open()
     except FileNotFoundError:
         raise FileNotFoundError(f"tar_path {tar_path} does not exist; export a cache there with "
-                                f"nbkit.export_tar(cache_dir, {tar_path!r}), or check the path.") from None
+                                f"{fix_for('export a cache', tar=tar_path)}, or check the path.") from None
     with raw:
         size = getattr(raw, "size", None)
         if size is None:
@@ -592,7 +593,7 @@ def stale_tar_reason(tar_path, cache_path, *, storage_options: dict | None = Non
         return f"{tar_path} does not exist yet."
     manifest = _tar_manifest(tar_path, storage_options)
     if manifest is None:
-        return f"{tar_path} holds no {MANIFEST} (it was not written by nbkit.export_tar, or was cut short): export the cache again."
+        return f"{tar_path} holds no {MANIFEST} (it was not written by an nbkit export, or was cut short): export the cache again."
     root = cache_root(check_path(cache_path, "cache_path"))
     files = manifest["files"]
     with open_readable(os.path.join(root, fmt.META)) as f:

@@ -44,6 +44,7 @@ from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
 from .progress import as_callback
+from .text import fix as fix_for
 from .remote import BLOCK, Stopped, abandon, check_bucket, connect, classify, is_connection_error, is_local, remote_sizes, write_bytes
 from .stats import process_alive
 from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, is_cache_file, open_readable, read_small
@@ -223,7 +224,7 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
     start = time.perf_counter()
     cb = as_callback(callback)
     root = cache_root(check_path(cache_path, "cache_path"))
-    rerun = f"rerun nbkit.push({root!r}, {url!r})"
+    rerun = fix_for("retry push", path=root, url=url)  # in the words of the front end running the push
     describe(cb, f"connecting to {url}")
     try:
         fs, rroot = connect(url, storage_options, doing="pushing to", fix=rerun, write=True,
@@ -424,7 +425,7 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
     max_workers = check_int(max_workers, "max_workers", min=1, max=256)
     start = time.perf_counter()
     cb = as_callback(callback)
-    fix = f"rerun nbkit.pull({url!r}, {dest!r})"
+    fix = fix_for("retry pull", url=url, path=dest)
     describe(cb, f"connecting to {url}")
     try:
         fs, rroot = connect(url, storage_options, doing="pulling from", fix=fix, should_stop=lambda: _stop_requested(cb))
@@ -440,11 +441,11 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         if not fs.exists(f"{rroot}/{fmt.META}"):
             raise FileNotFoundError(
                 f"{url} holds no complete nbkit cache ({fmt.META} is missing): push one with "
-                f"nbkit.push(cache_dir, {url!r}), or wait until the push in progress has finished."
+                f"{fix_for('push a cache', url=url)}, or wait until the push in progress has finished."
             )
         manifest = read_remote_manifest(fs, rroot, url)
         if manifest is None:
-            raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by nbkit.push. {REPUSH}")
+            raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by an nbkit push. {REPUSH}")
         files = manifest["files"]
         if fmt.META not in files:
             raise CorruptCacheError(f"{url}/{MANIFEST} does not list {fmt.META}. {REPUSH}")

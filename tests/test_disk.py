@@ -155,7 +155,8 @@ def test_listing_orders_least_recently_used_first_and_prints_a_table(tmp_path, c
     found = nbkit.caches(tmp_path)
     assert [c.path for c in found] == [old, new]
     text = repr(found)
-    assert text.splitlines()[0].split() [:2] == ["path", "samples"] and "32/32" in text
+    assert text.splitlines()[0].split() == ["samples", "on", "disk", "last", "used", "path"] and "32/32" in text
+    assert "3 days ago" in text and "2 caches," in text
     assert "<table" in found._repr_html_()
 
 
