@@ -106,9 +106,10 @@ class Callback(_FsspecCallback):
         super().absolute_update(value)
 
     def start_phase(self, name: str, *, unit: str = "samples", size=None) -> None:
-        """Begin the next named step of an operation: new unit, counts and clock; front ends re-render."""
-        self.phase, self.unit, self.size, self.value = name, unit, size, 0
+        """Begin the next named step of an operation: new unit, counts from 0, clock, no description; front ends re-render."""
+        self.phase, self.unit, self.size, self.value, self.description = name, unit, size, 0, ""
         self._restart_clock()
+        self._based = True  # the phase starts at 0: its first absolute value is progress, not a starting point
         self.call()
 
     def close(self) -> None:

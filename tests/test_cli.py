@@ -454,3 +454,26 @@ def test_prune_that_frees_nothing_says_why(tmp_path, env):
     assert "freed 0 B: none was unused for 7 days (the least recently used was last used" in out.stdout
     data = json.loads(ok(nbkit_cli(env, "prune", "--max-size", "1GB", "--json")).stdout)
     assert data["bytes"] == 0 and "within the limit" in data["why_nothing"]
+
+
+def test_long_commands_print_one_final_line_per_phase_in_its_unit(tmp_path, env):
+    root = make_cache(tmp_path / "c", n=600)
+    tar = tmp_path / "c.tar"
+    runs = {
+        "export": (("export", root, tar), [("export hash", "B/s"), ("export", "B/s")]),
+        "import": (("import", tar, tmp_path / "imported"), [("import", "B/s"), ("import verify", "samples/s")]),
+        "push": (("push", root, tmp_path / "bucket"), [("push hash", "B/s"), ("push", "B/s")]),
+        "pull": (("pull", tmp_path / "bucket", tmp_path / "pulled"), [("pull", "B/s"), ("pull verify", "samples/s")]),
+        "verify": (("verify", root), [("verify", "samples/s")]),
+    }
+    for name, (args, phases) in runs.items():
+        out = ok(nbkit_cli(env, *args, "--progress"))
+        lines = out.stderr.splitlines()  # into a pipe: log lines, each phase's last one at 100%
+        finals = [line for line in lines if "100.0%" in line]
+        assert [line.split("  ")[0] for line in finals] == [p for p, _ in phases], (name, lines)
+        for line, (_, unit) in zip(finals, phases):
+            done, total = line.split("  ")[1].split("/")
+            assert done == total and unit in line and (unit != "B/s" or "samples/s" not in line), line
+        assert len(lines) == len(set(lines)), (name, lines)  # no line printed twice
+        percents = [float(p[:-1]) for line in lines for p in line.split() if p.endswith("%")]
+        assert all(0 <= p <= 100 for p in percents), (name, lines)

@@ -278,6 +278,9 @@ def _check_forward(cb, expected):
             rate = re.search(r"  ([0-9.,]+ ?[A-Za-z]*/s)  ", line).group(1)
             assert rate.endswith(" B/s") or rate[-4:] in ("KB/s", "MB/s", "GB/s") if unit == "bytes" \
                 else rate.endswith(f" {unit}/s"), line
+        last = states[-1][5]
+        if states[-1][3]:  # work was done in this phase: its rate says how fast, never 0
+            assert not re.search(r"  0 (B|samples)/s  ", last), last
     screen = cb.file.getvalue()
     ended = [line.rsplit("\r", 1)[-1] for line in screen.split("\n")[:-1]]  # what each finished line shows
     assert screen.endswith("\n") and len(ended) == len(expected), ended
