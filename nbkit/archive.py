@@ -40,6 +40,7 @@ from .commit import CHUNK, Dir, claim, disk_full, release, staging_name, unnamed
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
                        manifest_bytes, parse_manifest, sha256_file)
 from .progress import as_callback
+from .text import fix as fix_for
 from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
 from .transfer import Stopped, TransferReport, check_whole, describe
 from .trust import MAX_COLUMNS, MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
@@ -68,7 +69,7 @@ _HARMLESS = 1 + len(_SKIPPED)
 #: harmless entries. A tar with more is not one cache: it is refused before tarfile reads on (each
 #: member, even an empty skipped one, costs a header read and a place in tarfile's member list).
 _MAX_MEMBERS = 4 + MAX_COLUMNS + _HARMLESS
-_REEXPORT = "Ask whoever exported it to run nbkit.export_tar again from a good copy."
+_REEXPORT = "Ask whoever exported it to export it again from a good copy."
 
 
 def _zstandard():
@@ -126,7 +127,8 @@ def export_tar(cache_path, tar_path, *, compression: str | None = "auto", callba
         compression: ``"auto"`` (the default: from ``tar_path``'s suffix, ``.gz``/``.tgz`` gzip, ``.zst``
             zstandard, anything else none), ``None``, ``"gz"`` or ``"zst"`` (needs ``pip install zstandard``;
             the ``zst`` extra).
-        callback: progress in bytes of cache read; ``stop_requested`` aborts and leaves no tar.
+        callback: progress in two phases, ``"hash"`` then ``"export"``, both in bytes of cache read
+            (:meth:`nbkit.progress.Callback.start_phase`); ``stop_requested`` aborts and leaves no tar.
         storage_options: passed to fsspec for a remote ``tar_path``.
 
     Returns:
@@ -149,13 +151,13 @@ def export_tar(cache_path, tar_path, *, compression: str | None = "auto", callba
     zstd = _zstandard() if compression == "zst" else None
     # The manifest goes first, so an import knows every size before it writes a byte: hash first,
     # then write (and hash again: a file changed in between is refused, never exported wrongly).
-    describe(cb, "hashing")
-    manifest = build_manifest(root)  # only cache file names, no symbolic links (trust.cache_file_path)
+    describe(cb, "reading the cache")
+    manifest = build_manifest(root, callback=cb)  # only cache file names, no symbolic links (trust.cache_file_path)
     files = manifest["files"]
     names = sorted(n for n in files if n != fmt.META)
     paths = {n: cache_file_path(root, n, os.path.join(root, fmt.META), error=UnsafeArchiveError) for n in names}
-    cb.set_size(sum(f["size"] for f in files.values()))
-    cb.absolute_update(0)
+    # A phase of its own: the bytes written to the tar, after the bytes hashed.
+    cb.start_phase("export", unit="bytes", size=sum(f["size"] for f in files.values()))
     describe(cb, f"exporting to {tar_path}")
 
     fs, path = url_to_fs(tar_path, storage_options)
@@ -352,7 +354,7 @@ def _check_member(m: tarfile.TarInfo, tar_path) -> str | None:
     if kind is not None:
         raise UnsafeArchiveError(
             f"{tar_path} holds the {kind} {name!r}; an nbkit archive holds regular files only. Refusing to import it: "
-            "recreate the archive with nbkit.export_tar."
+            "export the cache again to recreate the archive."
         )
     if name.startswith(("/", "\\")) or os.path.isabs(name) or (len(name) > 1 and name[1] == ":"):
         raise UnsafeArchiveError(f"{tar_path} holds the absolute path {name!r}; refusing to import it (it could write outside the cache).")
@@ -385,7 +387,8 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
     Args:
         tar_path: a local path or any fsspec URL; gzip and zstd are detected from the content.
         cache_path: local directory to create (an existing cache there is replaced).
-        callback: progress in bytes extracted, then samples verified.
+        callback: progress in two phases (:meth:`nbkit.progress.Callback.start_phase`): ``"import"``
+            in bytes of the tar read, then ``"verify"`` in samples checked.
         storage_options: passed to fsspec for a remote ``tar_path``.
 
     Raises:
@@ -418,13 +421,12 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
         raw = opened.open()
     except FileNotFoundError:
         raise FileNotFoundError(f"tar_path {tar_path} does not exist; export a cache there with "
-                                f"nbkit.export_tar(cache_dir, {tar_path!r}), or check the path.") from None
+                                f"{fix_for('export a cache', tar=tar_path)}, or check the path.") from None
     with raw:
         size = getattr(raw, "size", None)
         if size is None:
             size = os.fstat(raw.fileno()).st_size if hasattr(raw, "fileno") else None
-        cb.set_size(size)
-        cb.absolute_update(0)
+        cb.start_phase("import", unit="bytes", size=size)  # tar bytes read; then a "verify" phase in samples
         describe(cb, f"importing {tar_path}")
         tmp = stage_dir(dest, "import")  # beside dest: a crash leaves a leftover nbkit ls lists and nbkit rm removes
         try:
@@ -591,7 +593,7 @@ def stale_tar_reason(tar_path, cache_path, *, storage_options: dict | None = Non
         return f"{tar_path} does not exist yet."
     manifest = _tar_manifest(tar_path, storage_options)
     if manifest is None:
-        return f"{tar_path} holds no {MANIFEST} (it was not written by nbkit.export_tar, or was cut short): export the cache again."
+        return f"{tar_path} holds no {MANIFEST} (it was not written by an nbkit export, or was cut short): export the cache again."
     root = cache_root(check_path(cache_path, "cache_path"))
     files = manifest["files"]
     with open_readable(os.path.join(root, fmt.META)) as f:

@@ -27,7 +27,7 @@ import os
 import re
 import sys
 
-from .text import Table, format_bytes, format_count, format_seconds, printable
+from .text import Table, fill, format_bytes, format_count, format_seconds, plural, printable, speaking_to
 
 __all__ = ["main", "parse_size", "parse_duration", "OK", "FAILED", "USAGE"]
 
@@ -115,7 +115,7 @@ def _report(args, what: str, report) -> int:
     import dataclasses
 
     data = dataclasses.asdict(report)
-    text = (f"{what}: {len(report.transferred)} files copied ({format_bytes(report.bytes)}), {len(report.skipped)} "
+    text = (f"{what}: {plural(len(report.transferred), 'file')} copied ({format_bytes(report.bytes)}), {len(report.skipped)} "
             f"already there, in {format_seconds(report.seconds)}" + (" (stopped)" if report.stopped else ""))
     _emit(args, data, text)
     return FAILED if report.stopped else OK
@@ -125,6 +125,8 @@ def _report(args, what: str, report) -> int:
 
 
 def _ls(args) -> int:
+    import shutil
+
     from . import disk
     from .stores.mirror import cache_dir
 
@@ -134,8 +136,19 @@ def _ls(args) -> int:
         where = f"caches under {', '.join(os.path.abspath(os.path.expanduser(r)) for r in args.roots)}, and {copies}"
     else:
         where = f"{copies}; nbkit ls DIR lists the caches under DIR"
-    _emit(args, [c.to_json() for c in found], f"{where}\n\n{found.table().text()}")
+    # Fitted to a terminal ($COLUMNS, else its width); whole lines into a pipe or a file, for grep.
+    width = shutil.get_terminal_size().columns if "COLUMNS" in os.environ or sys.stdout.isatty() else None
+    _emit(args, [c.to_json() for c in found], f"{where if width is None else fill(where, width)}\n\n{found.text(width)}")
     return OK
+
+
+def _local_cache(path: str, doing: str) -> None:
+    """Refuse a file where a cache directory is expected (``nbkit info some.tar``), naming what to do instead."""
+    from . import disk
+
+    why = disk.not_a_directory(path, doing)
+    if why is not None:
+        raise NotADirectoryError(why)
 
 
 def _dtype_name(dtype: str) -> str | None:
@@ -214,6 +227,7 @@ def _info(args) -> int:
     from .cachedir import cache_root
     from .codec import Schema
 
+    _local_cache(args.path, "show it")
     root = cache_root(args.path)
     meta = fmt.read_meta(root)
     about = disk.describe(root)
@@ -264,6 +278,7 @@ def _verify(args) -> int:
     from .errors import CorruptCacheError
     from .stores import registry
 
+    _local_cache(args.path, "verify it")
     location = registry.resolve(args.path, args.options)
     location.prepare()
     meta = location.existing_meta()
@@ -289,6 +304,10 @@ def _copy(args, verb: str, source: str, target: str) -> int:
     from .transfer import pull, push
 
     run = {"export": export_tar, "import": import_tar, "push": push, "pull": pull}[verb]
+    if verb in ("export", "push"):
+        _local_cache(source, f"{verb} it")
+    else:
+        _local_cache(target, f"{verb} into it")
     cb = _progress(args, verb, "bytes")
     try:
         report = run(source, target, callback=cb, storage_options=args.options)
@@ -314,12 +333,15 @@ def _pull(args) -> int:
     return _copy(args, "pull", args.url, args.path)
 
 
-def _removals(args, removed: list, verb: str) -> int:
+def _removals(args, removed: list, verb: str, why_nothing: str | None = None) -> int:
     freed = sum(r.bytes for r in removed)
     lines = [f"{'would remove' if args.dry_run else verb} {r.path} ({format_bytes(r.bytes)} on disk)"
              + (f"; left in place (not cache files): {', '.join(r.left)}" if r.left else "") for r in removed]
-    lines.append(f"{'would free' if args.dry_run else 'freed'} {format_bytes(freed)}")
-    _emit(args, {"removed": [r.to_json() for r in removed], "bytes": freed, "dry_run": args.dry_run}, "\n".join(lines))
+    lines.append(f"{'would free' if args.dry_run else 'freed'} {format_bytes(freed)}" + (f": {why_nothing}" if why_nothing else ""))
+    data = {"removed": [r.to_json() for r in removed], "bytes": freed, "dry_run": args.dry_run}
+    if why_nothing:
+        data["why_nothing"] = why_nothing
+    _emit(args, data, "\n".join(lines))
     return OK
 
 
@@ -343,7 +365,7 @@ def _prune(args) -> int:
     from . import disk
 
     removed = disk.prune(older_than=args.older_than, max_bytes=args.max_size, dry_run=args.dry_run)
-    return _removals(args, removed, "removed")
+    return _removals(args, removed, "removed", why_nothing=removed.why_nothing)
 
 
 # -- the parser --------------------------------------------------------------------------------
@@ -411,7 +433,8 @@ def main(argv=None) -> int:
         return int(e.code or 0)
     args.options = dict(args.options)
     try:
-        return args.fn(args)
+        with speaking_to("shell"):  # every fix a message names is worded for the shell: -o token=..., nbkit ls
+            return args.fn(args)
     except SystemExit as e:  # parser.error() inside a command
         return int(e.code or 0)
     except KeyboardInterrupt:

@@ -34,9 +34,10 @@ from .cachedir import allocated, interrupted, in_use, remove_cache, stored_count
 from .commit import Dir, is_claimed, leftover_of
 from .stores.mirror import ORIGIN_SUFFIX, cache_dir, read_origin
 from .stores.readthrough.location import AREA_SUFFIX
-from .text import Table, format_bytes, format_count, format_seconds
+from .text import (Table, fill, fix as fix_for, format_age, format_bytes, format_count, format_list, plural,
+                   printable, shorten_middle)
 
-__all__ = ["CacheInfo", "CacheList", "Removal", "caches", "remove", "prune", "MAX_DEPTH"]
+__all__ = ["CacheInfo", "CacheList", "Removal", "Removals", "caches", "remove", "prune", "not_a_directory", "MAX_DEPTH"]
 
 #: How many directories below a root :func:`caches` looks for caches.
 MAX_DEPTH = 6
@@ -93,26 +94,64 @@ class CacheList(list):
     """The list :func:`caches` returns; shows as a table in a terminal or a notebook."""
 
     def table(self) -> Table:
-        """The caches as a :class:`nbkit.text.Table`, with their total size as a note."""
+        """The caches as a :class:`nbkit.text.Table` (every column, full paths: for HTML), with their total size as a note."""
         now = time.time()
         rows = []
         for c in self:
-            cached = ("leftover" if c.leftover else "broken") if c.problem else f"{format_count(c.stored)}/{format_count(c.length)}"
-            used = "-" if c.last_used is None else format_seconds(max(0.0, now - c.last_used)) + " ago"
-            rows.append((c.path, cached, format_bytes(c.bytes), used, "yes" if c.in_use else "", c.url or c.problem or ""))
-        total = sum(c.bytes for c in self)
+            used = "-" if c.last_used is None else format_age(now - c.last_used)
+            rows.append((c.path, self._samples(c), format_bytes(c.bytes), used, "yes" if c.in_use else "", c.url or c.problem or ""))
         return Table(rows, header=("path", "samples", "on disk", "last used", "in use", "mirrors / problem"),
-                     align="lrrrll", notes=[self._count() + f", {format_bytes(total)} on disk"])
+                     align="lrrrll", notes=[self._total()])
+
+    def text(self, width: int | None = None) -> str:
+        """The caches in ``width`` columns, one line each: the short columns first, the path last, cut
+        in its middle to fit (whole with ``width=None``: for a pipe or a file); what a working copy
+        mirrors, or why a directory is not a whole cache, on an indented line under it.
+
+        Example:
+            >>> c = CacheInfo("/data/caches/mnist", None, False, 60000, 60000, 190_100_000, 1, None, False)
+            >>> print(CacheList([c]).text(60))
+            samples        on disk   last used  path
+            60,000/60,000  190.1 MB  -          /data/caches/mnist
+            1 cache, 190.1 MB on disk
+        """
+        now = time.time()
+        in_use = any(c.in_use for c in self)
+        header = ("samples", "on disk", "last used") + (("in use",) if in_use else ()) + ("path",)
+        rows = [(self._samples(c), format_bytes(c.bytes), "-" if c.last_used is None else format_age(now - c.last_used))
+                + (("yes" if c.in_use else "",) if in_use else ()) for c in self]
+        widths = [max(len(r[k]) for r in rows + [header[:-1]]) for k in range(len(header) - 1)]
+        room = None if width is None else max(12, width - sum(widths) - 2 * len(widths))
+
+        def line(cells, path):
+            return "  ".join(c.ljust(w) for c, w in zip(cells, widths)) + "  " + path
+
+        out = [line(header[:-1], "path")]
+        for c, r in zip(self, rows):
+            path = printable(c.path)
+            out.append(line(r, path if room is None else shorten_middle(path, room)).rstrip())
+            under = f"mirrors {c.url}" if c.url else c.problem
+            if under:
+                under = printable(under) if width is None else fill(printable(under), max(20, width - 4))
+                out.append("    " + under.replace("\n", "\n    "))
+        return "\n".join(out + [self._total()])
+
+    @staticmethod
+    def _samples(c) -> str:
+        return ("leftover" if c.leftover else "broken") if c.problem else f"{format_count(c.stored)}/{format_count(c.length)}"
+
+    def _total(self) -> str:
+        return self._count() + f", {format_bytes(sum(c.bytes for c in self))} on disk"
 
     def _count(self) -> str:
         left = sum(c.leftover for c in self)
-        n = len(self) - left
-        text = f"{n} cache{'s' if n != 1 else ''}"
-        return text + (f", {left} leftover{'s' if left != 1 else ''} of interrupted operations (nbkit rm removes them)"
-                       if left else "")
+        text = plural(len(self) - left, "cache")
+        return text + (f", {plural(left, 'leftover')} of interrupted operations ({fix_for('remove leftovers')} removes them)" if left else "")
 
     def __repr__(self) -> str:
-        return self.table().text()
+        import shutil
+
+        return self.text(shutil.get_terminal_size().columns)
 
     __str__ = __repr__
 
@@ -189,7 +228,7 @@ def leftover_problem(path: str) -> str | None:
     else:
         return None
     busy = " (still being written by a running process)" if is_claimed(path) else ""
-    return f"leftover of {what}{busy}; nbkit rm {path} removes it"
+    return f"leftover of {what}{busy}; {fix_for('remove', path=path)} removes it"
 
 
 def describe(root: str) -> CacheInfo:
@@ -276,8 +315,11 @@ def caches(*roots, max_depth: int = MAX_DEPTH) -> CacheList:
     dirs = [os.path.abspath(os.path.expanduser(trust.check_path(r, "root"))) for r in roots]
     for d in dirs:
         if not os.path.isdir(d):
-            raise FileNotFoundError(f"no directory {d} to look for caches in; check the path (nbkit.caches() alone "
-                                    "lists the working copies in $NBKIT_CACHE_DIR)")
+            why = not_a_directory(d, "look for caches in it")
+            if why is not None:
+                raise NotADirectoryError(why)
+            raise FileNotFoundError(f"no directory {d} to look for caches in; check the path ({fix_for('list caches')} "
+                                    "alone lists the working copies in $NBKIT_CACHE_DIR)")
     found: list = []
     for d in dirs + [cache_dir()]:
         if os.path.isdir(d):
@@ -287,12 +329,49 @@ def caches(*roots, max_depth: int = MAX_DEPTH) -> CacheList:
     return CacheList(sorted(infos, key=lambda c: (c.last_used or 0.0, c.path)))
 
 
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tzst")
+
+
+def not_a_directory(path: str, doing: str = "use it") -> str | None:
+    """Why ``path`` cannot be a cache directory because it is a file (a tar, a cache's ``nbkit.json``, any
+    other file), with the fix; ``None`` when it is not a file. For the message of a command given a
+    file where a cache directory is expected (rather than ``[Errno 20] Not a directory``).
+
+    Example:
+        >>> import tempfile, os
+        >>> tar = os.path.join(tempfile.mkdtemp(), "mnist.tar"); open(tar, "wb").close()
+        >>> print(not_a_directory(tar, "show it"))
+        ... # doctest: +ELLIPSIS
+        cannot show it: .../mnist.tar is a tar archive, not a cache directory. Unpack it into a cache directory with nbkit.import_tar('.../mnist.tar', cache_dir); then open it with nbkit.CachedDataset.open(cache_dir).
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        return None
+    if os.path.basename(path) == fmt.META:
+        return (f"cannot {doing}: {path} is the metadata file of a cache, not the cache; "
+                f"give its directory {os.path.dirname(path)}.")
+    if path.lower().endswith(_TAR_SUFFIXES) or _is_tar(path):
+        return (f"cannot {doing}: {path} is a tar archive, not a cache directory. Unpack it into a cache directory "
+                f"with {fix_for('import a tar', tar=path)}; then {fix_for('show a cache')}.")
+    return (f"cannot {doing}: {path} is a file, not a cache directory (a directory holding {fmt.META}); "
+            f"{fix_for('list caches')} lists the caches there are.")
+
+
+def _is_tar(path: str) -> bool:
+    import tarfile
+
+    try:
+        return tarfile.is_tarfile(path)
+    except OSError:
+        return False
+
+
 def _refuse_special(path: str) -> None:
     """``/``, the home directory and the working copies' directory are never removed whole."""
     special = {os.path.abspath(os.sep), os.path.abspath(os.path.expanduser("~")), cache_dir()}
     if os.path.abspath(path) in special:
         raise ValueError(f"refusing to remove {path}: it is a root directory, not one cache. Pass the cache "
-                         "directory itself (see nbkit.caches()).")
+                         f"directory itself (see {fix_for('list caches')}).")
 
 
 def remove(path, *, dry_run: bool = False) -> Removal:
@@ -322,7 +401,10 @@ def remove(path, *, dry_run: bool = False) -> Removal:
     try:
         st = os.lstat(root)
     except FileNotFoundError:
-        raise FileNotFoundError(f"nothing to remove at {root}: no such directory. See the caches there are: nbkit ls") from None
+        raise FileNotFoundError(f"nothing to remove at {root}: no such directory. See the caches there are: "
+                                f"{fix_for('list caches')}") from None
+    if stat.S_ISREG(st.st_mode):
+        raise NotADirectoryError(not_a_directory(root, "remove it"))
     if stat.S_ISLNK(st.st_mode):
         raise ValueError(f"refusing to remove {root}: it is a symbolic link (to {os.readlink(root)}), and nbkit never "
                          "follows links. Remove the link itself with rm, or pass the cache directory it points to.")
@@ -460,4 +542,43 @@ def prune(older_than=None, max_bytes=None, *, dry_run: bool = False) -> list[Rem
             raise
         kept -= c.bytes
         removed.append(done)
-    return removed
+    result = Removals(removed)
+    if not any(r.bytes for r in removed):
+        result.why_nothing = _why_nothing(copies, age, limit, now)
+    return result
+
+
+class Removals(list):
+    """The :class:`Removal` list :func:`prune` returns; when it frees nothing, :attr:`why_nothing` says why."""
+
+    why_nothing: str | None = None
+
+
+def _why_nothing(copies: list, age: float | None, limit: int | None, now: float) -> str:
+    """Why a prune of ``copies`` (least recently used first) freed nothing."""
+    where = f"{cache_dir()} ($NBKIT_CACHE_DIR)"
+    if not copies:
+        return f"there are no working copies of remote caches in {where}"
+    total = sum(c.bytes for c in copies)
+    busy = [c for c in copies if c.in_use]
+    held = f"; {format_list([c.name for c in busy])} in use" if busy else ""
+    reasons = []
+    them = f"the {plural(len(copies), 'working copy', 'working copies')} take{'s' if len(copies) == 1 else ''}"
+    if limit is not None:
+        if total <= limit:
+            reasons.append(f"{them} {format_bytes(total)}, within the limit of {format_bytes(limit)} already")
+        else:
+            reasons.append(f"{them} {format_bytes(total)}, "
+                           f"over the limit of {format_bytes(limit)}, but every one that could go is in use or "
+                           f"protected{held} (close the notebooks or processes that use them)")
+            held = ""
+    if age is not None:
+        idle = [c for c in copies if c.last_used is None or now - c.last_used >= age]
+        if not idle:  # every copy has a last use, within ``age``
+            oldest = max(now - c.last_used for c in copies)
+            reasons.append(f"none was unused for {format_age(age).removesuffix(' ago')} (the least recently used was last used "
+                           f"{format_age(oldest)})")
+        else:
+            reasons.append(f"{plural(len(idle), 'working copy', 'working copies')} unused that long "
+                           f"{'is' if len(idle) == 1 else 'are'} in use or protected")
+    return "; ".join(reasons) + held

@@ -40,7 +40,7 @@ __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "nbkit-manifest"
 #: The fix for a manifest or cache that arrived damaged: rerunning the same copy cannot help.
-REPUSH = "Ask whoever pushed or exported it to do so again from a good copy (nbkit.push / nbkit.export_tar)."
+REPUSH = "Ask whoever pushed or exported it to push or export it again from a good copy."
 #: The name a host's publish lease has under a pushed prefix (:mod:`nbkit.stores.mirror`); the one
 #: object besides the cache's files a prefix may hold. Never fetched.
 LEASE = ".nbkit-publish-lease"
@@ -68,13 +68,19 @@ def sha256_file(path: str, progress=None) -> str:
                 progress(len(chunk))
 
 
-def build_manifest(root: str, progress=None) -> dict:
-    """Size and sha256 of every file of the cache at ``root`` (``nbkit.json`` included)."""
+def build_manifest(root: str, progress=None, *, callback=None) -> dict:
+    """Size and sha256 of every file of the cache at ``root`` (``nbkit.json`` included).
+
+    ``progress(n)`` is called after each chunk read; a ``callback`` (:class:`nbkit.progress.Callback`)
+    is told of a ``"hash"`` phase in bytes, its total (every file's size) known before the first byte."""
     stored, length = stored_count(root)
-    files = {}
-    for name in data_files(root) + [fmt.META]:
-        path = cache_file_path(root, name, os.path.join(root, fmt.META), error=UnsafeArchiveError)
-        files[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path, progress)}
+    names = data_files(root) + [fmt.META]
+    paths = {n: cache_file_path(root, n, os.path.join(root, fmt.META), error=UnsafeArchiveError) for n in names}
+    sizes = {n: os.path.getsize(p) for n, p in paths.items()}
+    if callback is not None:
+        callback.start_phase("hash", unit="bytes", size=sum(sizes.values()))
+        progress = callback.relative_update
+    files = {n: {"size": sizes[n], "sha256": sha256_file(paths[n], progress)} for n in names}
     return new_manifest(files, stored, length)
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from fsspec.callbacks import Callback as _FsspecCallback
 
-from .text import format_count, format_rate, format_seconds, printable
+from .text import format_amount, format_rate, format_seconds, printable
 
 __all__ = ["Callback", "TextProgress", "NoOpCallback", "as_callback", "Job", "JobState"]
 
@@ -106,9 +106,10 @@ class Callback(_FsspecCallback):
         super().absolute_update(value)
 
     def start_phase(self, name: str, *, unit: str = "samples", size=None) -> None:
-        """Begin the next named step of an operation: new unit, counts and clock; front ends re-render."""
-        self.phase, self.unit, self.size, self.value = name, unit, size, 0
+        """Begin the next named step of an operation: new unit, counts from 0, clock, no description; front ends re-render."""
+        self.phase, self.unit, self.size, self.value, self.description = name, unit, size, 0, ""
         self._restart_clock()
+        self._based = True  # the phase starts at 0: its first absolute value is progress, not a starting point
         self.call()
 
     def close(self) -> None:
@@ -169,6 +170,11 @@ class _FsspecAdapter(Callback):
         if callable(forward):
             forward(text)
 
+    def start_phase(self, name: str, *, unit: str = "samples", size=None) -> None:
+        super().start_phase(name, unit=unit, size=size)
+        self.inner.set_size(size)  # a plain callback has no phases: its counts start again
+        self.inner.absolute_update(0)
+
     def branched(self, path_1, path_2, **kwargs):
         return self.inner.branched(path_1, path_2, **kwargs)
 
@@ -208,6 +214,12 @@ class TextProgress(Callback):
     prints a line at each tenth of the work (:data:`LOG_STEPS`) or after :data:`LOG_SECONDS` without
     one, whichever comes first, and the last line once: about a dozen lines for a long warmup.
 
+    Progress only moves forward. Until its total is known a line shows a count and a rate, no
+    percent; a count past the total shows as the total (100%); a total revised upward holds the
+    percent where it was until the work catches up. Each phase of an operation
+    (:meth:`~Callback.start_phase`: hash in bytes, then verify in samples) ends with one final line
+    and starts a line of its own, in its own unit, never a fraction that falls.
+
     Args:
         label: what runs, at the start of the line.
         file: the stream (default ``sys.stderr``).
@@ -218,10 +230,16 @@ class TextProgress(Callback):
     Example:
         >>> import io
         >>> out = io.StringIO()
-        >>> p = TextProgress("warmup", file=out, min_interval=0)
-        >>> p.set_size(4); p.relative_update(4); p.close()
-        >>> "4/4" in out.getvalue()
-        True
+        >>> now = [0.0]
+        >>> p = TextProgress("import", file=out, unit="bytes", clock=lambda: now[0])
+        >>> p.set_size(4000); now[0] = 2.0; p.relative_update(4000)
+        >>> p.start_phase("verify", size=2); now[0] = 3.0; p.relative_update(2); p.close()
+        >>> print(out.getvalue())
+        import  0 B/4.0 KB    0.0%  0 B/s  0.0s
+        import  4.0 KB/4.0 KB  100.0%  2.0 KB/s  2.0s
+        import verify  0/2    0.0%  0 samples/s  0.0s
+        import verify  2/2  100.0%  2 samples/s  1.0s
+        <BLANKLINE>
     """
 
     #: Off a terminal, a line each time the work crosses another 1/LOG_STEPS of its size ...
@@ -238,18 +256,42 @@ class TextProgress(Callback):
         self.min_interval = min_interval
         self._last_print = None
         self._tty = bool(getattr(self.file, "isatty", lambda: False)())
-        self._logged_step = None  # the tenth of the work the last logged line was in
-        self._final_logged = False  # the finished line is in the log
+        self._printed = False  # anything at all was printed (close prints a line if not)
+        self._open = ""  # on a terminal: the text of the line drawn and not yet ended
+        self._new_phase()
         self._closed = False
 
+    def _new_phase(self) -> None:
+        self._floor = 0.0
+        self._logged_step = None  # the tenth of the work the last logged line was in
+        self._final_logged = False  # the finished line is in the log
+        self._drawn_phase = False  # this phase printed a line
+
+    def fraction(self) -> float | None:
+        """The share of this phase done, from 0 to 1, or ``None`` while its total is unknown (or before
+        it is set: a line is never drawn against another phase's total). Never less than before in this
+        phase, never more than 1."""
+        if self.size is None:
+            return None
+        now = 1.0 if self.size <= 0 else min(1.0, max(0.0, self.value / self.size))
+        self._floor = max(self._floor, now)
+        return self._floor
+
+    def _what(self) -> str:
+        label = printable(self.label) or "progress"
+        return f"{label} {printable(self.phase)}" if self.phase and self.phase != self.label else label
+
     def line(self) -> str:
-        """The text of the progress line, e.g. ``warmup  1,200/60,000   2.0%  5,400 samples/s  ETA 11s``."""
-        parts = [printable(self.label) or "progress"]
-        if self.size:
-            parts.append(f"{format_count(self.value)}/{format_count(self.size)}")
-            parts.append(f"{100.0 * self.value / self.size:5.1f}%")
+        """The text of the progress line, e.g. ``warmup  1,200/60,000   2.0%  5,400 samples/s  ETA 11s``
+        (``hash  12.0 MB  30.0 MB/s  0.4s`` while the total is unknown)."""
+        parts = [self._what()]
+        fraction = self.fraction()
+        if fraction is not None:
+            done = min(self.value, self.size) if self.size > 0 else self.value
+            parts.append(f"{format_amount(done, self.unit)}/{format_amount(self.size, self.unit)}")
+            parts.append(f"{100.0 * fraction:5.1f}%")
         else:
-            parts.append(format_count(self.value))
+            parts.append(format_amount(self.value, self.unit) + ("" if self.unit == "bytes" else f" {self.unit}"))
         parts.append(format_rate(self.rate(), self.unit))
         eta = self.eta()
         parts.append(f"ETA {format_seconds(eta)}" if eta is not None and not self.finished else format_seconds(self.elapsed()))
@@ -258,38 +300,70 @@ class TextProgress(Callback):
         return "  ".join(parts)
 
     def call(self, *args, **kwargs):
+        if self._closed:
+            return
         now = self.clock()
         if self._tty:
-            finished = self.finished
-            if not finished and self._last_print is not None and now - self._last_print < self.min_interval:
+            if not self.finished and self._last_print is not None and now - self._last_print < self.min_interval:
                 return
-            self._print(now, "\n" if finished else "\r")
+            text = self.line()
+            if text != self._open:  # the same text again (a finished phase's last calls) is not redrawn
+                self._draw(now, text)
         elif self._log_due(now):
-            self._print(now, "\n")
+            self._print(now, self.line())
 
     def _log_due(self, now: float) -> bool:
         """Off a terminal: whether this update gets a line (and note that it does)."""
         if self.finished:
             due, self._final_logged = not self._final_logged, True
             return due
-        self._final_logged = False  # a new phase, or more work: its end gets a line again
-        step = int(self.LOG_STEPS * self.value / self.size) if self.size else None
-        if (step is not None and step != self._logged_step) or self._last_print is None \
+        self._final_logged = False  # more work: its end gets a line again
+        fraction = self.fraction()
+        step = int(self.LOG_STEPS * fraction) if fraction is not None else None
+        if (step is not None and step != self._logged_step) or not self._drawn_phase \
                 or now - self._last_print >= self.LOG_SECONDS:
             self._logged_step = step
             return True
         return False
 
-    def _print(self, now: float, end: str) -> None:
-        self._last_print = now
-        print(self.line(), end=end, file=self.file, flush=True)
+    def _draw(self, now: float, text: str) -> None:
+        """On a terminal: rewrite this phase's line (blanking what a longer one left), without ending it."""
+        pad = " " * max(0, len(self._open) - len(text))
+        self._last_print, self._open, self._drawn_phase, self._printed = now, text, True, True
+        print("\r" + text + pad, end="", file=self.file, flush=True)
+
+    def _print(self, now: float, text: str) -> None:
+        self._last_print, self._drawn_phase, self._printed = now, True, True
+        print(text, file=self.file, flush=True)
+
+    def _end_line(self) -> None:
+        """End this phase's line with its final state: once, whether it finished or stopped."""
+        if self.value == 0 and not self.size and self.ended is None:
+            return  # a phase that did nothing (connecting, a step with no work): the next line takes its place
+        if self._tty:
+            if self._open:
+                text = self.line()
+                pad = " " * max(0, len(self._open) - len(text))
+                print("\r" + text + pad, file=self.file, flush=True)
+                self._open = ""
+        elif self._drawn_phase and not self._final_logged:
+            self._print(self.clock(), self.line())
+
+    def start_phase(self, name: str, *, unit: str = "samples", size=None) -> None:
+        """End the line of the phase that ran (its final state), then start the next phase on a line of its own."""
+        if not self._closed:
+            self._end_line()
+        self._new_phase()
+        super().start_phase(name, unit=unit, size=size)
 
     def close(self):
         if not self._closed:
-            self._closed = True
             super().close()
-            if self._tty or not self._final_logged:  # ends the rewritten line; a stopped run's last state
-                print(self.line(), file=self.file, flush=True)
+            if self._printed:
+                self._end_line()
+            else:  # a run that never reported still ends with one line: its state
+                self._print(self.clock(), self.line())
+            self._closed = True
 
 
 class JobState(str, enum.Enum):

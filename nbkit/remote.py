@@ -38,11 +38,12 @@ import time
 from urllib.parse import urlsplit
 
 from .commit import atomic_write
+from .text import fix as fix_for
 
 __all__ = ["url_to_fs", "is_local", "endpoint_of", "connection_errors", "is_connection_error", "unreachable",
            "check_reachable", "network_errors", "remote_sizes", "write_bytes", "write_url", "abandon", "BLOCK", "PROBE_SECONDS",
            "check_bucket", "connect", "classify", "Stopped", "CONNECT_SECONDS", "ANSWER_SECONDS", "CREDENTIALS_SECONDS",
-           "READ_SECONDS", "REQUEST_SECONDS", "NO_CREDENTIALS_FIX"]
+           "READ_SECONDS", "REQUEST_SECONDS", "no_credentials_fix"]
 
 # Bytes in flight per upload. 32 MiB is a multiple of GCS's 256 KiB resumable-upload granularity
 # and measured fastest against the emulator.
@@ -60,10 +61,11 @@ CREDENTIALS_SECONDS = 5.0
 #: reading (not retried). 180 s lets one BLOCK go up at 190 KB/s per upload.
 READ_SECONDS = 20.0
 REQUEST_SECONDS = 180.0
-#: What to do when ``gs://`` has no credentials.
-NO_CREDENTIALS_FIX = ("run `from google.colab import auth; auth.authenticate_user()` (Colab) or "
-                      "`gcloud auth application-default login`, or pass storage_options={'token': ...} "
-                      "('anon' for a public bucket or an emulator)")
+def no_credentials_fix() -> str:
+    """What to do when ``gs://`` has no credentials, in the words of the front end in use (:func:`nbkit.text.fix`)."""
+    return ("run `from google.colab import auth; auth.authenticate_user()` (Colab) or "
+            f"`gcloud auth application-default login`, or {fix_for('give token')} "
+            "('anon' for a public bucket or an emulator)")
 # Object stores whose URL names the bucket first: <scheme>://<bucket>/<prefix>.
 _BUCKET_SCHEMES = ("gs", "gcs", "s3", "s3a")
 _POLL = 0.05  # how often a bounded wait looks at the stop flag
@@ -120,7 +122,7 @@ def unreachable(url: str, endpoint: str | None, exc: BaseException, doing: str, 
     where = f"the endpoint {endpoint}" if endpoint else "the storage backend"
     return OSError(
         f"could not reach {where} while {doing} {url} ({type(exc).__name__}: {exc}). Check the URL, the endpoint "
-        f"(storage_options['endpoint_url'] or STORAGE_EMULATOR_HOST), the network and the credentials, then {fix}."
+        f"({fix_for('endpoint option')} or STORAGE_EMULATOR_HOST), the network and the credentials, then {fix}."
     )
 
 
@@ -340,7 +342,7 @@ def _gcs_options(url: str, storage_options: dict, should_stop, write: bool, doin
         raise PermissionError(
             f"no credentials for {url} ({why})\n"
             f"while {doing} {url}; nothing was sent.\n"
-            f"To fix: {NO_CREDENTIALS_FIX}; then {fix}.")
+            f"To fix: {no_credentials_fix()}; then {fix}.")
     so["token"] = "anon"  # reading a public bucket needs none; a private one answers 401, named then
     return so
 
@@ -472,16 +474,16 @@ def classify(exc: BaseException, fs, url: str, doing: str, fix: str, *, note: st
     if isinstance(exc, (_NoAnswer, TimeoutError)) or is_connection_error(exc):
         what = f"the endpoint {_host_port(endpoint)}" if endpoint else "the storage backend"
         return OSError(f"cannot reach {what} ({_reason(exc)})\n{where}\n"
-                       f"Check the URL, storage_options['endpoint_url'] or STORAGE_EMULATOR_HOST, and the network "
+                       f"Check the URL, {fix_for('endpoint option')} or STORAGE_EMULATOR_HOST, and the network "
                        f"(proxy, VPN, firewall); then {fix}.")
     code = getattr(exc, "code", None)
     text = str(exc)
     if code == 401:
         if anonymous:
             return PermissionError(f"no credentials for {url} (the server refused anonymous access)\n{where}\n"
-                                   f"To fix: {NO_CREDENTIALS_FIX}; then {fix}.")
+                                   f"To fix: {no_credentials_fix()}; then {fix}.")
         return PermissionError(f"the credentials were refused for {url} (401: expired or revoked?)\n{where}\n"
-                               f"Sign in again ({NO_CREDENTIALS_FIX}); then {fix}.")
+                               f"Sign in again ({no_credentials_fix()}); then {fix}.")
     # A local file's PermissionError names the file; a backend's (s3fs, adlfs) does not.
     remote_denied = isinstance(exc, PermissionError) and getattr(exc, "filename", None) is None
     if remote_denied or code == 403 or (isinstance(exc, OSError) and text.startswith("Forbidden")):

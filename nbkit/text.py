@@ -19,13 +19,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import html
 import textwrap
 import unicodedata
 from typing import Sequence
 
 __all__ = ["printable", "format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent",
-           "format_list", "fill", "say", "NARROW_COLUMNS", "Table"]
+           "format_list", "fill", "say", "NARROW_COLUMNS", "Table", "plural", "format_age", "shorten_middle",
+           "FRONT_ENDS", "FIXES", "front_end", "speaking_to", "fix"]
 
 #: The characters of monospaced output that fit a 400-pixel notebook (a phone, Colab's side panel).
 NARROW_COLUMNS = 40
@@ -238,3 +241,117 @@ class Table:
             items = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
             out += (f"<ul style='{note_style}'>" if note_style else "<ul>") + items + "</ul>"
         return out
+
+
+def plural(n, noun: str, many: str | None = None) -> str:
+    """``n`` and ``noun``, the noun in the plural unless ``n`` is 1: ``"1 cache"``, ``"2 caches"``, ``"0 caches"``.
+
+    Example:
+        >>> plural(1, "cache"), plural(3, "file"), plural(2, "copy", "copies"), plural(1200, "sample")
+        ('1 cache', '3 files', '2 copies', '1,200 samples')
+    """
+    return f"{format_count(n)} {noun if n == 1 else many or noun + 's'}"
+
+
+def format_age(seconds: float) -> str:
+    """How long ago, as people say it: ``'40s ago'``, ``'12 minutes ago'``, ``'5 hours ago'``, ``'10 days ago'``.
+
+    Example:
+        >>> format_age(40), format_age(90), format_age(3 * 3600), format_age(240 * 3600 + 60), format_age(400 * 86400)
+        ('40s ago', '2 minutes ago', '3 hours ago', '10 days ago', '400 days ago')
+    """
+    seconds = max(0.0, float(seconds))
+    if seconds < 60:
+        return f"{seconds:.0f}s ago"
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size * (2 if unit != "minute" else 1):
+            return plural(int(round(seconds / size)), unit) + " ago"
+    return plural(int(round(seconds / 60)), "minute") + " ago"
+
+
+def shorten_middle(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters by replacing its middle with ``…``: both ends of a path stay,
+    more of its end (the name) than of its start.
+
+    Example:
+        >>> shorten_middle("/home/me/data/caches/mnist-train", 24)
+        '/home/m…ches/mnist-train'
+    """
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return text[:width]
+    head = (width - 1) // 3
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+# -- fixes worded for where the user is -------------------------------------------------------------
+
+#: Where nbkit's user is: Python (a script or a notebook cell), the ``nbkit`` shell command, or a
+#: notebook panel's buttons (:class:`nbkit.widgets.WarmupPanel`).
+FRONT_ENDS = ("python", "shell", "panel")
+_FRONT_END: contextvars.ContextVar = contextvars.ContextVar("nbkit_front_end", default="python")
+
+#: Each action a message may ask for, in the words of each front end (``{name}`` fields filled by :func:`fix`).
+FIXES = {
+    "retry push": {"python": "rerun nbkit.push({path!r}, {url!r})", "shell": "run the same nbkit push command again",
+                   "panel": "click Upload again"},
+    "retry pull": {"python": "rerun nbkit.pull({url!r}, {path!r})", "shell": "run the same nbkit pull command again",
+                   "panel": "run nbkit.pull({url!r}, {path!r})"},
+    "give token": {"python": "pass storage_options={{'token': ...}}", "shell": "pass -o token=...",
+                   "panel": "make the panel with WarmupPanel(ds, storage_options={{'token': ...}})"},
+    "endpoint option": {"python": "storage_options['endpoint_url']", "shell": "-o endpoint_url=...",
+                        "panel": "the panel's storage_options['endpoint_url']"},
+    "list caches": {"python": "nbkit.caches()", "shell": "nbkit ls", "panel": "nbkit.caches()"},
+    "remove": {"python": "nbkit.remove({path!r})", "shell": "nbkit rm {path}", "panel": "nbkit.remove({path!r})"},
+    "remove leftovers": {"python": "nbkit.remove(path)", "shell": "nbkit rm PATH", "panel": "nbkit.remove(path)"},
+    "push a cache": {"python": "nbkit.push(cache_dir, {url!r})", "shell": "nbkit push CACHE_DIR {url}",
+                     "panel": "click Upload in the panel of the cache to send"},
+    "export a cache": {"python": "nbkit.export_tar(cache_dir, {tar!r})", "shell": "nbkit export CACHE_DIR {tar}",
+                       "panel": "click Export tar in the panel of the cache to export"},
+    "import a tar": {"python": "nbkit.import_tar({tar!r}, cache_dir)", "shell": "nbkit import {tar} CACHE_DIR",
+                     "panel": "nbkit.import_tar({tar!r}, cache_dir)"},
+    "show a cache": {"python": "open it with nbkit.CachedDataset.open(cache_dir)", "shell": "nbkit info CACHE_DIR shows it",
+                     "panel": "open it with nbkit.CachedDataset.open(cache_dir)"},
+}
+
+
+def front_end() -> str:
+    """Where the user is now: ``"python"`` (the default), ``"shell"`` or ``"panel"`` (see :func:`speaking_to`)."""
+    return _FRONT_END.get()
+
+
+@contextlib.contextmanager
+def speaking_to(where: str):
+    """Word the fixes of messages made inside the block for ``where`` (one of :data:`FRONT_ENDS`).
+
+    A context variable: set in the thread (or task) that runs the operation. ``nbkit.cli.main`` sets
+    ``"shell"``; the panel sets ``"panel"`` inside its worker thread.
+
+    Example:
+        >>> with speaking_to("shell"):
+        ...     fix("list caches")
+        'nbkit ls'
+        >>> fix("list caches")
+        'nbkit.caches()'
+    """
+    if where not in FRONT_ENDS:
+        raise ValueError(f"front end {where!r} is not one of {FRONT_ENDS}")
+    token = _FRONT_END.set(where)
+    try:
+        yield where
+    finally:
+        _FRONT_END.reset(token)
+
+
+def fix(action: str, **values) -> str:
+    """The words for ``action`` (a key of :data:`FIXES`) where the user is now, ``values`` filled in.
+
+    Example:
+        >>> fix("retry push", path="/c", url="gs://b/c")
+        "rerun nbkit.push('/c', 'gs://b/c')"
+        >>> with speaking_to("panel"):
+        ...     fix("retry push", path="/c", url="gs://b/c")
+        'click Upload again'
+    """
+    return FIXES[action][front_end()].format(**values)

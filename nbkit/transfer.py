@@ -44,6 +44,7 @@ from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
 from .progress import as_callback
+from .text import fix as fix_for
 from .remote import BLOCK, Stopped, abandon, check_bucket, connect, classify, is_connection_error, is_local, remote_sizes, write_bytes
 from .stats import process_alive
 from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, is_cache_file, open_readable, read_small
@@ -114,8 +115,6 @@ def check_whole(tmp: str, where: str, fix: str, callback=None, describe_as: str 
     names = os.listdir(tmp)
     check_file_set(meta, names, where, fix)
     check_meta_sizes(meta, {n: os.path.getsize(os.path.join(tmp, n)) for n in names}, where, fix)
-    if describe_as:
-        describe(cb, describe_as)
     try:
         try:
             files = open_files(tmp)
@@ -123,6 +122,10 @@ def check_whole(tmp: str, where: str, fix: str, callback=None, describe_as: str 
             # nbkit.json that parse_meta let through but the store cannot use: damaged all the same.
             raise CorruptCacheError(f"{meta_where} is damaged ({type(e).__name__}: {e}). {fix}") from e
         try:
+            # A phase of its own, in samples: never counted against the bytes copied before it.
+            cb.start_phase("verify", unit="samples", size=int(np.count_nonzero(files.is_stored(np.arange(files.length)))))
+            if describe_as:
+                describe(cb, describe_as)
             # Rows checked where they lie, checksums on two threads: keeps an import's full check
             # within its budget (benchmarks/results/trust.md).
             return fmt.verify_store(files, where=where, callback=cb, chunk=8192, threads=2, fix="")
@@ -196,8 +199,8 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
     Args:
         cache_path: local cache directory.
         url: destination prefix, e.g. ``"gs://bucket/caches/mnist"``.
-        callback: progress in bytes (:class:`nbkit.progress.Callback`); ``stop_requested`` stops
-            the push before anything is published.
+        callback: progress (:class:`nbkit.progress.Callback`) in two phases, ``"hash"`` then ``"push"``,
+            both in bytes; ``stop_requested`` stops the push before anything is published.
         storage_options: passed to fsspec (for gcsfs: ``token``, ``project`` …).
         max_workers: files uploaded at once.
 
@@ -221,7 +224,7 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
     start = time.perf_counter()
     cb = as_callback(callback)
     root = cache_root(check_path(cache_path, "cache_path"))
-    rerun = f"rerun nbkit.push({root!r}, {url!r})"
+    rerun = fix_for("retry push", path=root, url=url)  # in the words of the front end running the push
     describe(cb, f"connecting to {url}")
     try:
         fs, rroot = connect(url, storage_options, doing="pushing to", fix=rerun, write=True,
@@ -239,8 +242,8 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
     if is_local(fs) and (os.path.realpath(rroot) + os.sep).startswith(os.path.realpath(root) + os.sep):
         raise ValueError(f"cannot push the cache at {root} to {url}: that is the cache's own directory (or lies in it), "
                          "and pushing would overwrite the files it reads. Push to another directory or bucket.")
-    describe(cb, "hashing")
-    manifest = build_manifest(root)
+    describe(cb, "reading the cache")
+    manifest = build_manifest(root, callback=cb)
     files = manifest["files"]
     names = [n for n in files if n != fmt.META]
     # The files a rerun would skip: in the remote manifest (the last checkpoint) and uploaded whole.
@@ -280,8 +283,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
                 fs.rm_file(f"{rroot}/{stale}")
 
     total = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
-    cb.set_size(total)
-    cb.absolute_update(0)
+    cb.start_phase("push", unit="bytes", size=total)
     describe(cb, f"pushing to {url}")
     state = {"since_checkpoint": 0, "confirmed": set(skipped)}
 
@@ -401,7 +403,7 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
     Args:
         url: where the cache was pushed, e.g. ``"gs://bucket/caches/mnist"``.
         cache_path: local directory to create or replace.
-        callback: progress in bytes.
+        callback: progress in two phases: ``"pull"`` in bytes downloaded, then ``"verify"`` in samples checked.
         storage_options: passed to fsspec.
         max_workers: files downloaded at once.
 
@@ -423,7 +425,7 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
     max_workers = check_int(max_workers, "max_workers", min=1, max=256)
     start = time.perf_counter()
     cb = as_callback(callback)
-    fix = f"rerun nbkit.pull({url!r}, {dest!r})"
+    fix = fix_for("retry pull", url=url, path=dest)
     describe(cb, f"connecting to {url}")
     try:
         fs, rroot = connect(url, storage_options, doing="pulling from", fix=fix, should_stop=lambda: _stop_requested(cb))
@@ -439,11 +441,11 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         if not fs.exists(f"{rroot}/{fmt.META}"):
             raise FileNotFoundError(
                 f"{url} holds no complete nbkit cache ({fmt.META} is missing): push one with "
-                f"nbkit.push(cache_dir, {url!r}), or wait until the push in progress has finished."
+                f"{fix_for('push a cache', url=url)}, or wait until the push in progress has finished."
             )
         manifest = read_remote_manifest(fs, rroot, url)
         if manifest is None:
-            raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by nbkit.push. {REPUSH}")
+            raise CorruptCacheError(f"{url} has {fmt.META} but no {MANIFEST}; it was not written by an nbkit push. {REPUSH}")
         files = manifest["files"]
         if fmt.META not in files:
             raise CorruptCacheError(f"{url}/{MANIFEST} does not list {fmt.META}. {REPUSH}")
@@ -474,8 +476,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
                 reused.append(name)
         todo = sorted((n for n in files if n not in reused and n != fmt.META), key=lambda n: -files[n]["size"])
         nbytes = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
-        cb.set_size(nbytes)
-        cb.absolute_update(0)
+        cb.start_phase("pull", unit="bytes", size=nbytes)
         describe(cb, f"pulling from {url}")
         budget = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
 
@@ -507,8 +508,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         with open(os.path.join(tmp, fmt.META), "wb") as f:
             f.write(meta)
         cb.relative_update(len(meta))
-        describe(cb, "verifying checksums")  # progress stays in bytes: the report's unit
-        check_whole(tmp, url, REPUSH)
+        check_whole(tmp, url, REPUSH, cb, describe_as="verifying checksums")  # a "verify" phase, in samples
         swap_into_place(tmp, dest)  # durable first, then in place in one step
     except BaseException as e:
         discard_stage(tmp)

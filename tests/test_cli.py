@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 def env(tmp_path):
     d = tmp_path / "nbkit-cache-dir"
     d.mkdir()
-    return {**os.environ, "NBKIT_CACHE_DIR": str(d), "PYTHONPATH": str(REPO), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    environ = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # output into a pipe: whole lines
+    return {**environ, "NBKIT_CACHE_DIR": str(d), "PYTHONPATH": str(REPO), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
 
 def nbkit_cli(env, *args, input=None):
@@ -134,7 +135,7 @@ def test_ls_lists_caches_as_a_table_and_as_json(tmp_path, env):
     out = ok(nbkit_cli(env, "ls", tmp_path))
     title, blank, header = out.stdout.splitlines()[:3]
     assert title == f"caches under {tmp_path}, and working copies of remote caches in {env['NBKIT_CACHE_DIR']} ($NBKIT_CACHE_DIR)"
-    assert blank == "" and header.split()[:2] == ["path", "samples"]
+    assert blank == "" and header.split() == ["samples", "on", "disk", "last", "used", "path"]
     assert root in out.stdout and "48/48" in out.stdout and "broken" in out.stdout
     listed = {c["path"]: c for c in json.loads(ok(nbkit_cli(env, "ls", "--json", tmp_path)).stdout)}
     assert listed[root]["stored"] == 48 and listed[root]["complete"] is True and listed[root]["in_use"] is False
@@ -385,7 +386,8 @@ def test_ls_and_info_show_escape_sequences_from_a_cache_as_text(tmp_path, env):
 
     out = ok(nbkit_cli(env, "ls", tmp_path))
     assert not _raw_controls(out.stdout + out.stderr), out.stdout
-    assert len(out.stdout.splitlines()) == 2 + 1 + 3 + 1  # what was listed, header, one line a cache, the total
+    # What was listed, header, one line a cache, a line under the broken one and the working copy, the total.
+    assert len(out.stdout.splitlines()) == 2 + 1 + 3 + 2 + 1
     assert "evil\\x1b]0;pwned\\x07\\x1b[2J\\x1b[H\\r\\u202e\\x9b1A\\nfake row" in out.stdout
     assert "gs://b/\\x1b]0;pwned" in out.stdout and "broken\\x1b]0;pwned" in out.stdout
 
@@ -398,3 +400,80 @@ def test_ls_and_info_show_escape_sequences_from_a_cache_as_text(tmp_path, env):
 
     line = failed(nbkit_cli(env, "info", broken), "broken\\x1b]0;pwned")  # an error quoting the path
     assert not _raw_controls(line)
+
+
+def test_ls_fits_80_columns_with_ages_people_read_and_counts_in_grammar(tmp_path, env):
+    deep = tmp_path / ("a-rather-long-directory-name-" * 3) / "datasets" / "mnist-train-normalized"
+    root = make_cache(deep)
+    two_days = time.time() - 240 * 3600 - 60
+    for name in os.listdir(root):
+        os.utime(os.path.join(root, name), (two_days, two_days))
+    out = ok(nbkit_cli({**env, "COLUMNS": "80"}, "ls", tmp_path))
+    lines = out.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), [len(line) for line in lines]
+    row = next(line for line in lines if "48/48" in line)
+    assert "10 days ago" in row and "240h" not in out.stdout
+    assert row.endswith("mnist-train-normalized") and "…" in row  # the path cut in its middle: its name stays
+    assert lines[-1].startswith("1 cache, ")
+    whole = ok(nbkit_cli(env, "ls", tmp_path)).stdout  # into a pipe: the whole path, for grep
+    assert root in whole
+
+
+def test_a_file_where_a_cache_directory_is_expected_is_named_with_the_fix(tmp_path, env):
+    root = make_cache(tmp_path / "c")
+    tar = tmp_path / "c.tar"
+    ok(nbkit_cli(env, "export", root, tar))
+    line = failed(nbkit_cli(env, "info", tar), "is a tar archive, not a cache directory", f"nbkit import {tar} CACHE_DIR",
+                  "nbkit info CACHE_DIR")
+    assert "Errno" not in line
+    for args in (("verify", tar), ("rm", tar), ("export", tar, tmp_path / "x.tar"), ("push", tar, tmp_path / "bucket")):
+        failed(nbkit_cli(env, *args), "is a tar archive, not a cache directory", "nbkit import")
+    failed(nbkit_cli(env, "info", Path(root) / "nbkit.json"), "the metadata file of a cache", f"give its directory {root}")
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    failed(nbkit_cli(env, "info", other), "is a file, not a cache directory", "nbkit ls")
+    failed(nbkit_cli(env, "ls", other), "is a file, not a cache directory")
+    failed(nbkit_cli(env, "import", tar, other), "is a file, not a cache directory")
+
+
+def test_shell_messages_name_shell_fixes(tmp_path, env):
+    line = failed(nbkit_cli(env, "rm", tmp_path / "nothing-here"), "nbkit ls")
+    assert "nbkit.caches()" not in line
+    out = nbkit_cli(env, "pull", tmp_path / "no-bucket", tmp_path / "copy")
+    line = failed(out, "holds no complete nbkit cache", "nbkit push CACHE_DIR")
+    assert "nbkit.push(" not in line
+
+
+def test_prune_that_frees_nothing_says_why(tmp_path, env):
+    out = ok(nbkit_cli(env, "prune", "--max-size", "1GB"))
+    assert "freed 0 B: there are no working copies of remote caches in" in out.stdout
+    make_cache(Path(env["NBKIT_CACHE_DIR"]) / "copy")
+    out = ok(nbkit_cli(env, "prune", "--max-size", "1GB"))
+    assert "freed 0 B: the 1 working copy takes" in out.stdout and "within the limit of 1.0 GB already" in out.stdout
+    out = ok(nbkit_cli(env, "prune", "--older-than", "7d"))
+    assert "freed 0 B: none was unused for 7 days (the least recently used was last used" in out.stdout
+    data = json.loads(ok(nbkit_cli(env, "prune", "--max-size", "1GB", "--json")).stdout)
+    assert data["bytes"] == 0 and "within the limit" in data["why_nothing"]
+
+
+def test_long_commands_print_one_final_line_per_phase_in_its_unit(tmp_path, env):
+    root = make_cache(tmp_path / "c", n=600)
+    tar = tmp_path / "c.tar"
+    runs = {
+        "export": (("export", root, tar), [("export hash", "B/s"), ("export", "B/s")]),
+        "import": (("import", tar, tmp_path / "imported"), [("import", "B/s"), ("import verify", "samples/s")]),
+        "push": (("push", root, tmp_path / "bucket"), [("push hash", "B/s"), ("push", "B/s")]),
+        "pull": (("pull", tmp_path / "bucket", tmp_path / "pulled"), [("pull", "B/s"), ("pull verify", "samples/s")]),
+        "verify": (("verify", root), [("verify", "samples/s")]),
+    }
+    for name, (args, phases) in runs.items():
+        out = ok(nbkit_cli(env, *args, "--progress"))
+        lines = out.stderr.splitlines()  # into a pipe: log lines, each phase's last one at 100%
+        finals = [line for line in lines if "100.0%" in line]
+        assert [line.split("  ")[0] for line in finals] == [p for p, _ in phases], (name, lines)
+        for line, (_, unit) in zip(finals, phases):
+            done, total = line.split("  ")[1].split("/")
+            assert done == total and unit in line and (unit != "B/s" or "samples/s" not in line), line
+        assert len(lines) == len(set(lines)), (name, lines)  # no line printed twice
+        percents = [float(p[:-1]) for line in lines for p in line.split() if p.endswith("%")]
+        assert all(0 <= p <= 100 for p in percents), (name, lines)

@@ -155,7 +155,8 @@ def test_listing_orders_least_recently_used_first_and_prints_a_table(tmp_path, c
     found = nbkit.caches(tmp_path)
     assert [c.path for c in found] == [old, new]
     text = repr(found)
-    assert text.splitlines()[0].split() [:2] == ["path", "samples"] and "32/32" in text
+    assert text.splitlines()[0].split() == ["samples", "on", "disk", "last", "used", "path"] and "32/32" in text
+    assert "3 days ago" in text and "2 caches," in text
     assert "<table" in found._repr_html_()
 
 
@@ -319,6 +320,25 @@ def test_prune_skips_a_copy_in_use(cache_dir):
     finally:
         release(proc)
     assert [r.path for r in removed] == [b, c] and os.path.isdir(a)
+
+
+def test_a_prune_that_frees_nothing_says_why(cache_dir):
+    assert "no working copies" in nbkit.prune(max_bytes=0).why_nothing
+    a, b, c = three_copies(cache_dir)
+    total = sum(x.bytes for x in nbkit.caches())
+    within = nbkit.prune(max_bytes=total)
+    assert within == [] and "the 3 working copies take" in within.why_nothing and "within the limit" in within.why_nothing
+    recent = nbkit.prune(older_than=30 * 86400)
+    assert "none was unused for 30 days" in recent.why_nothing and "last used 10 days ago" in recent.why_nothing
+    procs = [holder(x) for x in (a, b, c)]
+    try:
+        busy = nbkit.prune(max_bytes=0)
+    finally:
+        for proc in procs:
+            release(proc)
+    assert busy == [] and "over the limit of 0 B" in busy.why_nothing
+    assert "a, b, c in use" in busy.why_nothing
+    assert nbkit.prune(max_bytes=0).why_nothing is None  # it freed something: nothing to explain
 
 
 def test_prune_leaves_a_pull_in_progress_alone(cache_dir):

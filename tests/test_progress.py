@@ -1,6 +1,7 @@
 """Progress callbacks: fsspec-compatible, stoppable, and a plain text line for terminals."""
 
 import io
+import re
 import threading
 import time
 
@@ -235,3 +236,118 @@ def test_close_stops_the_clock_so_a_finished_operation_has_no_eta():
     assert (cb.elapsed(), cb.rate()) == (elapsed, rate)  # frozen at close
     cb.start_phase("publish", unit="bytes", size=10)  # a new phase runs a new clock
     assert cb.ended is None
+
+
+# -- progress only moves forward: the callbacks of real operations, replayed -----------------------------
+
+
+class _Replay(TextProgress):
+    """A terminal meter that keeps every state it was asked to draw: (phase, unit, size, value, fraction, line)."""
+
+    def __init__(self, label):
+        super().__init__(label, file=_Terminal(), min_interval=0, unit="bytes")
+        self.states = []
+
+    def call(self, *args, **kwargs):
+        self.states.append((self.phase, self.unit, self.size, self.value, self.fraction(), self.line()))
+        super().call(*args, **kwargs)
+
+
+def _phases(states):
+    """The states grouped by phase, in order (a phase met again later counts as a new one)."""
+    groups = []
+    for s in states:
+        if not groups or groups[-1][0] != s[0]:
+            groups.append((s[0], []))
+        groups[-1][1].append(s)
+    return groups
+
+
+def _check_forward(cb, expected):
+    """Each phase in ``expected`` (``(phase, unit)``, in order) ran; within one, the value never passes the total,
+    the drawn fraction never falls, and the rate is in the phase's unit; the screen ends each phase once."""
+    phases = _phases(cb.states)
+    assert [(name, states[0][1]) for name, states in phases if any(s[3] for s in states)] == expected, \
+        [(name, states[0][1]) for name, states in phases]
+    for name, states in phases:
+        fractions = [s[4] for s in states if s[4] is not None]
+        assert fractions == sorted(fractions) and all(0 <= f <= 1 for f in fractions), (name, fractions)
+        for phase, unit, size, value, _, line in states:
+            assert unit == states[0][1], (name, unit)
+            assert size is None or value <= size, f"{name}: {value:,} counted against a total of {size:,} ({line})"
+            rate = re.search(r"  ([0-9.,]+ ?[A-Za-z]*/s)  ", line).group(1)
+            assert rate.endswith(" B/s") or rate[-4:] in ("KB/s", "MB/s", "GB/s") if unit == "bytes" \
+                else rate.endswith(f" {unit}/s"), line
+        last = states[-1][5]
+        if states[-1][3]:  # work was done in this phase: its rate says how fast, never 0
+            assert not re.search(r"  0 (B|samples)/s  ", last), last
+    screen = cb.file.getvalue()
+    ended = [line.rsplit("\r", 1)[-1] for line in screen.split("\n")[:-1]]  # what each finished line shows
+    assert screen.endswith("\n") and len(ended) == len(expected), ended
+    for (name, unit), line in zip(expected, ended):
+        assert "100.0%" in line and (name == cb.label or f" {name} " in line), ended
+
+
+def test_long_operations_report_each_phase_forward_in_its_own_unit(tmp_path):
+    import torch
+
+    import nbkit
+
+    source = torch.utils.data.TensorDataset(torch.arange(6000.0).reshape(1500, 4), torch.arange(1500))
+    ds = nbkit.CachedDataset(source, str(tmp_path / "cache"))
+    ds.warmup()
+    tar = str(tmp_path / "cache.tar")
+    runs = [
+        ("export", lambda cb: nbkit.export_tar(ds.root, tar, callback=cb), [("hash", "bytes"), ("export", "bytes")]),
+        ("import", lambda cb: nbkit.import_tar(tar, str(tmp_path / "imported"), callback=cb),
+         [("import", "bytes"), ("verify", "samples")]),
+        ("push", lambda cb: nbkit.push(ds.root, str(tmp_path / "bucket"), callback=cb), [("hash", "bytes"), ("push", "bytes")]),
+        ("pull", lambda cb: nbkit.pull(str(tmp_path / "bucket"), str(tmp_path / "pulled"), callback=cb),
+         [("pull", "bytes"), ("verify", "samples")]),
+    ]
+    for label, run, expected in runs:
+        cb = _Replay(label)
+        report = run(cb)
+        cb.close()
+        assert not report.stopped
+        _check_forward(cb, expected)
+
+
+def test_text_progress_never_draws_a_fraction_that_falls_or_passes_the_total():
+    out = _Terminal()
+    p = TextProgress("bench", file=out, min_interval=0, unit="batches")
+    p.relative_update(1)  # no total yet: a count, no percent
+    assert "%" not in p.line() and "1 batches" in p.line()
+    p.set_size(10)
+    p.relative_update(4)
+    assert "50.0%" in p.line()
+    p.set_size(20)  # a total revised upward: the percent holds until the work catches up
+    assert "50.0%" in p.line() and "5/20" in p.line()
+    p.relative_update(30)  # past the total: shown as the total
+    assert " 20/20  100.0%" in p.line()
+    p.close()
+    assert out.getvalue().count("\n") == 1
+
+
+def test_text_progress_ends_each_phase_once_and_its_last_line_is_not_printed_twice():
+    out = io.StringIO()  # a log
+    p = TextProgress("import", file=out, unit="bytes")
+    p.set_description("connecting")  # a phase with nothing done yet: no final line of its own
+    p.start_phase("import", unit="bytes", size=100)
+    p.relative_update(100)
+    p.set_description("imported")
+    p.start_phase("verify", size=3)
+    p.relative_update(3)
+    p.set_description("verified")
+    p.close()
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split("  ")[0:2] for line in lines if "100.0%" in line] == [["import", "100 B/100 B"], ["import verify", "3/3"]]
+    assert len(lines) == len(set(lines)), lines
+    term = _Terminal()
+    t = TextProgress("push", file=term, min_interval=0)
+    t.set_size(2)
+    t.relative_update(2)
+    t.set_description("pushed")
+    t.close()
+    assert term.getvalue().count("\n") == 1 and term.getvalue().endswith("pushed\n")

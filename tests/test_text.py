@@ -91,3 +91,87 @@ def test_fuzz_printable_has_no_control_or_format_characters_and_reads_back(text)
     assert printable(out) == out  # applying it twice (a table of printed text) changes nothing
     if "\\" not in text:  # without backslashes of its own, the escapes read back to the very text
         assert out.encode("latin-1", "backslashreplace").decode("unicode_escape") == text
+
+
+# -- counts, ages and paths as people read them ------------------------------------------------------
+
+
+def test_plural_age_and_middle_shortening():
+    from nbkit.text import format_age, plural, shorten_middle
+
+    assert [plural(n, "cache") for n in (0, 1, 2)] == ["0 caches", "1 cache", "2 caches"]
+    assert format_age(240 * 3600 + 60) == "10 days ago" and format_age(3 * 3600) == "3 hours ago"
+    assert format_age(5400) == "90 minutes ago" and format_age(-5) == "0s ago"  # a clock set back: never "-5s"
+    path = "/home/me/" + "x" * 100 + "/mnist"
+    short = shorten_middle(path, 30)
+    assert len(short) == 30 and short.startswith("/home/") and short.endswith("x/mnist") and "…" in short
+    assert shorten_middle("/short", 30) == "/short"
+
+
+# -- fixes worded for where the user is -----------------------------------------------------------------
+
+
+def test_every_action_has_words_for_every_front_end():
+    from nbkit.text import FIXES, FRONT_ENDS
+
+    for action, words in FIXES.items():
+        assert set(words) == set(FRONT_ENDS), action
+
+
+def test_the_front_end_picks_the_words_and_is_set_per_thread():
+    import threading
+
+    import pytest
+
+    from nbkit.text import fix, front_end, speaking_to
+
+    assert front_end() == "python" and fix("give token") == "pass storage_options={'token': ...}"
+    with speaking_to("shell"):
+        assert fix("give token") == "pass -o token=..." and fix("list caches") == "nbkit ls"
+        assert fix("retry push", path="/c", url="gs://b/c") == "run the same nbkit push command again"
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(front_end()))  # a new thread starts from the default
+        t.start()
+        t.join()
+        assert seen == ["python"]
+    with speaking_to("panel"):
+        assert fix("retry push", path="/c", url="gs://b/c") == "click Upload again"
+    assert front_end() == "python"
+    with pytest.raises(ValueError, match="front end 'web'"):
+        with speaking_to("web"):
+            pass
+
+
+def test_remote_errors_name_the_fix_for_the_front_end():
+    from nbkit.remote import classify
+    from nbkit.text import speaking_to
+
+    refused = ConnectionRefusedError(111, "refused")
+    assert "storage_options['endpoint_url']" in str(classify(refused, None, "gs://b/c", "pushing to", "rerun"))
+    with speaking_to("shell"):
+        assert "-o endpoint_url=..." in str(classify(refused, None, "gs://b/c", "pushing to", "rerun"))
+
+
+def test_a_panel_operation_runs_speaking_to_the_panel_in_its_worker_thread(tmp_path):
+    import pytest
+
+    pytest.importorskip("ipywidgets")
+    from unittest import mock
+
+    import torch
+
+    import nbkit
+    from nbkit.text import fix
+    from nbkit.widgets import WarmupPanel
+
+    ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), str(tmp_path / "c"))
+    ds.warmup()
+
+    def failing_push(root, url, **kwargs):  # fails as a real push does, naming the fix where it runs
+        raise OSError(f"push to {url} failed; to try again, {fix('retry push', path=root, url=url)}")
+
+    panel = WarmupPanel(ds, upload_url="memory://nbkit-text-test/c")
+    with mock.patch("nbkit.transfer.push", failing_push):
+        panel.upload_button.click()
+        assert panel.wait(timeout=60)
+    assert str(panel.error("upload")).endswith("to try again, click Upload again")

@@ -17,17 +17,31 @@ from __future__ import annotations
 
 import time
 
-from nbkit.progress import TextProgress
-from nbkit.text import format_count
+from nbkit.progress import Callback, TextProgress
+from nbkit.text import format_amount
 
 from .view import RENDER_INTERVAL, in_kernel, ipywidgets as _w, status_html
 
 __all__ = ["ProgressBar"]
 
 
+#: How an indeterminate bar pulses (the bar's ``nbkit-indeterminate`` class); in the note's HTML, so
+#: it reaches the page in every front end (JupyterLab, Notebook 6, Voila, Colab) without a custom widget.
+_PULSE = ("<style>.nbkit-indeterminate .progress-bar{animation:nbkit-pulse 1.2s ease-in-out infinite alternate}"
+          "@keyframes nbkit-pulse{from{opacity:.35}to{opacity:1}}</style>")
+
+
 class ProgressBar(TextProgress):
     """A callback drawn as a bar and a line of text in a notebook (shown on its first update), or
     as :class:`TextProgress` lines outside one.
+
+    Keeps :class:`~nbkit.progress.Callback`'s API (``set_size``, ``relative_update``,
+    ``absolute_update``, ``set_description``, ``start_phase``, ``close``), and only moves forward:
+    until ``set_size`` gives a total the bar is indeterminate (full, in the "info" colour, pulsing;
+    the text says how many so far), never a bar at 100% of an unknown total; a count past the total
+    shows as the total; a total revised upward holds the bar until the work catches up; each
+    :meth:`~nbkit.progress.Callback.start_phase` leaves the last phase's bar as it ended and starts
+    a new bar below it, in the new phase's unit.
 
     Args:
         label: what runs, e.g. ``"benchmark"``.
@@ -37,13 +51,19 @@ class ProgressBar(TextProgress):
     Example:
         >>> import io
         >>> bar = ProgressBar("benchmark", file=io.StringIO())  # then e.g. compare_epochs(raw, cached, callback=bar)
-        >>> bar.set_size(2); bar.relative_update(1); bar.text()
+        >>> bar.relative_update(1); bar.text()
+        'benchmark: 1 batches so far'
+        >>> bar.set_size(2); bar.text()
         'benchmark: 1 of 2 batches'
     """
 
     def __init__(self, label: str = "", *, unit: str = "batches", **kwargs):
         super().__init__(label, unit=unit, **kwargs)
         self.terminal = not in_kernel()
+        self.bars = []  # one (widget, bar, note) per phase shown, the last one live
+        self._new_bar()
+
+    def _new_bar(self) -> None:
         self.bar = _w.IntProgress(value=0, min=0, max=1, layout=_w.Layout(width="100%", max_width="600px"))
         self.note = _w.HTML(layout=_w.Layout(width="100%"))
         self.widget = _w.VBox([self.bar, self.note], layout=_w.Layout(width="100%", max_width="600px"))
@@ -52,8 +72,14 @@ class ProgressBar(TextProgress):
 
     def text(self) -> str:
         """The line under the bar: ``"bench: 120 of 470 batches, raw, timed epoch 1 of 3"``."""
-        count = format_count(self.value) + (f" of {format_count(self.size)}" if self.size else "")
-        return f"{self.label or 'progress'}: {count} {self.unit}" + (f", {self.description}" if self.description else "")
+        if self.size is not None:
+            done = min(self.value, self.size) if self.size > 0 else self.value
+            count = f"{format_amount(done, self.unit)} of {format_amount(self.size, self.unit)}"
+        else:
+            count = format_amount(self.value, self.unit) + " so far"
+        if self.unit != "bytes":
+            count = count.replace(" so far", f" {self.unit} so far") if self.size is None else f"{count} {self.unit}"
+        return f"{self._what()}: {count}" + (f", {self.description}" if self.description else "")
 
     def call(self, *args, **kwargs):
         if self.terminal:
@@ -69,14 +95,42 @@ class ProgressBar(TextProgress):
             from IPython.display import display
 
             self._shown = True
+            self.bars.append((self.widget, self.bar, self.note))
             display(self.widget)
-        self.bar.max = max(1, int(self.size or 0))
-        self.bar.value = min(int(self.value), self.bar.max)
+        fraction = self.fraction()
+        if fraction is None:  # no total yet: a pulsing full bar, never a percent of an unknown total
+            self.bar.max, self.bar.value = 1, 1
+            self.bar.bar_style = "info"
+            self.bar.add_class("nbkit-indeterminate")
+            self.note.value = _PULSE + status_html(self.text())
+            return
+        self.bar.remove_class("nbkit-indeterminate")
+        if self.bar.bar_style == "info":
+            self.bar.bar_style = ""
+        self.bar.max = max(1, int(self.size))
+        self.bar.value = min(self.bar.max, int(round(fraction * self.bar.max)))
         self.note.value = status_html(self.text())  # wraps at spaces in a narrow column, never inside a word
+
+    def _end_bar(self) -> None:
+        """Draw this phase's bar as it ended: green when its work is all done."""
+        if self._shown:
+            self._draw()
+            self.bar.remove_class("nbkit-indeterminate")
+            self.bar.bar_style = "success" if self.finished else ""
+
+    def start_phase(self, name: str, *, unit: str = "samples", size=None) -> None:
+        if self.terminal:
+            return super().start_phase(name, unit=unit, size=size)
+        self._end_bar()
+        if self._shown:
+            self._new_bar()  # the next phase gets its own bar, below the last one
+        self._new_phase()
+        Callback.start_phase(self, name, unit=unit, size=size)
 
     def close(self):
         if self.terminal:
             return super().close()
-        super(TextProgress, self).close()  # stop the clock; no text line under a widget
+        Callback.close(self)  # stop the clock; no text line under a widget
         self._draw()
+        self.bar.remove_class("nbkit-indeterminate")
         self.bar.bar_style = "success" if self.finished else ""

@@ -28,7 +28,7 @@ import time
 
 from nbkit.progress import Callback, Job, JobState, TextProgress
 from nbkit.stores.mirror import cache_dir
-from nbkit.text import format_amount, format_bytes, format_count, format_rate, format_seconds
+from nbkit.text import format_amount, format_bytes, format_count, format_rate, format_seconds, speaking_to
 
 from .poll import wait_until, why_not_live
 from .view import AMBER, GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html, units_html
@@ -484,7 +484,11 @@ class WarmupPanel(View):
                 self.percent_label.value = "0%"
                 self._show_counts(f"– {unit}/s", "ETA –")
             self._set_status(_RUNNING[name] + "…", GREY)
-            self.job = Job(name, fn, callback=_PanelProgress(self, name, unit, value=value),
+            def in_panel(cb, fn=fn):
+                with speaking_to("panel"):  # in the job's thread: a fix names the button ("click Upload again")
+                    return fn(cb)
+
+            self.job = Job(name, in_panel, callback=_PanelProgress(self, name, unit, value=value),
                            on_end=lambda job: self._show_end(job, done))
             self._jobs[name] = self.job
             self.job.start()
