@@ -346,7 +346,9 @@ class EpochComparison:
         return text + (f"; {self.note}" if self.note else "")
 
     # --- table -------------------------------------------------------------------------------
-    _HEADER = ("epoch", "seconds", "samples/s", "hit rate", "note")
+    _HEADER = ("epoch", "seconds", "samples/s", "hit rate")
+    #: Under the table: the rows the label marks are not in the medians.
+    _NOTE = "(warm-up) and (filling) epochs are not counted"
 
     def _seconds(self, row: EpochRow) -> str:
         """An epoch's seconds as the summary and the plot print its feed: at the digits of the feed's
@@ -357,12 +359,13 @@ class EpochComparison:
         return spread.fmt(row.seconds)
 
     def _table(self) -> Table:
+        # Four columns that wrap at spaces: a 400-pixel output shows them without scrolling sideways.
         cells = []
         for r in self.rows:
             hit = "—" if r.hit_rate is None else format_percent(r.hit_rate, digits=0)
-            note = "fills the cache, not counted" if r.filling else "warm-up, not counted" if r.warmup else ""
-            cells.append((f"{r.dataset} {r.epoch}", self._seconds(r), format_count(r.samples_per_s), hit, note))
-        return Table(cells, self._HEADER)
+            cells.append((r.label, self._seconds(r), format_count(r.samples_per_s), hit))
+        notes = (self._NOTE,) if any(not r.counted for r in self.rows) else ()
+        return Table(cells, self._HEADER, notes=notes)
 
     def table(self, fmt: str = "markdown") -> str:
         """The per-epoch table, in the order the epochs ran, as ``"markdown"`` (default) or plain ``"text"``."""
@@ -427,11 +430,12 @@ class EpochComparison:
 #: The tables' HTML: cells wrap at spaces and pad little, so that a table fits a 400-pixel output
 #: (a phone, Colab's side panel) instead of scrolling sideways behind a scrollbar that is not shown.
 _TABLE_STYLE = "max-width:100%;width:auto;table-layout:auto;margin-left:0"
-_CELL_STYLE = "white-space:normal;overflow-wrap:normal;padding:0.3em 0.45em;vertical-align:top"
+_CELL_STYLE = "white-space:normal;overflow-wrap:normal;padding:0.3em 0.4em;vertical-align:top"
 
 
 def _html(table: Table, summary: str, *, row_styles=()) -> str:
-    return (table.html(style=_TABLE_STYLE, cell_style=_CELL_STYLE, row_styles=row_styles)
+    return (table.html(style=_TABLE_STYLE, cell_style=_CELL_STYLE, row_styles=row_styles,
+                       note_style="margin:0 0 0.5em 0;padding-left:1.2em")
             + f"<p style='max-width:100%'>{html.escape(summary)}</p>")
 
 

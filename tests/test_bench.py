@@ -2,6 +2,7 @@
 
 import doctest
 import math
+import statistics
 import re
 import subprocess
 import sys
@@ -239,19 +240,21 @@ def test_table_text_markdown_html():
     assert result.speedup == pytest.approx(3.0 / 0.2)
     md = result.table()
     lines = md.splitlines()
-    assert lines[0] == "| epoch | seconds | samples/s | hit rate | note |"
+    assert lines[0] == "| epoch | seconds | samples/s | hit rate |"
     # Each epoch at its feed's digits, so the medians in the summary are these very strings.
-    assert lines[2] == "| raw 0 | 2.2 | 455 | — | warm-up, not counted |"
-    assert lines[3] == "| cached 0 | 5.00 | 200 | 0% | fills the cache, not counted |"
-    assert lines[5] == "| cached 1 | 0.25 | 4,000 | 100% |  |"
+    assert lines[2] == "| raw 0 (warm-up) | 2.2 | 455 | — |"
+    assert lines[3] == "| cached 0 (filling) | 5.00 | 200 | 0% |"
+    assert lines[5] == "| cached 1 | 0.25 | 4,000 | 100% |"
     assert [line.split(" | ")[1] for line in lines[4::2]] == ["2.0", "4.0", "3.0"]
     text = str(result)
-    assert text.splitlines()[0].split() == ["epoch", "seconds", "samples/s", "hit", "rate", "note"]
+    assert text.splitlines()[0].split() == ["epoch", "seconds", "samples/s", "hit", "rate"]
+    assert "(warm-up) and (filling) epochs are not counted" in text
     # 3.0 s / 0.20 s is 15x: printed as 15, never rounded to "20" by the width of its range.
     assert "cached epochs are about 15× (8.0–27×) faster than raw: about 0.20 s (0.15–0.25 s) vs about " \
         "3.0 s (2.0–4.0 s)" in text
     page = result._repr_html_()
-    assert page.count("<tr") == 9 and ">fills the cache, not counted</td>" in page and "15× (8.0–27×)" in page
+    assert page.count("<tr") == 9 and ">cached 0 (filling)</td>" in page and "15× (8.0–27×)" in page
+    assert "white-space:normal" in page  # cells wrap at spaces (tests the width in Chromium: test_both_tables_fit...)
     with pytest.raises(ValueError, match="expected 'markdown' or 'text'"):
         result.table("latex")
 
@@ -682,3 +685,120 @@ def test_progress_bar_renders_the_callback(capsys):
     bar.terminal = False  # as in a notebook: the widget shows the same numbers
     bar._draw()
     assert (bar.bar.value, bar.bar.max) == (6, 6) and "raw, timed epoch 1 of 3" in bar.note.value
+
+
+# -- properties: what is drawn and printed is what was measured -----------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from nbkit.bench import TrainingComparison, TrainingRow  # noqa: E402
+from nbkit.bench import _Estimate  # noqa: E402
+
+_SECONDS = st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False)
+_PASSES = st.lists(_SECONDS, min_size=2, max_size=6)
+
+
+def _number(text):
+    """The first number in ``text`` (``"about 25 s (19–33 s)"`` → ``"25"``)."""
+    return re.search(r"\d+(?:\.\d+)?", text).group(0)
+
+
+@given(st.floats(min_value=1e-4, max_value=1e4), st.floats(min_value=0, max_value=3),
+       st.floats(min_value=0, max_value=3))
+def test_a_median_is_printed_inside_its_range_with_at_least_two_significant_digits(mid, below, above):
+    lo, hi = mid / (1 + below), mid * (1 + above)
+    e = _Estimate(lo, mid, hi)
+    printed = float(e.fmt(mid))
+    assert lo <= printed <= hi or math.isclose(printed, mid, rel_tol=0.005)
+    # Never coarser than two significant digits: 25.2 is "25", 87 is "87", never "30" or "100".
+    assert abs(printed - mid) <= 0.05 * mid + 1e-12
+    assert e.text(" s").startswith(("about " + e.fmt(mid) + " s", e.fmt(mid) + " s"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=_PASSES, nbkit_times=_PASSES, limit=_PASSES)
+def test_training_bars_sit_in_their_whiskers_and_print_what_the_table_prints(raw, nbkit_times, limit):
+    rows = [TrainingRow(RAW, statistics.median(raw), tuple(raw), 100),
+            TrainingRow(NBKIT, statistics.median(nbkit_times), tuple(nbkit_times), 100),
+            TrainingRow(LIMIT, statistics.median(limit), tuple(limit), 100)]
+    result = TrainingComparison(rows, device="cpu")
+    table = [line.strip("| ").split(" | ") for line in result.table().splitlines()[2:]]
+    for row, (name, value, lo, hi, parts, label), cells in zip(rows, result._bars(), table):
+        # Every bar at its own feed's median, inside its own whisker (its fastest to slowest pass).
+        assert value == pytest.approx(row.spread.median)
+        assert lo <= value <= hi and (lo, hi) == (min(row.epochs), max(row.epochs))
+        assert sum(length for _, length, _, _ in parts) == pytest.approx(value)
+        # The bar's label is the table's median, to the same digits; its wait, the table's wait.
+        assert label.split(" s")[0] == _number(cells[1])
+        verdict = result.verdict(row)
+        if verdict == "slower":
+            assert re.search(r"waits (\S+)%", label).group(1) == _number(cells[3])
+            assert len(parts) == 2 and parts[0][1] == pytest.approx(result.limit.spread.median)
+        else:
+            assert "waits" not in label and (cells[3] == "–" or row is result.limit)
+        # A feed clearly slower than every limit pass is never "at the limit", nor noise.
+        if min(row.epochs) > max(limit):
+            assert verdict == "slower"
+        if max(row.epochs) < min(limit):
+            assert verdict == "noise"
+        if verdict in ("limit", "noise", "unsure"):
+            assert "×" not in result.ratio_text(row)
+
+
+@settings(max_examples=25, deadline=None)
+@given(raw=st.lists(_SECONDS, min_size=3, max_size=5), cached=st.lists(_SECONDS, min_size=3, max_size=5))
+def test_epoch_headline_table_and_bars_print_the_same_numbers(raw, cached):
+    rows = _epochs(raw, (cached * len(raw))[:len(raw)], filling=raw[0] * 2)
+    result = EpochComparison(rows)
+    table = {cells[0]: cells[1] for cells in (line.strip("| ").split(" | ") for line in result.table().splitlines()[2:])}
+    summary = result.summary()
+    for name in ("raw", "cached"):
+        spread = getattr(result, name)
+        median_row = [k for k, r in enumerate(result.rows) if r.dataset == name and r.counted
+                      and r.seconds == spread.median]
+        if median_row:  # an odd count: the median is one of the epochs, printed as the summary prints it
+            assert table[result.rows[median_row[0]].label.split(" (")[0]] == spread.fmt(spread.median)
+        assert spread.text() in summary or result.no_speedup
+    if result.speedup_text:
+        assert result.speedup_text in summary
+        pytest.importorskip("matplotlib")
+        fig = result.plot()
+        assert fig._suptitle.get_text() == f"Cached: {result.speedup_text} faster"
+        labels = [t.get_text() for t in fig.axes[0].texts]
+        assert labels[0] == result.raw.short() and labels[-1] == result.cached.short()
+
+
+# -- the tables at 400 px -------------------------------------------------------------------------
+
+from fixtures_browser import chromium, page  # noqa: E402,F401 - fixtures
+
+# JupyterLab 4's rules for an HTML output (13 px, cells padded 0.5em, right-aligned), in an output
+# area as wide as a 400-pixel window leaves it (the prompt stacks above the output below 760 px).
+_LAB_CSS = """
+body { font-family: system-ui, sans-serif; margin: 0; }
+.out { width: 340px; overflow: auto; font-size: 13px; }
+.out table { border-collapse: collapse; table-layout: fixed; margin: 0 auto 1em auto; }
+.out td, .out th { padding: 0.5em; white-space: normal; max-width: none; text-align: right; vertical-align: middle; }
+"""
+
+
+def _overflow(page, html_output):
+    page.set_viewport_size({"width": 400, "height": 800})
+    page.set_content(f"<style>{_LAB_CSS}</style><div class='out'>{html_output}</div>")
+    return page.evaluate("() => { const o = document.querySelector('.out');"
+                         " return [o.scrollWidth, o.clientWidth, document.querySelector('table').offsetWidth]; }")
+
+
+@pytest.mark.browser
+def test_both_tables_fit_a_400_px_output_without_scrolling(page):  # noqa: F811 - page is a fixture
+    epochs = EpochComparison(_epochs([40.9, 35.2, 44.1], [0.0149, 0.014, 0.028], filling=29.1), batch_size=256)
+    rows = [TrainingRow(RAW, 12.1, (11.8, 12.1, 12.34), 60000), TrainingRow(NBKIT, 8.31, (8.02, 8.31, 9.66), 60000),
+            TrainingRow(LIMIT, 8.1, (8.0, 8.1, 15.2), 60000)]
+    training = TrainingComparison(rows, device="cpu", unit="pass of 12 batches")
+    for result in (epochs, training):
+        scroll, client, table = _overflow(page, result._repr_html_())
+        assert scroll <= client and table <= client, (type(result).__name__, scroll, client, table)
+    # The measure can fail: the same training table with cells kept on one line scrolls sideways.
+    scroll, client, _ = _overflow(page, training._table().html(cell_style="white-space:nowrap"))
+    assert scroll > client
