@@ -43,7 +43,7 @@ from pathlib import Path
 from .extras import require
 from .progress import as_callback
 from .stats import EpochCounter
-from .text import Table, fill, format_count, format_percent, format_seconds
+from .text import Table, fill, format_count, format_percent
 
 __all__ = ["EpochRow", "EpochComparison", "compare_epochs", "TrainingRow", "TrainingComparison", "compare_training",
            "mnist_like", "MNIST_LIKE", "MIN_TIMED", "NOISE"]
@@ -74,30 +74,9 @@ _clock = time.perf_counter
 # --- a spread and the digits it supports ----------------------------------------------------------
 
 
-class _Spread:
-    """The timed passes of one feed: median, lowest, highest."""
-
-    def __init__(self, values):
-        self.values = tuple(float(v) for v in values)
-        self.n = len(self.values)
-        self.median = statistics.median(self.values) if self.values else math.nan
-        self.lo = min(self.values, default=math.nan)
-        self.hi = max(self.values, default=math.nan)
-
-    @property
-    def relative(self) -> float:
-        """Range / median: 0.2 means the passes spread over 20% of the median."""
-        return (self.hi - self.lo) / self.median if self.n and self.median > 0 else math.inf
-
-    def text(self, unit: str = " s") -> str:
-        return _about(self.lo, self.median, self.hi, unit)
-
-
-def _step(value: float, width: float) -> float:
-    """The rounding step a value deserves: the order of magnitude of its spread ``width``, never
-    finer than three significant digits of ``value``."""
-    finest = 10.0 ** (math.floor(math.log10(abs(value))) - 2) if value else 1e-12
-    return max(10.0 ** math.floor(math.log10(width)), finest) if width > 0 else finest
+def _sig_step(value: float, digits: int) -> float:
+    """The rounding step that keeps ``digits`` significant digits of ``value``."""
+    return 10.0 ** (math.floor(math.log10(abs(value))) - digits + 1) if value else 0.0
 
 
 def _rounded(value: float, step: float) -> str:
@@ -105,35 +84,107 @@ def _rounded(value: float, step: float) -> str:
     return f"{round(value / step) * step:.{decimals}f}"
 
 
-def _median_step(lo: float, mid: float, hi: float) -> float:
-    """The step to round a median to: its range's order of magnitude, but never so coarse that the
-    rounded median leaves the range (0.0149 in 0.014–0.028 is not "0.01")."""
-    step = _step(mid, hi - lo)
-    while hi > lo and not lo <= float(_rounded(mid, step)) <= hi and step > _step(mid, 0):
-        step /= 10
-    return step
+class _Estimate:
+    """A median and its range (``lo``–``hi``), and the one way nbkit.bench prints any number of it.
+
+    The median keeps the digits its range supports, at least two significant ones and at most
+    three (25.2 in 19–33 is "25", never "30"; 0.0149 in 0.014–0.028 is "0.015"), and never so few
+    that the printed median leaves the range. Every number of the same quantity (the median, the
+    ends, one epoch of the feed, a bar's label) goes through :meth:`fmt`, so the headline, the
+    table and the plot print the same number to the same digits.
+
+    Example:
+        >>> e = _Estimate(19.0, 25.2, 33.0)
+        >>> e.text(" s"), e.short(" s"), e.fmt(31.46)
+        ('about 25 s (19–33 s)', '25 s', '31')
+        >>> _Estimate(5.0, 5.0, 5.0).text("×")  # no spread: three significant digits, no "about"
+        '5.00×'
+    """
+
+    def __init__(self, lo: float, mid: float, hi: float):
+        self.lo, self.median, self.hi = float(lo), float(mid), float(hi)
+
+    @property
+    def finite(self) -> bool:
+        return all(map(math.isfinite, (self.lo, self.median, self.hi)))
+
+    @property
+    def step(self) -> float:
+        """The median's rounding step: the range's order of magnitude, between 2 and 3 significant digits."""
+        lo, mid, hi = self.lo, self.median, self.hi
+        finest = _sig_step(mid, 3) or 1e-12
+        width = hi - lo
+        if width <= 0:
+            return finest
+        step = max(min(10.0 ** math.floor(math.log10(width)), _sig_step(mid, 2) or math.inf), finest)
+        while not lo <= float(_rounded(mid, step)) <= hi and step > finest:
+            step /= 10
+        return step
+
+    def fmt(self, value: float) -> str:
+        """``value`` (the median, an end, one measurement of the same quantity) at this estimate's digits."""
+        if not math.isfinite(value):
+            return "–"
+        step = self.step
+        if value:  # an end far from the median keeps 2 significant digits, never more than 3
+            step = max(min(step, _sig_step(value, 2)), _sig_step(value, 3))
+        return _rounded(value, step)
+
+    def short(self, unit: str = " s") -> str:
+        """The median alone, e.g. ``"25 s"`` (a bar's label)."""
+        return f"{self.fmt(self.median)}{unit}" if self.finite else "–"
+
+    def text(self, unit: str = " s") -> str:
+        """``"about 25 s (19–33 s)"``; ``"5.00 s"`` without a spread; ``"–"`` without a number."""
+        if not self.finite:
+            return "–"
+        if self.hi <= self.lo:
+            return self.short(unit)
+        return f"about {self.fmt(self.median)}{unit} ({self.fmt(self.lo)}–{self.fmt(self.hi)}{unit})"
+
+
+class _Spread(_Estimate):
+    """The timed passes of one feed: median, lowest, highest, and the middle of them (:attr:`typical`)."""
+
+    def __init__(self, values):
+        self.values = tuple(float(v) for v in values)
+        self.n = len(self.values)
+        super().__init__(min(self.values, default=math.nan),
+                         statistics.median(self.values) if self.values else math.nan,
+                         max(self.values, default=math.nan))
+
+    @property
+    def relative(self) -> float:
+        """Range / median: 0.2 means the passes spread over 20% of the median."""
+        return (self.hi - self.lo) / self.median if self.n and self.median > 0 else math.inf
+
+    @property
+    def typical(self) -> tuple[float, float]:
+        """The median ± the median absolute deviation: where the middle of the passes lie, robust to
+        one outlier (passes of 8.0, 8.1 and 15 s are typically 8.0–8.2 s; their range is 8.0–15 s).
+
+        Example:
+            >>> _Spread((8.0, 8.1, 15.0)).typical
+            (8.0, 8.2)
+        """
+        if not self.n:
+            return math.nan, math.nan
+        mad = statistics.median(abs(v - self.median) for v in self.values)
+        return round(self.median - mad, 12), round(self.median + mad, 12)
 
 
 def _about(lo: float, mid: float, hi: float, unit: str = "×") -> str:
-    """A median and its range, each with the digits the range supports.
+    """A median and its range, each with the digits the range supports (:class:`_Estimate`).
 
     Example:
         >>> _about(99.3, 103.0, 118.2), _about(2.91, 3.2, 3.64, " s"), _about(5.0, 5.0, 5.0)
         ('about 100× (99–120×)', 'about 3.2 s (2.9–3.6 s)', '5.00×')
         >>> _about(0.014, 0.0149, 0.028, " s")  # the median is never rounded out of its range
         'about 0.015 s (0.014–0.028 s)'
+        >>> _about(67.0, 87.0, 110.0)  # never coarser than two significant digits: not "about 100×"
+        'about 87× (67–110×)'
     """
-    if not all(map(math.isfinite, (lo, mid, hi))):
-        return "–"
-    width = hi - lo
-    middle = _rounded(mid, _median_step(lo, mid, hi))
-    if width <= 0:
-        return f"{middle}{unit}"
-
-    def end(v):  # an end of the range: at the spread's step, with at least two significant digits
-        return _rounded(v, min(_step(v, width), 10.0 ** (math.floor(math.log10(abs(v))) - 1)) if v else 1.0)
-
-    return f"about {middle}{unit} ({end(lo)}–{end(hi)}{unit})"
+    return _Estimate(lo, mid, hi).text(unit)
 
 
 # --- compare_epochs ---------------------------------------------------------------------------------
@@ -295,15 +346,26 @@ class EpochComparison:
         return text + (f"; {self.note}" if self.note else "")
 
     # --- table -------------------------------------------------------------------------------
-    _HEADER = ("dataset", "epoch", "seconds", "samples/s", "hit rate", "note")
+    _HEADER = ("epoch", "seconds", "samples/s", "hit rate")
+    #: Under the table: the rows the label marks are not in the medians.
+    _NOTE = "(warm-up) and (filling) epochs are not counted"
+
+    def _seconds(self, row: EpochRow) -> str:
+        """An epoch's seconds as the summary and the plot print its feed: at the digits of the feed's
+        spread (a median in the headline is the same string as its row here); the filling epoch once."""
+        spread = {"raw": self.raw, "cached": self.cached}.get(row.dataset)
+        if row.filling or spread is None or not spread.n:
+            return _once(row.seconds)[:-2]
+        return spread.fmt(row.seconds)
 
     def _table(self) -> Table:
+        # Four columns that wrap at spaces: a 400-pixel output shows them without scrolling sideways.
         cells = []
         for r in self.rows:
             hit = "—" if r.hit_rate is None else format_percent(r.hit_rate, digits=0)
-            note = "fills the cache, not counted" if r.filling else "warm-up, not counted" if r.warmup else ""
-            cells.append((r.dataset, str(r.epoch), f"{r.seconds:.3f}", format_count(r.samples_per_s), hit, note))
-        return Table(cells, self._HEADER)
+            cells.append((r.label, self._seconds(r), format_count(r.samples_per_s), hit))
+        notes = (self._NOTE,) if any(not r.counted for r in self.rows) else ()
+        return Table(cells, self._HEADER, notes=notes)
 
     def table(self, fmt: str = "markdown") -> str:
         """The per-epoch table, in the order the epochs ran, as ``"markdown"`` (default) or plain ``"text"``."""
@@ -321,7 +383,7 @@ class EpochComparison:
 
     def _repr_html_(self) -> str:
         bold = ["font-weight:bold" if r.dataset == "cached" and r.counted else "" for r in self.rows]
-        return self._table().html(row_styles=bold) + f"<p>{html.escape(self.summary())}</p>"
+        return _html(self._table(), self.summary(), row_styles=bold)
 
     # --- plot --------------------------------------------------------------------------------
     def plot(self, path=None, *, title: str = "", width: float = 4.0):
@@ -345,14 +407,15 @@ class EpochComparison:
         """
         plt = require("matplotlib.pyplot", extra="notebook", feature="nbkit.bench plots")
         raw, cached = self.raw, self.cached
-        bars = []  # (name, median, lo, hi, colour, hatch, label)
+        bars = []  # (name, median, lo, hi, parts, label): each label as the table and the summary print it
         if raw.n:
-            bars.append(("raw", raw.median, raw.lo, raw.hi, _RAW_COLOUR, "", _short_seconds(raw)))
+            bars.append(("raw", raw.median, raw.lo, raw.hi, [(0, raw.median, _RAW_COLOUR, "")], raw.short()))
         if not math.isnan(self.filling_seconds):
-            bars.append(("filling", self.filling_seconds, None, None, _FILL_COLOUR, "//",
-                         _once(self.filling_seconds).replace(" ", "") + " once"))  # as "41s" beside it
+            filling = self.filling_seconds
+            bars.append(("filling", filling, None, None, [(0, filling, _FILL_COLOUR, "//")], _once(filling) + " once"))
         if cached.n:
-            bars.append(("cached", cached.median, cached.lo, cached.hi, _CACHED_COLOUR, "", _short_seconds(cached)))
+            bars.append(("cached", cached.median, cached.lo, cached.hi, [(0, cached.median, _CACHED_COLOUR, "")],
+                         cached.short()))
         headline = "No speedup measured" if self.no_speedup else f"Cached: {self.speedup_text} faster"
         details = [f"{self.rows[0].samples if self.rows else 0:,} samples an epoch"]
         if self.batch_size is not None:
@@ -364,22 +427,27 @@ class EpochComparison:
                            xlabel="seconds an epoch (shorter is better)", path=path)
 
 
+#: The tables' HTML: cells wrap at spaces and pad little, so that a table fits a 400-pixel output
+#: (a phone, Colab's side panel) instead of scrolling sideways behind a scrollbar that is not shown.
+_TABLE_STYLE = "max-width:100%;width:auto;table-layout:auto;margin-left:0"
+_CELL_STYLE = "white-space:normal;overflow-wrap:normal;padding:0.3em 0.4em;vertical-align:top"
+
+
+def _html(table: Table, summary: str, *, row_styles=()) -> str:
+    return (table.html(style=_TABLE_STYLE, cell_style=_CELL_STYLE, row_styles=row_styles,
+                       note_style="margin:0 0 0.5em 0;padding-left:1.2em")
+            + f"<p style='max-width:100%'>{html.escape(summary)}</p>")
+
+
 def _once(seconds: float) -> str:
     """A single measurement (no spread): three significant digits, ``29.12`` → ``'29.1 s'``."""
-    return f"{_rounded(seconds, _step(seconds, 0))} s"
+    return _Estimate(seconds, seconds, seconds).short(" s")
 
 
-def _short_seconds(spread: _Spread) -> str:
-    """A bar's label: the median with the digits its spread supports."""
-    if spread.n < 2 or spread.hi <= spread.lo:
-        return format_seconds(spread.median, digits=2)
-    step = _median_step(spread.lo, spread.median, spread.hi)
-    return format_seconds(float(_rounded(spread.median, step)), digits=max(0, -math.floor(math.log10(step) + 1e-9)))
-
-
-def _bar_figure(plt, bars, *, headline, subtitle, width, xlabel, path, stacked=None, legend=()):
-    """Horizontal bars (``(name, value, lo, hi, colour, hatch, label)``, top to bottom), whiskers
-    over ``lo``–``hi``, each bar's label inside it when long, else after it; text wrapped to ``width``."""
+def _bar_figure(plt, bars, *, headline, subtitle, width, xlabel, path, legend=()):
+    """Horizontal bars, top to bottom: ``(name, value, lo, hi, parts, label)``, where ``parts`` are the
+    ``(left, length, colour, hatch)`` pieces the bar is drawn in (they end at ``value``). A whisker
+    spans ``lo``–``hi``; each bar's label sits inside it when long, else after it; text wrapped to ``width``."""
     width = max(3.0, float(width))
     title, details = subtitle
     sub = fill((f"{title}: " if title else "") + ", ".join(details), int(width * 8.5))  # over the axes only
@@ -390,12 +458,7 @@ def _bar_figure(plt, bars, *, headline, subtitle, width, xlabel, path, stacked=N
     ax = fig.subplots()
     ys = list(range(len(bars)))[::-1]
     longest = max([b[3] if b[3] is not None else b[1] for b in bars if b[1] is not None] or [1.0]) or 1.0
-    for y, (name, value, lo, hi, colour, hatch, label) in zip(ys, bars):
-        if value is None:  # a feed reported as noise: no bar, only why
-            ax.annotate(label, (0, y), xytext=(4, 0), textcoords="offset points", ha="left", va="center",
-                        fontsize=9, color="#a15c00")
-            continue
-        parts = stacked(y, value) if stacked else [(0, value, colour, hatch)]
+    for y, (name, value, lo, hi, parts, label) in zip(ys, bars):
         for left, length, c, h in parts:
             ax.barh([y], [length], left=left, height=0.6, color=c, hatch=h, edgecolor="black", linewidth=0.6)
         if lo is not None and hi is not None and hi > lo:  # the range, drawn as a whisker with caps
@@ -553,23 +616,33 @@ class TrainingRow:
 class TrainingComparison:
     """The result of :func:`compare_training`: training passes against the on-device limit.
 
-    Each feed is judged against the limit by its range of timed passes:
+    Each feed is judged against the limit by the middle of its timed passes, its **typical range**
+    (median ± median absolute deviation, :attr:`_Spread.typical`), so that one slow pass of either
+    never decides; its median and full range are what the table, the summary and the plot print:
 
-    * slower than every limit pass: a ratio, with the digits the ranges support;
-    * ranges overlapping: "at the on-device limit, within this run's spread";
-    * faster than every limit pass: :data:`NOISE`, never a ratio (nothing feeds a device faster
-      than data already in its memory);
-    * a single pass on either side: no spread, so no comparison.
+    * typical range above the limit's: ``"slower"``, with a ratio and the share of time spent
+      waiting for data, their ranges from the two typical ranges;
+    * typical ranges overlapping, and one median inside the other's typical range:
+      ``"limit"``, "at the on-device limit, within this run's spread";
+    * typical ranges touching only at their edges: ``"unsure"``, "cannot tell from this run's spread";
+    * typical range below the limit's: ``"noise"`` (:data:`NOISE`), never a ratio (nothing feeds a
+      device faster than data already in its memory);
+    * a single pass on either side: ``"unsure"`` too (no spread, no comparison).
 
-    The **data wait** of a slower feed is the share of its pass beyond the limit: ``1 - limit / seconds``.
+    The **data wait** of a slower feed is the share of its pass beyond the limit: ``1 - limit / seconds``
+    (:meth:`wait`); it is derived only for a feed judged slower, and only there.
 
     Example:
         >>> limit = TrainingRow("on-device limit", 1.0, (1.0, 1.05, 0.95), 100)
         >>> slow = TrainingRow("raw DataLoader", 4.0, (4.0, 4.4, 3.8), 100)
         >>> fast = TrainingRow("nbkit ds.loader", 0.5, (0.5, 0.55, 0.45), 100)
         >>> r = TrainingComparison([slow, fast, limit], device="cpu")
-        >>> r.verdict(slow), r.ratio_text(slow), r.verdict(fast)
-        ('slower', 'about 4× (3.6–4.6×)', 'noise')
+        >>> r.verdict(slow), r.ratio_text(slow), r.wait(slow).text("%"), r.verdict(fast)
+        ('slower', 'about 4.0× (3.6–4.4×)', 'about 75% (72–77%)', 'noise')
+        >>> outlier = TrainingComparison([TrainingRow("raw DataLoader", 12, (11.8, 12, 12.3), 100),
+        ...                               TrainingRow("on-device limit", 8.1, (8.0, 8.1, 15.0), 100)], device="cpu")
+        >>> outlier.verdict(outlier.rows[0])  # one slow limit pass (15 s) does not make 12 s "at the limit"
+        'slower'
     """
 
     LIMIT = "on-device limit"
@@ -591,8 +664,8 @@ class TrainingComparison:
         return self.limit.seconds if self.limit is not None else math.nan
 
     def verdict(self, row: TrainingRow) -> str:
-        """``"limit"`` (the limit itself or within its spread), ``"slower"``, ``"noise"`` (beats the
-        limit by more than the spread) or ``"unsure"`` (a single pass: no spread)."""
+        """``"limit"`` (the limit itself, or within its spread), ``"slower"``, ``"noise"`` (beats the
+        limit beyond the spreads) or ``"unsure"`` (the spreads cannot tell, or a single pass)."""
         limit = self.limit
         if limit is None:
             return "unsure"
@@ -601,39 +674,68 @@ class TrainingComparison:
         mine, its = row.spread, limit.spread
         if mine.n < 2 or its.n < 2:
             return "unsure"
-        if mine.hi < its.lo:
-            return "noise"
-        if mine.lo > its.hi:
+        (f_lo, f_hi), (l_lo, l_hi) = mine.typical, its.typical
+        if f_lo > l_hi:
             return "slower"
-        return "limit"
+        if f_hi < l_lo:
+            return "noise"
+        if l_lo <= mine.median <= l_hi or f_lo <= its.median <= f_hi:
+            return "limit"
+        return "unsure"
+
+    def ratio(self, row: TrainingRow) -> _Estimate | None:
+        """``row`` / the limit, for a feed judged slower: medians, and the range the typical ranges allow."""
+        if self.verdict(row) != "slower":
+            return None
+        (f_lo, f_hi), (l_lo, l_hi) = row.spread.typical, self.limit.spread.typical
+        return _Estimate(f_lo / l_hi, row.spread.median / self.limit.spread.median, f_hi / l_lo)
+
+    def wait(self, row: TrainingRow) -> _Estimate | None:
+        """The data wait in percent, for a feed judged slower (``None`` otherwise): the share of its
+        pass beyond the limit, ``100 × (1 - limit / pass)``; the one place it is derived."""
+        ratio = self.ratio(row)
+        if ratio is None:
+            return None
+        return _Estimate(100 * (1 - 1 / ratio.lo), 100 * (1 - 1 / ratio.median), 100 * (1 - 1 / ratio.hi))
+
+    def wait_share(self, row: TrainingRow) -> float:
+        """The share of ``row``'s pass spent waiting for data: 0.0 for the limit itself, the median
+        share for a feed judged slower, NaN where the spreads cannot give one."""
+        if row is self.limit:
+            return 0.0
+        wait = self.wait(row)
+        return wait.median / 100 if wait is not None else math.nan
 
     def ratio_text(self, row: TrainingRow) -> str:
         """How ``row`` compares with the limit, in words, with only the digits the spread supports."""
         verdict = self.verdict(row)
         if verdict == "noise":
             return NOISE
-        if verdict == "unsure":
-            return "one timed pass cannot be compared with the limit (no spread); time 3 or more"
         if row is self.limit:
             return "the limit"
         if verdict == "limit":
             return "at the on-device limit, within this run's spread"
-        mine, its = row.spread, self.limit.spread
-        return _about(mine.lo / its.hi, mine.median / its.median, mine.hi / its.lo)
-
-    def wait_share(self, row: TrainingRow) -> float:
-        """The share of ``row``'s pass spent waiting for data (medians; NaN without a limit row)."""
-        return max(0.0, 1.0 - self.limit_seconds / row.seconds) if row.seconds > 0 else math.nan
+        if verdict == "unsure":
+            if row.spread.n < 2 or self.limit is None or self.limit.spread.n < 2:
+                return f"one timed pass cannot be compared with the limit (no spread); time {MIN_TIMED} or more"
+            return "cannot tell from this run's spread whether it waits: rerun on a quieter machine"
+        return self.ratio(row).text("×")
 
     def _wait_text(self, row: TrainingRow) -> str:
+        if row is self.limit:
+            return "0%"
+        wait = self.wait(row)
+        return wait.text("%") if wait is not None else "–"
+
+    _VERSUS = {"noise": "noise: rerun", "limit": "at the limit", "unsure": "cannot tell"}
+
+    def _versus(self, row: TrainingRow) -> str:
+        if row is self.limit:
+            return "the limit"
         verdict = self.verdict(row)
-        if verdict == "limit":
-            return "0%" if row is self.limit else "about 0%"
-        if verdict != "slower":
-            return "–"
-        mine, its = row.spread, self.limit.spread
-        lo, hi = 100 * max(0.0, 1 - its.hi / mine.lo), 100 * max(0.0, 1 - its.lo / mine.hi)
-        return _about(lo, 100 * self.wait_share(row), hi, "%")
+        if verdict == "unsure" and (row.spread.n < 2 or self.limit is None or self.limit.spread.n < 2):
+            return "no spread"
+        return self._VERSUS.get(verdict) or self.ratio(row).text("×")
 
     def summary(self) -> str:
         """What was measured and, for each feed, how it compares with the limit."""
@@ -641,9 +743,8 @@ class TrainingComparison:
         for r in self.rows:
             if r is self.limit:
                 continue
-            verdict = self.verdict(r)
             text = f"{r.loader} {r.spread.text()}: {self.ratio_text(r)}"
-            if verdict == "slower":
+            if self.verdict(r) == "slower":
                 text += f" the limit, waiting for data {self._wait_text(r)} of the time"
             parts.append(text)
         limit = self.limit
@@ -652,11 +753,7 @@ class TrainingComparison:
         return f"training on {self.device} ({self.measured}): " + "; ".join(parts)
 
     def _table(self) -> Table:
-        def versus(r):
-            verdict = self.verdict(r)
-            return {"noise": "noise: rerun", "unsure": "no spread"}.get(verdict, self.ratio_text(r).split(",")[0])
-
-        cells = [(r.loader, r.spread.text(), versus(r), self._wait_text(r)) for r in self.rows]
+        cells = [(r.loader, r.spread.text(), self._versus(r), self._wait_text(r)) for r in self.rows]
         return Table(cells, ("loader", f"{self._unit} (median, range)", "vs the limit", "data wait"))
 
     def table(self, fmt: str = "markdown") -> str:
@@ -672,48 +769,57 @@ class TrainingComparison:
         return f"<TrainingComparison {self.summary()}>"
 
     def _repr_html_(self) -> str:
-        return self._table().html() + f"<p>{html.escape(self.summary())}</p>"
+        return _html(self._table(), self.summary())
+
+    def _bars(self) -> list:
+        """The plot's bars: every feed at its own median, its whisker its own fastest to slowest pass.
+        A feed judged slower is split at the limit's median: training (the limit) and, beyond it, the
+        data wait of :meth:`wait`; any other feed is one piece, labelled with its verdict."""
+        limit = self.limit
+        bars = []
+        for r in self.rows:
+            verdict, s = self.verdict(r), r.spread
+            label = s.short()
+            if verdict == "slower":
+                compute = limit.spread.median
+                parts = [(0, compute, _CACHED_COLOUR, ""), (compute, s.median - compute, _FILL_COLOUR, "//")]
+                label += f", waits {self.wait(r).short('%')}"
+            elif verdict == "noise":
+                parts, label = [(0, s.median, _RAW_COLOUR, "")], label + ", noise: rerun"
+            else:
+                parts = [(0, s.median, _CACHED_COLOUR, "")]
+                if r is not limit:
+                    label += ", at the limit" if verdict == "limit" else ", cannot tell"
+            bars.append((r.loader, s.median, s.lo if s.n > 1 else None, s.hi if s.n > 1 else None, parts, label))
+        return bars
 
     def plot(self, path=None, *, title: str = "", width: float = 4.0):
-        """Stacked bars per feed: the time the device computes (the on-device limit) and the time it
-        waits for data on top, whiskers over each feed's range of timed passes. A feed reported as
-        noise gets no bar, only the word, so the limit is never drawn slower than a feed that
-        cannot beat it. Legible at 400 pixels wide at the default ``width`` of 4 inches.
+        """One bar per feed at its median timed pass, a whisker over its fastest to slowest pass,
+        labelled as the table prints it. A feed judged slower than the limit is split at the limit's
+        median: the time the device computes, and on top (hatched) the time it waits for data. A
+        feed reported as noise is drawn grey and labelled so. Legible at 400 pixels wide at the
+        default ``width`` of 4 inches.
 
         Returns a matplotlib ``Figure``; saved to ``path`` if given.
         """
         plt = require("matplotlib.pyplot", extra="notebook", feature="nbkit.bench plots")
         Patch = require("matplotlib.patches", extra="notebook", feature="nbkit.bench plots").Patch
-        limit = self.limit_seconds
-        bars = []
-        for r in self.rows:
-            verdict, s = self.verdict(r), r.spread
-            if verdict == "noise":
-                bars.append((r.loader, None, None, None, None, "", "noise: beats the limit, rerun"))
-                continue
-            value, label = s.median, _short_seconds(s)
-            if verdict == "slower":
-                label += f", waits {format_percent(self.wait_share(r), digits=0)}"
-            elif r is not self.limit and verdict == "limit":
-                # Within the spread the two cannot be told apart: drawn as long as the limit, never shorter.
-                value, label = limit, "at the limit"
-            bars.append((r.loader, value, s.lo if s.n > 1 else None, s.hi if s.n > 1 else None, None, "", label))
-
-        def stacked(y, value):
-            compute = min(value, limit) if math.isfinite(limit) else value
-            return [(0, compute, _CACHED_COLOUR, ""), (compute, max(0.0, value - compute), _FILL_COLOUR, "//")]
-
-        legend = (Patch(facecolor=_CACHED_COLOUR, edgecolor="black", label="training (the on-device limit)"),
-                  Patch(facecolor=_FILL_COLOUR, edgecolor="black", hatch="//", label="waiting for data"))
         verdicts = [self.verdict(r) for r in self.rows if r is not self.limit]
+        legend = [Patch(facecolor=_CACHED_COLOUR, edgecolor="black", label="training")]
+        if "slower" in verdicts:
+            legend.append(Patch(facecolor=_FILL_COLOUR, edgecolor="black", hatch="//",
+                                label="waiting for data (beyond the limit's median)"))
+        if "noise" in verdicts:
+            legend.append(Patch(facecolor=_RAW_COLOUR, edgecolor="black", label="faster than the limit: noise"))
         headline = ("Noise: rerun on a quieter machine" if "noise" in verdicts
                     else "Time waiting for data" if "slower" in verdicts
+                    else "Cannot tell from this run's spread" if "unsure" in verdicts
                     else "No wait beyond this run's spread")
         details = [f"on {self.device}"] + ([f"batch {self.batch_size}"] if self.batch_size else [])
         passes = max((r.spread.n for r in self.rows), default=0)
         details.append(f"median of {passes} timed passes, bars show the range")
-        return _bar_figure(plt, bars, headline=headline, subtitle=(title, details), width=width, legend=legend,
-                           xlabel=f"seconds per {self._unit} (shorter is better)", path=path, stacked=stacked)
+        return _bar_figure(plt, self._bars(), headline=headline, subtitle=(title, details), width=width,
+                           legend=legend, xlabel=f"seconds per {self._unit} (shorter is better)", path=path)
 
 
 def _resolve_device(device):
@@ -845,9 +951,10 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
     device = _resolve_device(device)
     loss_fn = loss_fn or F.cross_entropy
     callback = as_callback(callback)
-    if not cached.is_complete:
+    if not cached.is_complete:  # its own phase, in samples: the bar then starts again, in batches
+        callback.start_phase("warmup", unit="samples")
         callback.set_description("warming the cache up (the limit needs every sample)")
-        cached.warmup()
+        cached.warmup(callback=callback)
     model = model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     n = len(raw)
@@ -866,10 +973,16 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
         ("nbkit ds.loader", cached.loader(batch_size, device=device, seed=seed, rank=0, world_size=1)),
         (TrainingComparison.LIMIT, on_device),
     )
-    if budgeted:
-        callback.set_size(len(feeds) * timed * (warm + steps) if steps is not None else None)
+    # Progress in batches, its total known before the first batch of each phase and never raised
+    # within one, so a bar only moves forward. A time budget has a first phase of unknown size (the
+    # raw feed's first pass counts the batches that fit), then the passes that train that count,
+    # then one phase per extra round, added only while the spreads stay wide.
+    if seconds is not None:
+        _phase(callback, "count", None)
+    elif steps is not None:
+        _phase(callback, "training", len(feeds) * timed * (warm + steps))
     else:
-        callback.set_size(len(feeds) * (1 + timed) * per_epoch)
+        _phase(callback, "training", len(feeds) * (1 + timed) * per_epoch)
 
     def step(x, y):
         loss = loss_fn(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
@@ -912,12 +1025,14 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
     planned, kind = timed, "epoch" if not budgeted else "pass"
     for r in range(most):
         for name, batches in feeds:
-            callback.set_description(f"{name}, timed {kind} {r + 1} of {planned}")
             if seconds is not None and steps is None:  # the raw feed's first pass sets the count
+                callback.set_description(f"{name}, timed {kind} 1 of {planned}: as many batches as fit in "
+                                         f"{seconds / MAX_TIMED:.3g} s")
                 t, done = one_pass(batches, first + r, until=seconds / MAX_TIMED)
                 steps = max(1, done)
-                callback.set_size(callback.value + (len(feeds) * timed - 1) * (warm + steps))
+                _phase(callback, "training", (len(feeds) * timed - 1) * (warm + steps))
             else:
+                callback.set_description(f"{name}, timed {kind} {r + 1} of {planned}")
                 t, _ = one_pass(batches, first + r, count=steps if budgeted else None)
             times[name].append(t)
         if r + 1 < timed:
@@ -928,7 +1043,7 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
         if r + 1 >= most or not (wide and room):
             break
         planned = r + 2
-        callback.set_size((callback.size or callback.value) + len(feeds) * (warm + steps))
+        _phase(callback, "extra", len(feeds) * (warm + steps))  # spreads wider than WIDE_SPREAD: one more round
     passes = len(times[feeds[0][0]])
     timed_samples = n if not budgeted else min(n - warm * batch_size, steps * batch_size)
     rows = [TrainingRow(name, statistics.median(times[name]), tuple(times[name]), timed_samples) for name, _ in feeds]
@@ -942,6 +1057,13 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
                     f"epoch each, the same batches for every feed" + (f"; {note}" if note else ""))
     unit = f"pass of {steps} batch{'es' if steps != 1 else ''}" if budgeted else "training epoch"
     return TrainingComparison(rows, device=str(device), batch_size=batch_size, measured=measured, unit=unit)
+
+
+def _phase(callback, name: str, size) -> None:
+    """Start the next phase of a benchmark's progress, in batches, with its total (``None``: unknown)."""
+    callback.start_phase(name, unit="batches", size=size)
+    if size is not None:
+        callback.set_size(size)  # also tells a wrapped fsspec callback
 
 
 def _step_done(device) -> None:

@@ -237,6 +237,24 @@ def _check_03_texts(path, out):
     assert not re.search(r"\b0\.\d+ ?[x×]", out), out
 
 
+def test_03_form_has_no_dead_values():
+    """Every value of 03's form does what it says: the epoch sliders start at the timed minimum
+    (a value the code would raise is not offered), and the training cell says which of
+    train_epochs and train_seconds decides on this runtime."""
+    from nbkit.bench import MIN_TIMED
+
+    nb = nbformat.read(str(REPO / "notebooks" / "03_benchmark.ipynb"), as_version=4)
+    (form,) = [c.source for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    for knob in ("epochs", "train_epochs"):
+        slider = re.search(rf"^{knob} = \d+ +#@param {{type:\"slider\", min:(\d+), max:(\d+)", form, re.M)
+        assert slider and int(slider.group(1)) >= MIN_TIMED, knob
+    training = next(c.source for c in nb.cells if "compare_training(raw" in c.source)
+    assert "train_seconds = {train_seconds:g} decides" in training and "train_epochs = {train_epochs} decides" in training
+    # Printed lines go through nbkit.text.say (40 columns, broken at spaces): no private copy of it.
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "def say(" not in code and "from nbkit.text import say" in code
+
+
 def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
     path, out = execute("03_benchmark", tmp_path)
     assert "MNIST (offline data): 6,000 samples" in out
@@ -258,11 +276,12 @@ def test_03_benchmark_cached_epochs_beat_raw(tmp_path):
                          r"feed; a 2 s budget for the raw feed set the count\)", out)
     assert measured, out
     assert "on-device limit about" in out or "on-device limit " in out
+    assert "training on the CPU: train_seconds = 2 decides how much" in " ".join(out.split())
     assert (tmp_path / "work" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     nb = nbformat.read(str(path), as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plot is shown in the notebook"
-    assert any("<table>" in o.get("data", {}).get("text/html", "") for o in outputs), "and the table"
+    assert any("<table" in o.get("data", {}).get("text/html", "") for o in outputs), "and the table"
     _check_03_texts(path, out)
     # An executed notebook has outputs; strip() makes it commit-ready again.
     assert run_notebooks.outputs_left(path)
@@ -276,6 +295,7 @@ def test_03_benchmark_with_one_epoch_raises_the_timed_epochs_and_never_reports_t
     path, out = execute("03_benchmark", tmp_path, epochs=1, offline_samples=1200, train_epochs=1, train_seconds=0)
     assert "epochs=1 raised to 3 timed epochs per feed: fewer have no spread" in out
     assert "median of 3 timed epochs of 1,200 samples per feed, interleaved, after one untimed epoch each" in out
+    assert "training on cpu: train_epochs = 1 decides how much (full timed epochs per feed)" in " ".join(out.split())
     assert re.search(r"cached epochs are about [\d.]+× \([\d.]+–[\d.]+×\) faster than raw", out) or \
         "no speedup measured: raw and cached epochs overlap" in out, out
     _check_03_texts(path, out)
