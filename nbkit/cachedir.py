@@ -251,7 +251,7 @@ def interrupted(root: str) -> str | None:
         >>> import tempfile
         >>> d = tempfile.mkdtemp(); os.close(os.open(os.path.join(d, staging_name(fmt.META, "trash")), os.O_CREAT | os.O_WRONLY))
         >>> interrupted(d)
-        'an interrupted removal (nbkit rm, prune or overwrite=True)'
+        'an interrupted removal (of a cache removed, pruned or replaced)'
     """
     try:
         names = os.listdir(root)

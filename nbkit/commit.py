@@ -47,7 +47,7 @@ import threading
 import uuid
 
 from .errors import DiskFullError, UnsafeArchiveError
-from .text import format_bytes
+from .text import fix, format_bytes
 from .trust import open_regular
 
 try:
@@ -72,12 +72,12 @@ HAS_DIR_FD = {os.open, os.unlink, os.rename, os.mkdir, os.rmdir, os.stat} <= os.
 
 #: The operations whose interrupted runs leave a named sibling: ``.<target>.nbkit-<op>-<hex>``.
 LEFTOVER_OPS = {
-    "import": "an interrupted nbkit.import_tar (a copy being unpacked or the cache it replaced)",
-    "pull": "an interrupted nbkit.pull (a copy being downloaded or the cache it replaced)",
+    "import": "an interrupted import of a tar (a copy being unpacked or the cache it replaced)",
+    "pull": "an interrupted pull (a copy being downloaded or the cache it replaced)",
     "old": "an interrupted swap (the cache an import or pull replaced)",
-    "trash": "an interrupted removal (nbkit rm, prune or overwrite=True)",
+    "trash": "an interrupted removal (of a cache removed, pruned or replaced)",
     "create": "an interrupted creation of a cache",
-    "export": "an interrupted nbkit.export_tar (a tar being written)",
+    "export": "an interrupted export (a tar being written)",
 }
 _LEFTOVER = re.compile(r"\.(?P<target>.+)\.nbkit-(?P<op>[a-z]+)-(?P<tag>[0-9a-f]{8,32})\Z", re.S)
 _TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>[0-9]{1,10})\.(?P<tid>[0-9]+)\.(?P<tag>[0-9a-f]{8})\.tmp\Z", re.S)
@@ -207,8 +207,7 @@ def disk_full(path: str, needed: int | None = None, cause: BaseException | None 
     have = f", {format_bytes(free)} {'is' if free == 1 else 'are'} free there" if free is not None else ""
     e = DiskFullError(errno.ENOSPC,
                 f"not enough disk space to {doing} {path}{need}{have}. Nothing stored before was lost. Free some space "
-                "(nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes them) or choose a path "
-                f"on a larger disk, then run it again{note}.")
+                f"({fix('free cache space')}) or choose a path on a larger disk, then run it again{note}.")
     e.filename = path
     if cause is not None:
         e.__cause__ = cause

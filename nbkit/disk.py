@@ -218,7 +218,7 @@ def leftover_problem(path: str) -> str | None:
         >>> import tempfile
         >>> left = os.path.join(tempfile.mkdtemp(), ".c.nbkit-pull-0123456789ab"); os.mkdir(left)
         >>> leftover_problem(left).split(";")[0]
-        'leftover of an interrupted nbkit.pull (a copy being downloaded or the cache it replaced)'
+        'leftover of an interrupted pull (a copy being downloaded or the cache it replaced)'
     """
     left = leftover_of(os.path.basename(path))
     if left is not None:

@@ -304,6 +304,11 @@ FIXES = {
                         "panel": "the panel's storage_options['endpoint_url']"},
     "list caches": {"python": "nbkit.caches()", "shell": "nbkit ls", "panel": "nbkit.caches()"},
     "remove": {"python": "nbkit.remove({path!r})", "shell": "nbkit rm {path}", "panel": "nbkit.remove({path!r})"},
+    "free cache space": {"python": "nbkit.caches() shows the caches and what they hold; nbkit.remove(path) or "
+                                   "nbkit.prune(max_size=...) removes them",
+                         "shell": "nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes them",
+                         "panel": "nbkit.caches() shows the caches and what they hold; nbkit.remove(path) or "
+                                  "nbkit.prune(max_size=...) removes them"},
     "remove leftovers": {"python": "nbkit.remove(path)", "shell": "nbkit rm PATH", "panel": "nbkit.remove(path)"},
     "push a cache": {"python": "nbkit.push(cache_dir, {url!r})", "shell": "nbkit push CACHE_DIR {url}",
                      "panel": "click Upload in the panel of the cache to send"},

@@ -16,6 +16,7 @@ import nbkit
 from nbkit import commit, disk
 from nbkit import format as fmt
 from nbkit.errors import CorruptCacheError, DiskFullError, UnsafeArchiveError
+from nbkit.text import speaking_to
 
 
 def source(offset: float, n: int = 64):
@@ -242,7 +243,9 @@ def test_disk_full_names_the_file_the_room_and_the_fix(tmp_path):
     e = commit.disk_full(str(tmp_path / "c" / "col-0.bin"), 3 << 20)
     assert isinstance(e, DiskFullError) and isinstance(e, OSError) and e.errno == errno.ENOSPC
     text = str(e)
-    assert str(tmp_path / "c" / "col-0.bin") in text and "3.1 MB" in text and "nbkit prune" in text
+    assert str(tmp_path / "c" / "col-0.bin") in text and "3.1 MB" in text and "nbkit.prune(" in text
+    with speaking_to("shell"):  # the fix in the words of where the user is
+        assert "nbkit ls shows" in str(commit.disk_full(str(tmp_path / "c" / "col-0.bin"), 3 << 20))
     assert not text.startswith("[Errno")
 
 
@@ -254,8 +257,8 @@ def test_push_refuses_a_file_that_changed_after_it_was_hashed(old_cache, tmp_pat
 
     real = transfer.build_manifest
 
-    def then_changed(root):
-        m = real(root)
+    def then_changed(root, **kwargs):
+        m = real(root, **kwargs)
         with open(os.path.join(root, "col-0.bin"), "r+b") as f:  # a writer that ignores nbkit's lock
             f.write(b"\xff" * 4)
         return m

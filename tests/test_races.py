@@ -186,8 +186,8 @@ def test_a_push_during_a_warmup_in_another_process_uploads_exactly_what_it_hashe
     seen = {}
     real_manifest, real_parallel = nbkit.transfer.build_manifest, nbkit.transfer._run_parallel
 
-    def manifest_then_let_the_writer_go(root):
-        m = real_manifest(root)
+    def manifest_then_let_the_writer_go(root, **kwargs):
+        m = real_manifest(root, **kwargs)
         go.set()
         # The writer either stores its chunk now (nothing holds it off) or waits for the push's lock.
         wait_for(lambda: marked.is_set() or _pid_blocked(child.p.pid), "the warmup to write or wait")

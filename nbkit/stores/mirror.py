@@ -33,6 +33,7 @@ from ..errors import CorruptCacheError
 from ..commit import atomic_write, file_lock
 from ..manifest import LEASE, sha256_file, trusted_remote_manifest
 from ..remote import network_errors, url_to_fs
+from ..text import fix
 from ..transfer import pull, push
 from .base import Location
 
@@ -140,7 +141,7 @@ class MirrorLocation(Location):
             f"no nbkit cache at {self.url}: nothing has been published there ({fmt.META} is missing; a cache is "
             "published once every sample is stored), and this machine has no working copy of it. To build it there, "
             f"open it with its source: nbkit.CachedDataset(source, {self.url!r}), then train or call warmup(). "
-            f"To send a cache you already have: nbkit.push(local_cache_dir, {self.url!r})."
+            f"To send a cache you already have: {fix('push a cache', url=self.url)}."
         )
 
     def prepare(self, callback=None) -> bool:
@@ -175,8 +176,7 @@ class MirrorLocation(Location):
             if stored < length:
                 return False
             fs, rroot = url_to_fs(self.url, self.storage_options)
-            fix = f"call sync() on the dataset again, or nbkit.push({self.root!r}, {self.url!r}): it resumes"
-            with network_errors(fs, self.url, "publishing to", fix):
+            with network_errors(fs, self.url, "publishing to", fix("retry push", path=self.root, url=self.url) + ": it resumes"):
                 return self._publish(fs, rroot, length, callback)
 
     def _publish(self, fs, rroot: str, length: int, callback) -> bool:
