@@ -265,7 +265,7 @@ def test_a_state_is_refused_by_another_dataset_or_setting(tmp_path, cache):
     with pytest.raises(ValueError, match="rank=1.*load each process's own state"):
         cache.loader(4, seed=1, rank=0, world_size=2).load_state_dict(two)
     # The same samples in a re-created cache: another generation, refused, unless waived.
-    rebuilt = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "c", overwrite=True)
+    rebuilt = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "c2")
     with pytest.raises(ValueError, match="made for cache='[0-9a-f]{32}'.*set state\\['cache'\\] = None"):
         rebuilt.loader(4, seed=1).load_state_dict(state)
     rebuilt.loader(4, seed=1).load_state_dict(dict(state, cache=None))
