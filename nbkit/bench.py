@@ -1142,7 +1142,7 @@ def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transfor
     ds = getattr(datasets, layout)(offline_root, download=False, train=train, transform=transform)
     ds.nbkit_source = "offline"
     note = " (EMNIST has no offline layout; using MNIST-format data instead)" if name == "EMNIST" else ""
-    print(stand_in_notice(len(ds), reason, layout=layout, name=name, note=note))
+    print(fill(stand_in_notice(len(ds), reason, layout=layout, name=name, note=note)), flush=True)  # fits 400 px
     return ds
 
 

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import enum
 import os
 import time
 import uuid
@@ -41,7 +42,27 @@ from .gather import auto_threads
 from .stats import SharedCounters, Stats
 from .transforms import apply_transform
 
-__all__ = ["CachedDataset"]
+__all__ = ["CachedDataset", "Opened"]
+
+
+class Opened(str, enum.Enum):
+    """How a :class:`CachedDataset` found its cache when it was made (``ds.opened``).
+
+    Example:
+        >>> import torch, tempfile, nbkit
+        >>> path, src = tempfile.mkdtemp(), torch.utils.data.TensorDataset(torch.arange(4))
+        >>> nbkit.CachedDataset(src, path).opened.value, nbkit.CachedDataset(src, path, overwrite=True).opened.value
+        ('created', 'reopened')
+        >>> nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(5)), path, overwrite=True).opened.value
+        'replaced'
+    """
+
+    #: No cache was there: this handle made it (empty).
+    CREATED = "created"
+    #: A cache of this source was there (complete or partial) and is kept.
+    REOPENED = "reopened"
+    #: A cache of another source (or with unreadable metadata) was there; ``overwrite=True`` replaced it.
+    REPLACED = "replaced"
 
 class CachedDataset(Dataset):
     """A map-style dataset whose samples are computed once and then read from a persistent cache.
@@ -54,7 +75,11 @@ class CachedDataset(Dataset):
         transform: applied to each whole sample *after* it is read from the cache, e.g. random
             augmentation on top of cached deterministic preprocessing; ``nbkit.fields(RandomCrop(24), None)``
             runs one callable per field instead.
-        overwrite: discard an existing cache at ``path`` built from a different source.
+        overwrite: replace a cache at ``path`` that was built from a different source (another
+            dataset, transform or byte budget) or whose metadata cannot be read, instead of raising
+            :class:`StaleCacheError`. A cache built from this source, complete or partial, is kept
+            either way; ``ds.opened`` says which happened (:class:`Opened`). To start a matching cache
+            over, remove it first: ``nbkit.remove(path)``.
         allow_pickle: store leaves of types nbkit does not know by pickling them, and allow reading
             such leaves back. Off by default: a cache received from someone else must not run code.
         fingerprint_samples: how many probe samples identify the source (content hash, determinism
@@ -70,7 +95,8 @@ class CachedDataset(Dataset):
             with ``nbkit.export_tar(..., compression="zst")``).
 
     Raises:
-        StaleCacheError: the cache at ``path`` was built from a different source; or, from reads and
+        StaleCacheError: the cache at ``path`` was built from a different source (and ``overwrite``
+            is off); or, from reads and
             writes, it was rebuilt (``overwrite=True``) by another handle or process after this one
             opened it (each ``nbkit.json`` carries a generation id: writes check it every time with
             one ``stat``, reads at most once a second, and every process when its store opens).
@@ -97,6 +123,8 @@ class CachedDataset(Dataset):
             raise TypeError(f"storage_options must be a dict (or None), got {type(storage_options).__name__}")
         if overwrite and dataset is None:
             raise ValueError("overwrite=True needs the source dataset: a cache opened without it cannot be rebuilt")
+        #: How this handle found the cache (:class:`Opened`); ``replaced_reason`` says why an old one went.
+        self.opened, self.replaced_reason = Opened.REOPENED, ""
         self._source = dataset
         self.transform = transform
         self.allow_pickle = allow_pickle
@@ -168,9 +196,25 @@ class CachedDataset(Dataset):
         if max_bytes is not None:
             wanted.update(max_bytes=int(max_bytes), admit_seed=0,
                           capacity=_capacity(int(max_bytes), length, schema, probe_samples, self.allow_pickle))
-        if overwrite:
+        try:
+            existing = self._location.read_meta()
+        except CorruptCacheError as e:
+            if not overwrite:
+                raise
+            existing, reason = None, f"its metadata could not be read ({e})"
             self._location.remove()
-        existing = self._location.read_meta()
+        else:
+            reason = "; ".join(fmt.incompatibilities(existing, wanted)) if existing is not None else ""
+            if reason and overwrite:
+                # Only a cache of another source is replaced: a matching one, complete or partial,
+                # is this source's work already (a box left ticked must not discard hours of it).
+                self._location.remove()
+                existing = None
+        if reason and existing is None:
+            self.opened, self.replaced_reason = Opened.REPLACED, reason
+            existing = self._location.read_meta()  # another process may have published since
+        elif existing is None:
+            self.opened = Opened.CREATED
         if existing is not None:
             fmt.check_compatible(self.path, existing, wanted)
             return existing

@@ -277,17 +277,24 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1
     return out
 
 
-def check_compatible(root: str, existing: dict, wanted: dict) -> None:
-    """Raise :class:`StaleCacheError` if the cache metadata at ``root`` does not fit ``wanted``."""
+def incompatibilities(existing: dict, wanted: dict) -> list[str]:
+    """How the cache metadata ``existing`` differs from ``wanted`` (a different source, another
+    byte budget), one phrase each; empty when the cache was built from this source."""
     from .fingerprint import differences
 
     diffs = differences(existing["fingerprint"], wanted["fingerprint"])
     if existing.get("max_bytes") != wanted.get("max_bytes") and wanted.get("max_bytes") is not None:
         diffs.append(f"byte budget: cached max_bytes={existing.get('max_bytes')}, asked max_bytes={wanted.get('max_bytes')}")
+    return diffs
+
+
+def check_compatible(root: str, existing: dict, wanted: dict) -> None:
+    """Raise :class:`StaleCacheError` if the cache metadata at ``root`` does not fit ``wanted``."""
+    diffs = incompatibilities(existing, wanted)
     if diffs:
         raise StaleCacheError(
             f"the cache at {root} was built from a different source: " + "; ".join(diffs) + ". "
-            "Use a new path for this source, or pass overwrite=True to discard the old cache and rebuild it."
+            "Use a new path for this source, or pass overwrite=True to replace the old cache with one of this source."
         )
 
 

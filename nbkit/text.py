@@ -31,7 +31,10 @@ __all__ = ["printable", "format_bytes", "format_count", "format_amount", "format
            "FRONT_ENDS", "FIXES", "front_end", "speaking_to", "fix"]
 
 #: The characters of monospaced output that fit a 400-pixel notebook (a phone, Colab's side panel).
-NARROW_COLUMNS = 40
+#: Measured in headless Chromium at a 400 px viewport: JupyterLab 4 leaves 276 px for a cell's
+#: printed text (13 px font, 7.8 px a character: 35 columns), the classic Notebook 6 240 px (14 px
+#: font, 8.4 px: 28 columns). Both break a longer line anywhere, mid-word (``word-break: break-all``).
+NARROW_COLUMNS = 28
 
 
 #: Unicode categories never shown as they are: controls (C0, DEL, C1: ESC starts a terminal escape

@@ -5,7 +5,11 @@
   ipywidgets 8** and the **classic Notebook 6 with ipywidgets 7.7.1** (Colab's widget version):
   Run All; the click-through Warm up → Stop → Export tar → the remaining cells; Upload with an
   empty URL → the remaining cells; Stop while a cell blocks in ``panel.wait()``; screenshots of the
-  panel and the meter at 400, 600, 1000 and 1400 px, and nothing cut at 400 or 600 px.
+  panel and the meter at 400, 600, 1000 and 1400 px, and nothing cut at 400 or 600 px; the
+  ``overwrite`` box ticked and Run All twice: the complete cache is kept.
+* **Every notebook** (01, 02, 03, 04) at 400 px in both front ends, after Run All with its small
+  offline parameters (``scripts/run_notebooks.py``'s ``SMALL``, on the CPU): in every output, nothing
+  cut, no printed or shown word broken across lines, nothing scrolling sideways without a scrollbar.
 
 The front ends and the driver are in ``tests/frontends.py``. Run alone:
 ``PJRT_DEVICE=CPU .venv/bin/python -m pytest tests/test_browser.py`` (after ``make setup``, which also
@@ -290,8 +294,8 @@ def test_02_upload_with_an_empty_url_then_the_rest(open_02):
     nb.run(panel + 1)
     nb.wait_all(timeout=300)  # no cell re-raises the Upload error
     _, waits = _landmarks(nb)
-    printed = nb.text(waits)  # the warmup cell: the warmup's own outcome, not the panel's last status
-    assert re.search(r"^warmup: [\d,]+ samples computed in [\d.]+ s$", printed, re.M), printed
+    printed = " ".join(nb.text(waits).split())  # the warmup's own outcome, not the panel's last status
+    assert re.search(r"warmup: [\d,]+ samples computed in [\d.]+ s cache complete", printed), printed
     assert "Upload" not in printed and "Error" not in printed, printed
 
 
@@ -317,10 +321,44 @@ def test_02_upload_to_an_unreachable_endpoint_short_error_details_on_click_then_
         assert "it resumes" not in text, text  # nothing was uploaded
         error = text[text.index("Error: OSError"):].splitlines()
         assert error[3:4] == ["details"], text  # three lines, then the disclosure
-        nb.output(panel).locator("summary", has_text="details").first.click()
+        summary = nb.output(panel).locator("summary", has_text="details").first
+        # It looks clickable in both front ends: a hand cursor and a disclosure triangle, ▸ then ▾
+        # (the classic Notebook's stylesheet makes summaries blocks without one, under ipywidgets 7).
+        assert _summary_look(summary) == ("pointer", "list-item", "disclosure-closed")
+        summary.click()
         opened = _until(lambda: "ConnectionRefusedError" in (t := nb.widget_text(panel)) and t, 10,
                         "the details shown", lambda: nb.widget_text(panel))
+        assert _summary_look(summary) == ("pointer", "list-item", "disclosure-open")
         assert opened.count("cannot reach the endpoint") == 2, opened  # the line, and the whole message once
+
+
+def _summary_look(summary) -> tuple[str, str, str]:
+    """A ``<summary>``'s cursor, display and list-style type, as the browser computes them."""
+    return tuple(summary.evaluate("el => { const s = getComputedStyle(el);"
+                                  " return [s.cursor, s.display, s.listStyleType]; }"))
+
+
+def test_02_overwrite_left_ticked_run_all_twice_keeps_the_complete_cache(open_02):
+    """The form's overwrite ticked, Run All, then Run All again (a user who left the box on): the
+    second run reopens the complete cache, warms up nothing, and says so."""
+    import nbkit
+
+    nb = open_02(overwrite=True)
+    nb.run_all()
+    nb.wait_all(timeout=300)
+    meta = nbkit.format.read_meta(str(nb.path.parent / "cache" / "mnist"))
+    assert _cache(nb).stats.complete
+    opened = nb.index("nbkit.CachedDataset(source, cache_path")
+    assert "created a new cache at" in nb.text(opened), nb.text(opened)
+
+    nb.run_all()
+    nb.wait_all(timeout=300)
+    again = nbkit.format.read_meta(str(nb.path.parent / "cache" / "mnist"))
+    assert again["generation"] == meta["generation"], "the second run rebuilt the cache"
+    text = " ".join(nb.text(opened).split())  # (printed lines are filled to a narrow width)
+    assert "reopened the cache at cache/mnist, built from this source (overwrite keeps it;" in text, text
+    warm = " ".join(nb.text(nb.index('panel.run("warmup")')).split())
+    assert "warmup: nothing to do, every sample was already cached" in warm, warm
 
 
 def test_02_stop_while_a_cell_waits_for_the_panel(open_02):
@@ -385,7 +423,7 @@ def test_02_run_all(ran_02):
         assert nb.progress(panel) == 100, nb.widget_text(panel)
         assert _cache(nb).stats.complete
         _idle_panel_is_true(nb, panel)  # after the export cell: the cache's fill, not "Export 100%"
-        assert "cache complete: True" in nb.text(nb.index('panel.run("warmup")'))
+        assert "cache complete: True" in " ".join(nb.text(nb.index('panel.run("warmup")')).split())
         meter = nb.index("HitRateMeter(")
         assert "hit rate" in nb.widget_text(meter).lower()
     except AssertionError:
@@ -409,3 +447,87 @@ def test_02_screenshots_and_nothing_cut_at_400_or_600px(ran_02):
     assert error is None, f"the screenshots show a failed run: {error}"
     problems = {k: v for k, v in problems.items() if v}
     assert not problems, f"cut in {nb.server.kind}: {problems}"
+
+
+# -- every notebook at 400 px ----------------------------------------------------------------------------
+
+
+def small_parameters(path: Path) -> dict:
+    """The notebook's small offline parameters (``run_notebooks.SMALL``), on the CPU device where it has one."""
+    parameters = dict(run_notebooks.SMALL[path.stem])
+    cell = next(c for c in nbformat.read(str(path), as_version=4).cells if "parameters" in c.metadata.get("tags", []))
+    if re.search(r"^device\s*=", cell.source, re.M):
+        parameters["device"] = "cpu"  # no XLA compilation to wait for
+    return parameters
+
+
+def narrow_problems(nb: Notebook, width: int = 400) -> dict:
+    """At ``width`` px, what :func:`frontends.clipped` finds in each code cell's output: a label or a
+    text cut, a word (printed or in a widget) broken across lines, a table or text scrolling sideways
+    without a visible scrollbar."""
+    nb.page.set_viewport_size({"width": width, "height": 900})
+    nb.page.wait_for_timeout(600)  # the front end lays out again on resize
+    problems = {}
+    for i, cell in enumerate(nb.cells()):
+        if cell["type"] == "code" and cell["outputs"] and (found := clipped(nb.output(i))):
+            problems[f"cell {i}"] = found
+    return problems
+
+
+# Each line of the printed text (``pre``) as the page lays it out: a new line wherever the next
+# character sits lower, whether the text broke there or the browser wrapped it.
+_SHOWN_LINES_JS = """el => [...el.querySelectorAll('pre')].flatMap(p => {
+    const r = document.createRange(), lines = [];
+    let top = null, line = '';
+    const walk = document.createTreeWalker(p, NodeFilter.SHOW_TEXT);
+    for (let n = walk.nextNode(); n; n = walk.nextNode()) for (let i = 0; i < n.data.length; i++) {
+        const ch = n.data[i];
+        if (ch === '\\n') { lines.push(line); line = ''; top = null; continue; }
+        r.setStart(n, i); r.setEnd(n, i + 1);
+        const box = [...r.getClientRects()].find(b => b.width > 0);
+        if (!box) { line += ' '; continue; }
+        const t = Math.round(box.top);
+        if (top !== null && Math.abs(t - top) > 2) { lines.push(line); line = ''; }
+        top = t; line += ch;
+    }
+    lines.push(line);
+    return lines;
+})"""
+
+
+def _words_intact(nb: Notebook, index: int) -> list[str]:
+    """The lines of what cell ``index`` printed, as the page shows them, that hold a piece of a
+    word (the browser broke a word across lines): none when every line is whole printed words."""
+    words = set(nb.text(index).split())
+    shown = nb.output(index).evaluate(_SHOWN_LINES_JS)
+    return [ln for ln in shown if any(w not in words for w in ln.split())]
+
+
+@pytest.mark.parametrize("name", ["01_tpu_setup", "03_benchmark", "04_resume"])
+def test_a_notebook_at_400px_nothing_cut_no_word_broken(name, page, frontend, notebook_dir):  # noqa: F811
+    """Run All with the small parameters, then at 400 px: every output fits (02's is checked on ``ran_02``)."""
+    path = notebook_dir / f"{name}.ipynb"
+    shutil.copyfile(REPO / "notebooks" / path.name, path)
+    set_parameters(path, **small_parameters(path))
+    nb = Notebook(page, frontend, path).open()
+    nb.run_all()
+    try:
+        nb.wait_all(timeout=540)
+        problems = narrow_problems(nb)
+        broken = {i: b for i in range(len(nb.cells())) if nb.cells()[i]["type"] == "code" and (b := _words_intact(nb, i))}
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"{frontend.kind}-{name}-400.png"), full_page=True)
+    finally:
+        frontend.shut_down_kernel(path)
+    assert not problems, f"{name} at 400 px in {frontend.kind}: {problems}"
+    assert not broken, f"{name} at 400 px in {frontend.kind}, printed lines with broken words: {broken}"
+
+
+def test_02_at_400px_nothing_cut_no_word_broken(ran_02):
+    nb, error = ran_02
+    assert error is None, f"the run failed: {error}"
+    problems = narrow_problems(nb)
+    broken = {i: b for i in range(len(nb.cells())) if nb.cells()[i]["type"] == "code" and (b := _words_intact(nb, i))}
+    nb.page.set_viewport_size({"width": 1400, "height": 900})  # as the other tests on ran_02 expect it
+    assert not problems, f"02 at 400 px in {nb.server.kind}: {problems}"
+    assert not broken, f"02 at 400 px in {nb.server.kind}, printed lines with broken words: {broken}"

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 import nbkit
+from nbkit.dataset import Opened
 from sources import (BareTensorSource, flip_byte, CollatableDictSource, DictSource, DtypeSource, IrregularSource, NamedSource, PickleSource,
                      PilSource, RandomSource, TupleSource, VarShapeSource, assert_equal, Opaque)
 
@@ -154,6 +155,46 @@ def test_stale_cache_says_what_differs(tmp_path):
     assert nbkit.CachedDataset.open(tmp_path).is_complete
     ds = nbkit.CachedDataset(TupleSource(12), tmp_path, overwrite=True)
     assert len(ds) == 12 and ds.stats.cached == 0
+    assert ds.opened is Opened.REPLACED and "length: cached 10, source 12" in ds.replaced_reason
+
+
+def test_overwrite_left_on_keeps_a_cache_of_the_same_source_complete_or_partial(tmp_path):
+    """A form's overwrite box left ticked, run again: the cache is this source's work, kept every time."""
+    src = TupleSource(10)
+    first = nbkit.CachedDataset(src, tmp_path / "full", overwrite=True)
+    assert first.opened is Opened.CREATED and first.replaced_reason == ""
+    first.warmup()
+    generation = nbkit.format.read_meta(tmp_path / "full")["generation"]
+    for _ in range(2):
+        again = nbkit.CachedDataset(src, tmp_path / "full", overwrite=True)
+        assert again.opened is Opened.REOPENED and again.stats.complete and again.warmup().computed == 0
+        assert nbkit.format.read_meta(tmp_path / "full")["generation"] == generation  # the same build
+    partial = nbkit.CachedDataset(src, tmp_path / "part")
+    partial[:4]
+    kept = nbkit.CachedDataset(src, tmp_path / "part", overwrite=True)
+    assert kept.opened is Opened.REOPENED and kept.stats.cached == 4
+    assert kept.warmup().computed == 6
+    assert first[3] is not None  # the first handle was never made stale
+
+
+def test_overwrite_replaces_a_cache_whose_metadata_cannot_be_read(tmp_path):
+    nbkit.CachedDataset(TupleSource(10), tmp_path).warmup()
+    (tmp_path / "nbkit.json").write_text("{damaged")
+    with pytest.raises(nbkit.CorruptCacheError):
+        nbkit.CachedDataset(TupleSource(10), tmp_path)
+    ds = nbkit.CachedDataset(TupleSource(10), tmp_path, overwrite=True)
+    assert ds.opened is Opened.REPLACED and "could not be read" in ds.replaced_reason
+    assert ds.warmup().computed == 10
+
+
+def test_starting_a_matching_cache_over_is_nbkit_remove(tmp_path):
+    src = TupleSource(10)
+    with nbkit.CachedDataset(src, tmp_path / "c") as ds:
+        ds.warmup()
+    nbkit.remove(tmp_path / "c")
+    fresh = nbkit.CachedDataset(src, tmp_path / "c", overwrite=True)
+    assert fresh.opened is Opened.CREATED and fresh.stats.cached == 0
+    assert nbkit.CachedDataset.open(tmp_path / "c").opened is Opened.REOPENED
 
 
 def test_transform_repr_without_addresses_is_stable(tmp_path):

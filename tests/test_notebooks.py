@@ -108,6 +108,7 @@ def test_01_tpu_setup_on_a_cpu_runtime(tmp_path, monkeypatch):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
     path, out = execute("01_tpu_setup", tmp_path)
+    out = _words(out)  # printed lines are filled to a narrow width (nbkit.text.say)
     assert "This is a CPU runtime" in out
     if not HAS_XLA:  # a torch newer than torch_xla's last release: the XLA cells say they are skipped
         assert "has no torch_xla (its last release, 2.9, needs torch 2.9)" in out
@@ -123,14 +124,21 @@ def test_01_tpu_setup_on_a_cpu_runtime(tmp_path, monkeypatch):
     # its process index, in this cell (not run together: "computed 8process 1 ...").
     streams = [o for c in nb.cells if c.cell_type == "code" and "nbkit.tpu.spawn(hello" in c.source for o in c.outputs]
     lines = "".join(o.get("text", "") for o in streams if o.get("output_type") == "stream").splitlines()
-    assert "[0] replica 0 of 2 on xla:0 (CPU): 8 × 1 = 8" in lines
-    assert "[1] replica 1 of 2 on xla:1 (CPU): 8 × 2 = 16" in lines
-    assert lines[-1] == "spawn finished: every device answered"
+    said = {p: _words(" ".join(ln[len(p) + 1:] for ln in lines if ln.startswith(p + " "))) for p in ("[0]", "[1]")}
+    assert said["[0]"] == "replica 0 of 2 on xla:0 (CPU): 8 × 1 = 8"
+    assert said["[1]"] == "replica 1 of 2 on xla:1 (CPU): 8 × 2 = 16"
+    assert _words(" ".join(ln for ln in lines if not ln.startswith("["))) == "spawn finished: every device answered"
     # What setup did is shown once, in its table (a second cell used to print it again).
     assert not any("report.messages" in c.source for c in nb.cells)
 
 
+def _words(text: str) -> str:
+    """``text`` with every run of white space (line breaks of filled lines, no-break spaces) one space."""
+    return " ".join(text.split())
+
+
 def _check_02(out, work):
+    out = _words(out)  # printed lines are filled to a narrow width (nbkit.text.say)
     assert "Using offline MNIST-format stand-in data (3,000 samples)" in out
     # The warmup ran through the panel's button (the panel's report), and filled the cache.
     assert "warmup: 3,000 samples computed in " in out
@@ -140,7 +148,7 @@ def _check_02(out, work):
     with tarfile.open(tar) as archive:
         names = archive.getnames()
     assert any(n.endswith("nbkit.json") for n in names) and any(n.endswith("index.bin") for n in names)
-    assert re.search(r"3,000 samples, source: None, complete: True", out), out
+    assert re.search(r"without its source dataset: 3,000 samples, complete: True", out), out
     assert "sample 0: (1, 28, 28) torch.float32" in out
     assert ("training on xla:0 (xla; runtime: cpu)" if HAS_XLA else "training on cpu (cpu; runtime: cpu)") in out
     first = number(r"mean loss of the first \d+ steps ([\d.]+)", out)
@@ -151,11 +159,13 @@ def _check_02(out, work):
 
 def test_02_cache_mnist_tar_path(tmp_path):
     _, out = execute("02_cache_mnist", tmp_path, drive=True, drive_mount=str(tmp_path / "drive"))
+    out = _words(out)
     # Outside Colab the Drive option does nothing and says so (tests/tpu/test_drive.py: on a fake Colab).
     assert "drive: Google Drive is mounted only on Colab, and this is not Colab: nothing mounted" in out
     assert not (tmp_path / "drive").exists()
     _check_02(out, tmp_path / "work")
-    assert "reopened from export/mnist-cache.tar: 3,000 samples" in out
+    out = _words(out)
+    assert "reopened from export/mnist-cache.tar without its source dataset: 3,000 samples" in out
     # The reopened copy is a complete cache of its own, unpacked from the tar.
     meta = json.loads((tmp_path / "work" / "cache" / "mnist-reopened" / "nbkit.json").read_text())
     assert meta["length"] == 3000
@@ -173,8 +183,9 @@ def test_02_another_dataset_gets_its_own_cache_and_tar(tmp_path):
     mnist = mnist_like("MNIST", str(work / "data"), transform=transform, download=False, offline_samples=3000)
     nbkit.CachedDataset(mnist, str(work / "cache" / "mnist")).warmup()  # what the MNIST run left
     _, out = execute("02_cache_mnist", tmp_path, dataset="FashionMNIST")
-    assert "cache/fashionmnist: 0 of 3,000 samples cached" in out, out
-    assert "reopened from export/fashionmnist-cache.tar: 3,000 samples" in out
+    out = _words(out)
+    assert "created a new cache at cache/fashionmnist 0 of 3,000 samples cached" in out, out
+    assert "reopened from export/fashionmnist-cache.tar without its source dataset: 3,000 samples" in out
     assert nbkit.CachedDataset.open(str(work / "cache" / "mnist")).stats.complete  # the MNIST cache is untouched
 
 
@@ -190,9 +201,9 @@ def test_02_says_plainly_that_a_reopened_cache_is_partial(tmp_path, capsys):
     nbkit.export_tar(ds.root, str(tmp_path / "partial.tar"))
     nb = nbformat.read(str(REPO / "notebooks" / "02_cache_mnist.ipynb"), as_version=4)
     cell = next(c.source for c in nb.cells if c.cell_type == "code" and "CachedDataset.open(reopened_dir)" in c.source)
-    exec(cell, {"nbkit": nbkit, "shutil": shutil, "cache_path": str(tmp_path / "cache"), "upload_to": "",
+    exec(cell, {"nbkit": nbkit, "say": nbkit.text.say, "shutil": shutil, "cache_path": str(tmp_path / "cache"), "upload_to": "",
                 "tar_file": str(tmp_path / "partial.tar"), "storage_options": {}})
-    out = capsys.readouterr().out
+    out = _words(capsys.readouterr().out)
     assert ("partial: this cache holds 10,240 of 12,000 samples; training will stop at the first missing one"
             in out), out
 
@@ -209,8 +220,9 @@ def test_02_cache_mnist_through_gcs(tmp_path, gcs):  # noqa: F811
     url = f"{gcs.url}/mnist-cache"
     _, out = execute("02_cache_mnist", tmp_path, upload_url=url, storage_options=gcs.storage_options)
     _check_02(out, tmp_path / "work")
+    out = _words(out)
     assert f"uploaded: {url}" in out
-    assert f"reopened from {url}: 3,000 samples" in out
+    assert f"reopened from {url} without its source dataset: 3,000 samples" in out
     assert gcs.fs.exists(f"{gcs.name}/mnist-cache/nbkit.json")
 
 

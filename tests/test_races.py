@@ -381,14 +381,24 @@ def _overwrite_paused_at_publish(path, reached, go):
     return ds.warmup().computed
 
 
-def _overwrite_paused_after_removing(path, reached, go):
-    real = nbkit.stores.base.Location.remove
+def _overwrite_paused_after_removing(path, read, read_go, reached, go):
+    real_read, real = nbkit.stores.base.Location.read_meta, nbkit.stores.base.Location.remove
+    first = [True]
+
+    def read_paused(self):
+        meta = real_read(self)
+        if first:  # B has seen the old cache (of a third source), so it will remove it
+            first.clear()
+            read.set()
+            assert read_go.wait(WAIT)
+        return meta
 
     def paused(self):
         real(self)
         reached.set()
         assert go.wait(WAIT)
 
+    nbkit.stores.base.Location.read_meta = read_paused
     nbkit.stores.base.Location.remove = paused
     ds = nbkit.CachedDataset(Shifted(32), path, overwrite=True)
     return ds.warmup().computed
@@ -398,11 +408,15 @@ def test_an_overwrite_that_removes_a_cache_being_created_never_leaves_metadata_w
     """A creates the cache and stops before publishing its metadata; B (overwrite) removes what is
     there and stops before creating its own; A publishes; B goes on."""
     path = str(tmp_path / "c")
-    nbkit.CachedDataset(Shifted(32), path).warmup()
+    # A third source: overwrite=True replaces only a cache of another source, so both A and B remove it.
+    nbkit.CachedDataset(GatedSource(32, shift=500), path).warmup()
     a_reached, a_go, b_reached, b_go = CTX.Event(), CTX.Event(), CTX.Event(), CTX.Event()
+    b_read, b_read_go = CTX.Event(), CTX.Event()
+    b = Child(_overwrite_paused_after_removing, path, b_read, b_read_go, b_reached, b_go)
+    assert b_read.wait(WAIT)  # B read the old cache's metadata
     a = Child(_overwrite_paused_at_publish, path, a_reached, a_go)
     assert a_reached.wait(WAIT)
-    b = Child(_overwrite_paused_after_removing, path, b_reached, b_go)
+    b_read_go.set()
     wait_for(lambda: b_reached.is_set() or _pid_blocked(b.p.pid), "B to remove the cache (or wait for A)")
     a_go.set()
     wait_for(lambda: not a.q.empty() or b_reached.is_set(), "A to finish or B to remove")

@@ -590,6 +590,8 @@ class WarmupPanel(View):
 
 #: An error in the panel: at most this many lines of at most this many characters; the rest is in "details".
 ERROR_LINES, ERROR_LINE_CHARS = 3, 160
+#: The "details" control of an error: a disclosure triangle and a dotted underline in any front end.
+SUMMARY_STYLE = "cursor:pointer;display:list-item;list-style-position:inside;text-decoration:underline dotted"
 
 
 def error_html(error: BaseException) -> str:
@@ -610,7 +612,10 @@ def error_html(error: BaseException) -> str:
     out = f'<span style="color:{RED};font-weight:bold">{"<br>".join(html.escape(ln) for ln in [f"Error: {type(error).__name__}: {shown[0]}"] + shown[1:])}</span>'
     if causes or shown != lines:
         full = "\n\n".join([f"{type(error).__name__}: {error}"] + causes)
-        out += (f'<details style="color:{GREY}"><summary style="cursor:pointer">details</summary>'
+        # An explicit list-item summary: the disclosure triangle (▸, ▾ once open) shows in every front
+        # end, also where a stylesheet makes summaries blocks without one (the classic Notebook's, for
+        # ipywidgets 7); underlined, so it reads as something to click.
+        out += (f'<details style="color:{GREY}"><summary style="{SUMMARY_STYLE}">details</summary>'
                 f'<pre style="white-space:pre-wrap;overflow-wrap:anywhere;margin:0">{html.escape(full)}</pre></details>')
     return out
 
@@ -631,15 +636,25 @@ def disk_text(ds, stats) -> str:
     Example:
         >>> import torch, tempfile, nbkit
         >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(8)), tempfile.mkdtemp())
-        >>> disk_text(ds, ds.stats).startswith(nbkit.text.format_bytes(ds.stats.disk_bytes) + " on disk (sample data, index and metadata) in /")
+        >>> disk_text(ds, ds.stats).startswith(nbkit.text.format_bytes(ds.stats.disk_bytes) + " reserved on disk (sample")
         True
+        >>> ds.warmup().computed, disk_text(ds, ds.stats).startswith(nbkit.text.format_bytes(ds.stats.disk_bytes) + " on disk (sample")
+        (8, True)
     """
     root = str(getattr(ds, "root", ""))
     if os.path.dirname(root) == cache_dir():
         where = f"in the working copy {_home_short(root)}"
     else:
         where = f"in {os.fspath(getattr(ds, 'path', None) or root)}"
-    size = "" if stats.disk_bytes is None else f"{format_bytes(stats.disk_bytes)} on disk (sample data, index and metadata) {where}. "
+    if stats.disk_bytes is None:
+        size = ""
+    elif not stats.complete and stats.disk_bytes > stats.bytes:
+        # The column files are allocated whole when the cache is made: their size on disk is the
+        # full cache's from the start, not what is stored yet (the counts line says that).
+        size = (f"{format_bytes(stats.disk_bytes)} reserved on disk (sample data, index and metadata) {where}, "
+                "allocated for the whole cache up front. ")
+    else:
+        size = f"{format_bytes(stats.disk_bytes)} on disk (sample data, index and metadata) {where}. "
     return (f"{size}Working copies of remote caches live in {_home_short(cache_dir())} ($NBKIT_CACHE_DIR): "
             "nbkit ls lists every cache, nbkit rm and nbkit prune free the space.")
 

@@ -258,6 +258,25 @@ def test_a_long_error_shows_three_cut_lines_and_the_rest_in_details():
     assert re.sub(r"<[^>]+>", "", lines[2]).endswith("…")
     assert "line 7: word" in details and "caused by ConnectionResetError: the peer went away" in details
     assert error_html(ValueError("short")).count("<details") == 0  # nothing left out: no disclosure
+    # The control shows its triangle even where a stylesheet turns summaries into plain blocks
+    # (the classic Notebook's, under ipywidgets 7): display:list-item set on the element itself.
+    summary = re.search(r"<summary style=\"([^\"]*)\">details</summary>", details)
+    assert summary and "display:list-item" in summary.group(1) and "cursor:pointer" in summary.group(1)
+
+
+def test_the_disk_line_says_reserved_while_the_preallocated_files_are_not_filled(tmp_path):
+    """At a warmup's start the files are already their full size: "reserved", beside "0 B of sample data"."""
+    from nbkit.widgets.panel import disk_text
+
+    ds = nbkit.CachedDataset(TupleSource(1000), str(tmp_path / "c"))
+    panel = WarmupPanel(ds)
+    text = html.unescape(re.sub(r"<[^>]+>", "", panel.disk_label.value))
+    assert ds.stats.bytes == 0 and ds.stats.disk_bytes > 0
+    assert re.match(r"[\d.]+ [KMG]?B reserved on disk \(sample data, index and metadata\) in .*, allocated for "
+                    r"the whole cache up front\. ", text), text
+    assert "0 B of sample data" in panel.counts
+    ds.warmup()
+    assert " on disk (sample data" in disk_text(ds, ds.stats) and "reserved" not in disk_text(ds, ds.stats)
 
 
 def test_terminal_display_prints_a_text_line(tmp_path, capsys):
