@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import html
 import math
 import socket
 import statistics
@@ -43,7 +42,7 @@ from pathlib import Path
 from .extras import require
 from .progress import as_callback
 from .stats import EpochCounter
-from .text import Table, fill, format_count, format_percent
+from .text import Table, fill, html_words, say, format_count, format_percent
 
 __all__ = ["EpochRow", "EpochComparison", "compare_epochs", "TrainingRow", "TrainingComparison", "compare_training",
            "mnist_like", "MNIST_LIKE", "MIN_TIMED", "NOISE"]
@@ -346,7 +345,7 @@ class EpochComparison:
         return text + (f"; {self.note}" if self.note else "")
 
     # --- table -------------------------------------------------------------------------------
-    _HEADER = ("epoch", "seconds", "samples/s", "hit rate")
+    _HEADER = ("epoch", "seconds", "samples per second", "hit rate")
     #: Under the table: the rows the label marks are not in the medians.
     _NOTE = "(warm-up) and (filling) epochs are not counted"
 
@@ -427,16 +426,20 @@ class EpochComparison:
                            xlabel="seconds an epoch (shorter is better)", path=path)
 
 
-#: The tables' HTML: cells wrap at spaces and pad little, so that a table fits a 400-pixel output
-#: (a phone, Colab's side panel) instead of scrolling sideways behind a scrollbar that is not shown.
-_TABLE_STYLE = "max-width:100%;width:auto;table-layout:auto;margin-left:0"
-_CELL_STYLE = "white-space:normal;overflow-wrap:normal;padding:0.3em 0.4em;vertical-align:top"
+#: The tables' HTML: cells wrap between words only (never at a range's dash or a label's hyphen),
+#: in a slightly smaller type with little padding, so that a table fits a 400-pixel output (a phone,
+#: Colab's side panel) instead of scrolling sideways behind a scrollbar that is not shown.
+_TABLE_STYLE = "max-width:100%;width:auto;table-layout:auto;margin-left:0;font-size:0.85em"
+_CELL_STYLE = "white-space:normal;overflow-wrap:normal;padding:0.2em 0.25em;vertical-align:top"
+
+
+_GREY, _CARD_EDGE = "#616161", "#bdbdbd"
 
 
 def _html(table: Table, summary: str, *, row_styles=()) -> str:
-    return (table.html(style=_TABLE_STYLE, cell_style=_CELL_STYLE, row_styles=row_styles,
+    return (table.html(style=_TABLE_STYLE, cell_style=_CELL_STYLE, row_styles=row_styles, keep_words=True,
                        note_style="margin:0 0 0.5em 0;padding-left:1.2em")
-            + f"<p style='max-width:100%'>{html.escape(summary)}</p>")
+            + f"<p style='max-width:100%'>{html_words(summary)}</p>")
 
 
 def _once(seconds: float) -> str:
@@ -769,7 +772,19 @@ class TrainingComparison:
         return f"<TrainingComparison {self.summary()}>"
 
     def _repr_html_(self) -> str:
-        return _html(self._table(), self.summary())
+        """The table's cells as one card per feed (its name, then a line per column), the cards side by
+        side where they fit and one under another on a narrow screen: four columns of ranges do not
+        fit a 400-pixel output, and a card never scrolls sideways."""
+        table = self._table()
+        cards = []
+        for row in table.rows:
+            lines = "".join(f"<div><span style='color:{_GREY}'>{html_words(key)}:</span> {html_words(value)}</div>"
+                            for key, value in zip(table.header[1:], row[1:]))
+            cards.append(f"<div style='flex:1 1 14em;min-width:0;max-width:22em;padding:0.3em 0.5em;"
+                         f"border-left:3px solid {_CARD_EDGE}'><div style='font-weight:bold'>{html_words(row[0])}</div>"
+                         f"{lines}</div>")
+        return (f"<div style='display:flex;flex-wrap:wrap;gap:0.5em 1em;max-width:100%;margin:0.3em 0'>{''.join(cards)}</div>"
+                f"<p style='max-width:100%'>{html_words(self.summary())}</p>")
 
     def _bars(self) -> list:
         """The plot's bars: every feed at its own median, its whisker its own fastest to slowest pass.
@@ -1142,7 +1157,7 @@ def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transfor
     ds = getattr(datasets, layout)(offline_root, download=False, train=train, transform=transform)
     ds.nbkit_source = "offline"
     note = " (EMNIST has no offline layout; using MNIST-format data instead)" if name == "EMNIST" else ""
-    print(fill(stand_in_notice(len(ds), reason, layout=layout, name=name, note=note)), flush=True)  # fits 400 px
+    say(stand_in_notice(len(ds), reason, layout=layout, name=name, note=note))  # fits 400 px in a notebook
     return ds
 
 

@@ -22,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import html
+import re
+import shutil
+import sys
 import textwrap
 import unicodedata
 from typing import Sequence
 
 __all__ = ["printable", "format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent",
-           "format_list", "fill", "say", "NARROW_COLUMNS", "Table", "plural", "format_age", "shorten_middle",
+           "format_list", "fill", "say", "in_kernel", "html_words", "NARROW_COLUMNS", "Table", "plural", "format_age", "shorten_middle",
            "FRONT_ENDS", "FIXES", "front_end", "speaking_to", "fix"]
 
 #: The characters of monospaced output that fit a 400-pixel notebook (a phone, Colab's side panel).
@@ -129,29 +132,75 @@ def format_list(items, *, limit: int = 10, show=str) -> str:
     return ", ".join(map(show, items[:limit])) + (" …" if len(items) > limit else "")
 
 
+class _Filler(textwrap.TextWrapper):
+    """textwrap's filler that breaks at spaces only, and a path longer than a line after a ``/``."""
+
+    def _split(self, text):
+        chunks = []
+        for chunk in super()._split(text):
+            if len(chunk) > self.width and "/" in chunk.strip("/"):
+                chunks.extend(p for p in re.split(r"(?<=/)(?=[^/])", chunk) if p)
+            else:
+                chunks.append(chunk)
+        return chunks
+
+
 def fill(text: str, width: int = NARROW_COLUMNS) -> str:
     """``text`` in lines of at most ``width`` characters, broken at spaces only (never inside a word,
-    never at a hyphen); its own line breaks are kept. A word longer than ``width`` stays whole.
+    never at a hyphen); its own line breaks are kept. A path longer than ``width`` is broken after a
+    ``/`` (``cache/`` then ``mnist-checkpoint.pt``); any other word longer than ``width`` stays whole.
 
     Example:
         >>> print(fill("reopened cache/mnist without its source: 60,000 samples", 24))
         reopened cache/mnist
         without its source:
         60,000 samples
+        >>> print(fill("checkpoint: /content/drive/MyDrive/nbkit/mnist-checkpoint.pt", 28))
+        checkpoint: /content/drive/
+        MyDrive/nbkit/
+        mnist-checkpoint.pt
     """
-    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False) if line else ""
-                     for line in str(text).split("\n"))
+    filler = _Filler(width, break_long_words=False, break_on_hyphens=False)
+    return "\n".join(filler.fill(line) if line else "" for line in str(text).split("\n"))
 
 
-def say(text: str, width: int = NARROW_COLUMNS) -> None:
-    """Print ``text`` through :func:`fill`, flushed: what a notebook cell prints for people to read,
-    so that it fits a 400-pixel output without a word broken in two, and shows before a slow step.
+def html_words(text: str, *, longest: int = 40) -> str:
+    """``text`` escaped for HTML, each word that a browser would break inside (at ``-``, ``/``, ``–``
+    or ``—``) kept on one line: a narrow screen then wraps between words only. A word longer than
+    ``longest`` characters (a long URL) is left free to break, so it cannot push past the edge.
+
+    Example:
+        >>> html_words("about 81× (72–86×) & more")
+        "about 81× <span style='white-space:nowrap'>(72–86×)</span> &amp; more"
+    """
+    def keep(m):
+        word = m.group(0)
+        return f"<span style='white-space:nowrap'>{word}</span>" if re.search(r"[-/–—]", word) else word
+
+    return re.sub(r"(?<!\S)\S{1,%d}(?!\S)" % longest, keep, html.escape(str(text)))
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter/Colab/Voila kernel (a notebook's output), False in a terminal or a script."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def say(text: str, width: int | None = None) -> None:
+    """Print ``text`` through :func:`fill`, flushed: what nbkit prints for people to read. In a
+    notebook it fits a 400-pixel output (:data:`NARROW_COLUMNS`) without a word broken in two; in a
+    terminal it fills the terminal's width; it shows before a slow step either way.
 
     Example:
         >>> say("built cache/mnist: 60,000 samples computed", 30)
         built cache/mnist: 60,000
         samples computed
     """
+    if width is None:
+        width = NARROW_COLUMNS if in_kernel() else max(NARROW_COLUMNS, shutil.get_terminal_size().columns - 1)
     print(fill(text, width), flush=True)
 
 
@@ -208,7 +257,8 @@ class Table:
         return "\n".join(lines)
 
     def html(self, *, css_class: str = "", style: str = "", cell_style: str = "", column_styles: Sequence[str] = (),
-             row_styles: Sequence[str] = (), row_headers: bool = False, note_style: str = "") -> str:
+             row_styles: Sequence[str] = (), row_headers: bool = False, note_style: str = "",
+             keep_words: bool = False) -> str:
         """An HTML table (cells escaped).
 
         Args:
@@ -217,7 +267,9 @@ class Table:
             row_styles: CSS for each body row (``""`` for none).
             row_headers: the first cell of each row is a ``<th>`` (key/value reports).
             note_style: CSS of the notes' ``<ul>``.
+            keep_words: cells and notes wrap between words only (:func:`html_words`), for narrow screens.
         """
+        escape = html_words if keep_words else html.escape
         def cell(tag, k, text):
             parts = [cell_style]
             if k < len(self.align) and self.align[k] in "lr":
@@ -226,7 +278,7 @@ class Table:
                 parts.append(column_styles[k])
             css = ";".join(p for p in parts if p)
             attr = f" style='{css}'" if css else ""
-            return f"<{tag}{attr}>{html.escape(text)}</{tag}>"
+            return f"<{tag}{attr}>{escape(text)}</{tag}>"
 
         body = []
         for r, row in enumerate(self.rows):
@@ -241,7 +293,7 @@ class Table:
         attrs = (f" class='{css_class}'" if css_class else "") + (f" style='{style}'" if style else "")
         out = f"<table{attrs}>{inner}</table>"
         if self.notes:
-            items = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+            items = "".join(f"<li>{escape(n)}</li>" for n in self.notes)
             out += (f"<ul style='{note_style}'>" if note_style else "<ul>") + items + "</ul>"
         return out
 

@@ -64,9 +64,12 @@ class ProgressBar(TextProgress):
         self._new_bar()
 
     def _new_bar(self) -> None:
-        self.bar = _w.IntProgress(value=0, min=0, max=1, layout=_w.Layout(width="100%", max_width="600px"))
-        self.note = _w.HTML(layout=_w.Layout(width="100%"))
-        self.widget = _w.VBox([self.bar, self.note], layout=_w.Layout(width="100%", max_width="600px"))
+        # Widths as the panel's: the inline widgets "auto" inside a full-width row (a width of 100%
+        # plus their own margins would stick out of a narrow output and make it scroll sideways).
+        self.bar = _w.IntProgress(value=0, min=0, max=1, layout=_w.Layout(width="auto", flex="1 1 auto", min_width="4em"))
+        self.note = _w.HTML(layout=_w.Layout(width="auto"))
+        row = _w.HBox([self.bar], layout=_w.Layout(width="100%"))
+        self.widget = _w.VBox([row, self.note], layout=_w.Layout(width="100%", max_width="600px"))
         self._shown = False
         self._drawn = 0.0
 

@@ -13,11 +13,9 @@ Example:
 
 from __future__ import annotations
 
-import html
-import re
-import sys
 
 from nbkit.extras import require
+from nbkit.text import html_words, in_kernel
 
 ipywidgets = require("ipywidgets", extra="notebook", feature="nbkit.widgets")
 
@@ -30,21 +28,12 @@ RED, GREEN, GREY = "#c62828", "#2e7d32", "#555555"
 AMBER = "#a15c00"
 
 
-def in_kernel() -> bool:
-    """True inside a Jupyter/Colab/Voila kernel, where widgets have a front end to draw in."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    shell = ipython.get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
 def status_html(text: str, color: str = GREY, *, bold: bool = False) -> str:
     """One status line as HTML: ``text`` escaped, in ``color``."""
     weight = "bold" if bold else "normal"
     # Lines break between words, never at a path's "-" or "/"; only a word longer than a narrow
     # line (a long URL) may break inside itself.
-    words = re.sub(r"(?<!\S)\S{1,40}(?!\S)", lambda m: _nowrap(m.group(0)), html.escape(text))
+    words = html_words(text)
     return (f'<div style="white-space:normal;word-break:normal;overflow-wrap:break-word;line-height:1.5">'
             f'<span style="color:{color};font-weight:{weight}">{words}</span></div>')
 
@@ -67,10 +56,6 @@ def units_html(units, *, color: str = GREY, path_first: bool = False) -> str:
         sep = ("&nbsp;·" if i == 0 and path_first else " ·") if i < len(units) - 1 else ""
         spans.append(f"<span style='{style}'>{unit}{sep}</span>")
     return "<div style='white-space:normal;line-height:1.6'>" + " ".join(spans) + "</div>"
-
-
-def _nowrap(word: str) -> str:
-    return f"<span style='white-space:nowrap'>{word}</span>" if re.search(r"[-/]", word) else word
 
 
 class View:
