@@ -403,13 +403,13 @@ def remove(path, *, dry_run: bool = False) -> Removal:
     except FileNotFoundError:
         raise FileNotFoundError(f"nothing to remove at {root}: no such directory. See the caches there are: "
                                 f"{fix_for('list caches')}") from None
-    if stat.S_ISREG(st.st_mode):
-        raise NotADirectoryError(not_a_directory(root, "remove it"))
     if stat.S_ISLNK(st.st_mode):
         raise ValueError(f"refusing to remove {root}: it is a symbolic link (to {os.readlink(root)}), and nbkit never "
                          "follows links. Remove the link itself with rm, or pass the cache directory it points to.")
-    if leftover_problem(root) is not None:
+    if leftover_problem(root) is not None:  # a leftover file too (a tar an interrupted export was writing)
         return _remove_leftover(root, dry_run)
+    if stat.S_ISREG(st.st_mode):
+        raise NotADirectoryError(not_a_directory(root, "remove it"))
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"{root} is not a directory, so not an nbkit cache; nothing was removed")
     # Held open once: every step below works on this directory, even if the path is swapped meanwhile

@@ -347,32 +347,28 @@ def shorten_middle(text: str, width: int) -> str:
 FRONT_ENDS = ("python", "shell", "panel")
 _FRONT_END: contextvars.ContextVar = contextvars.ContextVar("nbkit_front_end", default="python")
 
-#: Each action a message may ask for, in the words of each front end (``{name}`` fields filled by :func:`fix`).
+#: Each action a message may ask for, in the words of each front end (``{name}`` fields filled by
+#: :func:`fix`). The panel runs in a notebook: where it has no button for the action, the words are Python's.
 FIXES = {
     "retry push": {"python": "rerun nbkit.push({path!r}, {url!r})", "shell": "run the same nbkit push command again",
                    "panel": "click Upload again"},
-    "retry pull": {"python": "rerun nbkit.pull({url!r}, {path!r})", "shell": "run the same nbkit pull command again",
-                   "panel": "run nbkit.pull({url!r}, {path!r})"},
+    "retry pull": {"python": "rerun nbkit.pull({url!r}, {path!r})", "shell": "run the same nbkit pull command again"},
     "give token": {"python": "pass storage_options={{'token': ...}}", "shell": "pass -o token=...",
                    "panel": "make the panel with WarmupPanel(ds, storage_options={{'token': ...}})"},
     "endpoint option": {"python": "storage_options['endpoint_url']", "shell": "-o endpoint_url=...",
                         "panel": "the panel's storage_options['endpoint_url']"},
-    "list caches": {"python": "nbkit.caches()", "shell": "nbkit ls", "panel": "nbkit.caches()"},
-    "remove": {"python": "nbkit.remove({path!r})", "shell": "nbkit rm {path}", "panel": "nbkit.remove({path!r})"},
+    "list caches": {"python": "nbkit.caches()", "shell": "nbkit ls"},
+    "remove": {"python": "nbkit.remove({path!r})", "shell": "nbkit rm {path}"},
     "free cache space": {"python": "nbkit.caches() shows the caches and what they hold; nbkit.remove(path) or "
                                    "nbkit.prune(max_size=...) removes them",
-                         "shell": "nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes them",
-                         "panel": "nbkit.caches() shows the caches and what they hold; nbkit.remove(path) or "
-                                  "nbkit.prune(max_size=...) removes them"},
-    "remove leftovers": {"python": "nbkit.remove(path)", "shell": "nbkit rm PATH", "panel": "nbkit.remove(path)"},
+                         "shell": "nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes them"},
+    "remove leftovers": {"python": "nbkit.remove(path)", "shell": "nbkit rm PATH"},
     "push a cache": {"python": "nbkit.push(cache_dir, {url!r})", "shell": "nbkit push CACHE_DIR {url}",
                      "panel": "click Upload in the panel of the cache to send"},
     "export a cache": {"python": "nbkit.export_tar(cache_dir, {tar!r})", "shell": "nbkit export CACHE_DIR {tar}",
                        "panel": "click Export tar in the panel of the cache to export"},
-    "import a tar": {"python": "nbkit.import_tar({tar!r}, cache_dir)", "shell": "nbkit import {tar} CACHE_DIR",
-                     "panel": "nbkit.import_tar({tar!r}, cache_dir)"},
-    "show a cache": {"python": "open it with nbkit.CachedDataset.open(cache_dir)", "shell": "nbkit info CACHE_DIR shows it",
-                     "panel": "open it with nbkit.CachedDataset.open(cache_dir)"},
+    "import a tar": {"python": "nbkit.import_tar({tar!r}, cache_dir)", "shell": "nbkit import {tar} CACHE_DIR"},
+    "show a cache": {"python": "open it with nbkit.CachedDataset.open(cache_dir)", "shell": "nbkit info CACHE_DIR shows it"},
 }
 
 
@@ -414,4 +410,5 @@ def fix(action: str, **values) -> str:
         ...     fix("retry push", path="/c", url="gs://b/c")
         'click Upload again'
     """
-    return FIXES[action][front_end()].format(**values)
+    words = FIXES[action]
+    return words.get(front_end(), words["python"]).format(**values)

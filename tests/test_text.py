@@ -111,11 +111,11 @@ def test_plural_age_and_middle_shortening():
 # -- fixes worded for where the user is -----------------------------------------------------------------
 
 
-def test_every_action_has_words_for_every_front_end():
+def test_every_action_has_words_for_python_and_the_shell_and_the_panel_falls_back_on_python():
     from nbkit.text import FIXES, FRONT_ENDS
 
-    for action, words in FIXES.items():
-        assert set(words) == set(FRONT_ENDS), action
+    for action, words in FIXES.items():  # the panel may fall back on Python's words (it runs in a notebook)
+        assert {"python", "shell"} <= set(words) <= set(FRONT_ENDS), action
 
 
 def test_the_front_end_picks_the_words_and_is_set_per_thread():
