@@ -27,7 +27,7 @@ from .gather import crc_rows, pool, spans
 from .errors import CorruptCacheError, StaleCacheError
 from .commit import atomic_write
 from .progress import as_callback
-from .text import format_list
+from .text import fix, format_list
 
 __all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "Store", "list_cache_files", "read_meta",
            "parse_meta", "publish_meta", "row_crc", "batch_crc", "sample_crcs", "verify", "verify_store", "read_blob_or_none",
@@ -77,9 +77,9 @@ def read_meta(root: str) -> dict:
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no nbkit cache at {root} (it has no {META}). Create one with nbkit.CachedDataset(source, "
-            f"{root!r}), or bring one in with nbkit.pull(...) or nbkit.import_tar(...)."
+            f"{root!r}), or {fix('bring in a cache')}."
         ) from None
-    return parse_meta(raw, path, "Re-create the cache (overwrite=True) or get it again (nbkit.pull / nbkit.import_tar).")
+    return parse_meta(raw, path, f"To repair it, {fix('get a cache again')}.")
 
 
 #: The most samples a cache may hold (its index is 24 bytes a sample).

@@ -368,6 +368,11 @@ FIXES = {
     "export a cache": {"python": "nbkit.export_tar(cache_dir, {tar!r})", "shell": "nbkit export CACHE_DIR {tar}",
                        "panel": "click Export tar in the panel of the cache to export"},
     "import a tar": {"python": "nbkit.import_tar({tar!r}, cache_dir)", "shell": "nbkit import {tar} CACHE_DIR"},
+    "get a cache again": {"python": "get it again (nbkit.pull / nbkit.import_tar), or re-create it",
+                          "shell": "get it again (nbkit pull URL PATH / nbkit import TAR PATH), or remove it (nbkit rm "
+                                   "PATH) and build it again"},
+    "bring in a cache": {"python": "bring one in with nbkit.pull(url, path) or nbkit.import_tar(tar, path)",
+                         "shell": "bring one in with nbkit pull URL PATH or nbkit import TAR PATH"},
     "show a cache": {"python": "open it with nbkit.CachedDataset.open(cache_dir)", "shell": "nbkit info CACHE_DIR shows it"},
 }
 

@@ -42,6 +42,7 @@ import stat
 import numpy as np
 
 from .errors import CorruptCacheError, UnsafeArchiveError
+from .text import fix
 
 __all__ = ["check_int", "check_size", "check_bool", "check_path", "check_url", "CACHE_FILE", "is_cache_file",
            "check_cache_file", "cache_file_path", "check_json", "Int", "Str", "Bool", "Float", "List", "Obj", "Map",
@@ -414,7 +415,7 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644, *, dir_
         >>> open_regular(d + "/index.bin")
         Traceback (most recent call last):
         ...
-        nbkit.errors.CorruptCacheError: .../index.bin is a named pipe (fifo), not a regular file: an nbkit cache holds regular files only. Remove it and get the cache again (nbkit.pull / nbkit.import_tar), or re-create it.
+        nbkit.errors.CorruptCacheError: .../index.bin is a named pipe (fifo), not a regular file: an nbkit cache holds regular files only. Remove it and get it again (nbkit.pull / nbkit.import_tar), or re-create it.
     """
     try:
         fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode, dir_fd=dir_fd)
@@ -445,8 +446,8 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644, *, dir_
 
 
 def _not_regular(path: str, kind: str) -> str:
-    return (f"{path} is {kind}, not a regular file: an nbkit cache holds regular files only. Remove it and get the "
-            "cache again (nbkit.pull / nbkit.import_tar), or re-create it.")
+    return (f"{path} is {kind}, not a regular file: an nbkit cache holds regular files only. Remove it and "
+            f"{fix('get a cache again')}.")
 
 
 def read_small(path: str, limit: int = MAX_JSON_BYTES) -> bytes:
