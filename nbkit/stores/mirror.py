@@ -176,7 +176,8 @@ class MirrorLocation(Location):
             if stored < length:
                 return False
             fs, rroot = url_to_fs(self.url, self.storage_options)
-            with network_errors(fs, self.url, "publishing to", fix("retry push", path=self.root, url=self.url) + ": it resumes"):
+            again = f"call sync() on the dataset again, or {fix('retry push', path=self.root, url=self.url)}: it resumes"
+            with network_errors(fs, self.url, "publishing to", again):
                 return self._publish(fs, rroot, length, callback)
 
     def _publish(self, fs, rroot: str, length: int, callback) -> bool:

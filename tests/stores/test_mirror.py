@@ -157,7 +157,7 @@ def test_remote_without_cache_leaves_working_copy_alone(tmp_path, monkeypatch, r
         nbkit.CachedDataset.open(url, storage_options=so)
     text = str(err.value)
     assert text.startswith(f"no nbkit cache at {url}: nothing has been published there")
-    assert f"nbkit.CachedDataset(source, {url!r})" in text and f"nbkit.push(local_cache_dir, {url!r})" in text
+    assert f"nbkit.CachedDataset(source, {url!r})" in text and f"nbkit.push(cache_dir, {url!r})" in text
     assert loc.root not in text  # the hashed working copy is not where the user should look or build
 
 

@@ -237,8 +237,12 @@ def test_read_only_with_source_computes_what_the_bucket_lacks(source, tmp_path, 
     assert ds.stats.cached == len(src) // 2  # computed, not stored
     assert ds.warmup().computed == 0  # nothing to warm: the cache is read-only here
     assert sorted(gcs.fs.find(f"{gcs.name}/half")) == before  # nothing written to the bucket
+    # overwrite=True keeps a cache of this source; replacing one of another source needs a writable store.
+    kept = nbkit.CachedDataset(src, url, storage_options=gcs.storage_options, local_max_bytes=size // 2, overwrite=True)
+    assert kept.opened == "reopened"
+    other = torch.utils.data.TensorDataset(torch.zeros(len(src), 1, 28, 28), torch.zeros(len(src), dtype=torch.long))
     with pytest.raises(PermissionError, match="read-only"):
-        nbkit.CachedDataset(src, url, storage_options=gcs.storage_options, local_max_bytes=size // 2, overwrite=True)
+        nbkit.CachedDataset(other, url, storage_options=gcs.storage_options, local_max_bytes=size // 2, overwrite=True)
     # Without the source, a sample the bucket lacks is a clear MissingSampleError.
     ro = nbkit.CachedDataset.open(url, storage_options=gcs.storage_options, local_max_bytes=size // 2)
     assert torch.equal(ro[0][0], images[0])
