@@ -89,20 +89,36 @@ def voila(notebook: Path, *, env: dict, log: Path, timeout: float = 120.0):
             proc.wait(timeout=15)
 
 
+# One browser for the whole run. Each test module that imports ``chromium`` gets a fixture of its own
+# (pytest keys fixtures by the module they are defined in), and playwright's sync API runs only one
+# instance per thread: so every copy of the fixture shares this one, and the last to finish closes it.
+_BROWSER = {"users": 0, "playwright": None, "browser": None}
+
+
 @pytest.fixture(scope="session")
 def chromium():
     """A headless Chromium browser (playwright); skipped when /usr/bin/chromium is not installed."""
     path = chromium_path()
     if path is None:
         pytest.skip("browser tests need Debian chromium: run `sh scripts/install-system-deps.sh` (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
+    if _BROWSER["browser"] is None:
+        from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=path, headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
+        _BROWSER["playwright"] = sync_playwright().start()
+        _BROWSER["browser"] = _BROWSER["playwright"].chromium.launch(executable_path=path, headless=True,
+                                                                      args=CHROMIUM_ARGS)
+    _BROWSER["users"] += 1
+    try:
+        yield _BROWSER["browser"]
+    finally:
+        _BROWSER["users"] -= 1
+        if _BROWSER["users"] == 0:
+            browser, playwright = _BROWSER["browser"], _BROWSER["playwright"]
+            _BROWSER.update(browser=None, playwright=None)
+            try:
+                browser.close()
+            finally:
+                playwright.stop()
 
 
 @pytest.fixture

@@ -424,6 +424,13 @@ class Notebook:
         return path
 
 
+
+def flat(text: str) -> str:
+    """Printed text with its narrow-output line breaks undone: every run of white space (the breaks of
+    lines filled by nbkit.text.say, no-break spaces) one space, and a path that nbkit.text.fill broke
+    after a ``/`` (it was longer than a line) whole again."""
+    return " ".join(re.sub(r"/\n", "/", text).split())
+
 # What a narrow screen must not do to a widget: labels cut, text clipped, a sideways scroller with no
 # visible scrollbar, a word split across lines, table cells wrapped, a separator or a percent alone at
 # the start of a line (rows wrap as units), a panel far narrower than the output area it sits in.

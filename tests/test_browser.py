@@ -31,7 +31,7 @@ import pytest
 from fixtures_browser import (  # noqa: F401 - fixtures
     ARTIFACTS, chromium, classic_server, frontend, lab_server, notebook_dir, page, voila,
 )
-from frontends import SCREENSHOTS, CellError, Notebook, clipped, set_parameters
+from frontends import SCREENSHOTS, CellError, Notebook, clipped, flat, set_parameters
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -294,7 +294,7 @@ def test_02_upload_with_an_empty_url_then_the_rest(open_02):
     nb.run(panel + 1)
     nb.wait_all(timeout=300)  # no cell re-raises the Upload error
     _, waits = _landmarks(nb)
-    printed = " ".join(nb.text(waits).split())  # the warmup's own outcome, not the panel's last status
+    printed = flat(nb.text(waits))  # the warmup's own outcome, not the panel's last status
     assert re.search(r"warmup: [\d,]+ samples computed in [\d.]+ s cache complete", printed), printed
     assert "Upload" not in printed and "Error" not in printed, printed
 
@@ -355,9 +355,9 @@ def test_02_overwrite_left_ticked_run_all_twice_keeps_the_complete_cache(open_02
     nb.wait_all(timeout=300)
     again = nbkit.format.read_meta(str(nb.path.parent / "cache" / "mnist"))
     assert again["generation"] == meta["generation"], "the second run rebuilt the cache"
-    text = " ".join(nb.text(opened).split())  # (printed lines are filled to a narrow width)
+    text = flat(nb.text(opened))  # (printed lines are filled to a narrow width)
     assert "reopened the cache at cache/mnist, built from this source (overwrite keeps it;" in text, text
-    warm = " ".join(nb.text(nb.index('panel.run("warmup")')).split())
+    warm = flat(nb.text(nb.index('panel.run("warmup")')))
     assert "warmup: nothing to do, every sample was already cached" in warm, warm
 
 
@@ -423,7 +423,7 @@ def test_02_run_all(ran_02):
         assert nb.progress(panel) == 100, nb.widget_text(panel)
         assert _cache(nb).stats.complete
         _idle_panel_is_true(nb, panel)  # after the export cell: the cache's fill, not "Export 100%"
-        assert "cache complete: True" in " ".join(nb.text(nb.index('panel.run("warmup")')).split())
+        assert "cache complete: True" in flat(nb.text(nb.index('panel.run("warmup")')))
         meter = nb.index("HitRateMeter(")
         assert "hit rate" in nb.widget_text(meter).lower()
     except AssertionError:

@@ -28,7 +28,7 @@ import pytest
 from fixtures_browser import (  # noqa: F401 - fixtures
     ARTIFACTS, chromium, classic_server, frontend, lab_server, notebook_dir, page,
 )
-from frontends import CellError, Notebook, set_parameters
+from frontends import CellError, Notebook, flat, set_parameters
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -41,11 +41,6 @@ _spec.loader.exec_module(run_notebooks)
 
 # CI's small offline parameters on the CPU: 300 samples, 9 batches of 32 an epoch, a checkpoint every 5 steps.
 SMALL_04 = {**run_notebooks.SMALL["04_resume"], "device": "cpu"}
-
-
-def flat(text: str) -> str:
-    """Output text with its narrow-output line breaks undone."""
-    return " ".join(text.split())
 
 
 def test_04_disconnect_resume_lost_cache_changed_form(page, frontend, notebook_dir):  # noqa: F811

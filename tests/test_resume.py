@@ -285,16 +285,17 @@ def test_a_cache_rebuilt_from_the_same_source_resumes_another_is_refused(tmp_pat
     seen = [next(it)[0].tolist() for _ in range(3)]
     state = round_trip(loader.state_dict())
     assert state["content"] and state["content"] == nbkit.samplers.content_identity(cache)
-    rebuilt = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "c", overwrite=True)
+    # (built anew elsewhere: overwrite=True keeps a cache of the same source, it never rebuilds one)
+    rebuilt = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "rebuilt")
     assert rebuilt.store.meta["generation"] != state["cache"]
     again = rebuilt.loader(4, seed=1)
     again.load_state_dict(state)
     assert seen + [x.tolist() for (x,) in again] == [b.tolist() for b in cache.loader(4, seed=1).batches(0)]
     # The same too for a copy opened without its source (a pulled or imported cache keeps the fingerprint).
     rebuilt.warmup()
-    nbkit.CachedDataset.open(tmp_path / "c").loader(4, seed=1).load_state_dict(state)
+    nbkit.CachedDataset.open(tmp_path / "rebuilt").loader(4, seed=1).load_state_dict(state)
     # Another source of the same length: its batches would differ, refused with the field and the fix.
-    other = nbkit.CachedDataset(TensorDataset(torch.arange(30) + 1), tmp_path / "c", overwrite=True)
+    other = nbkit.CachedDataset(TensorDataset(torch.arange(30) + 1), tmp_path / "other")
     with pytest.raises(nbkit.errors.ResumeStateError, match="made for cache='[0-9a-f]{32}'.*not built from the same "
                        "source.*start over.*'cache' entry set to None") as e:
         other.loader(4, seed=1).load_state_dict(state)
@@ -302,7 +303,7 @@ def test_a_cache_rebuilt_from_the_same_source_resumes_another_is_refused(tmp_pat
     other.loader(4, seed=1).load_state_dict(dict(state, cache=None))  # waived by the caller, as before
     # A state saved by the previous release (no "content"): the same cache loads, a rebuilt one is refused.
     old = {k: v for k, v in state.items() if k != "content"}
-    rebuilt = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "c", overwrite=True)
+    rebuilt = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "rebuilt-again")
     with pytest.raises(nbkit.errors.ResumeStateError, match="made for cache="):
         rebuilt.loader(4, seed=1).load_state_dict(old)
     rebuilt.loader(4, seed=1).load_state_dict(dict(old, cache=rebuilt.store.meta["generation"]))
@@ -310,7 +311,7 @@ def test_a_cache_rebuilt_from_the_same_source_resumes_another_is_refused(tmp_pat
     blind = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "b", fingerprint_samples=0)
     blind_state = blind.loader(4, seed=1).state_dict()
     assert blind_state["content"] is None
-    blind = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "b", fingerprint_samples=0, overwrite=True)
+    blind = nbkit.CachedDataset(TensorDataset(torch.arange(30)), tmp_path / "b2", fingerprint_samples=0)
     with pytest.raises(nbkit.errors.ResumeStateError):
         blind.loader(4, seed=1).load_state_dict(blind_state)
 
