@@ -37,7 +37,7 @@ from .cachedir import cache_root, check_replaceable, data_files, discard_stage, 
 from .errors import CorruptCacheError, UnsafeArchiveError
 from .extras import require
 from .commit import CHUNK, Dir, claim, disk_full, release, staging_name, unnamed_full_disk
-from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
+from .manifest import (MANIFEST, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
                        manifest_bytes, parse_manifest, sha256_file)
 from .progress import as_callback
 from .text import fix as fix_for
