@@ -512,7 +512,20 @@ def test_a_notebook_at_400px_nothing_cut_no_word_broken(name, page, frontend, no
     nb = Notebook(page, frontend, path).open()
     nb.run_all()
     try:
-        nb.wait_all(timeout=540)
+        try:
+            nb.wait_all(timeout=540)
+        except CellError as e:
+            # torch_xla 2.9's CPU client now and then segfaults in a spawned process (dmesg: "segfault
+            # ... in _XLAC"), which 01's spawn cell reports as BrokenProcessPool. That is torch_xla's,
+            # not this test's subject (the layout): run it once more, and only for that.
+            if "BrokenProcessPool" not in str(e):
+                raise
+            frontend.shut_down_kernel(path)
+            shutil.copyfile(REPO / "notebooks" / path.name, path)
+            set_parameters(path, **small_parameters(path))
+            nb = Notebook(page, frontend, path).open()
+            nb.run_all()
+            nb.wait_all(timeout=540)
         problems = narrow_problems(nb)
         broken = {i: b for i in range(len(nb.cells())) if nb.cells()[i]["type"] == "code" and (b := _words_intact(nb, i))}
         ARTIFACTS.mkdir(exist_ok=True)
