@@ -225,9 +225,14 @@ def cache_identity(data) -> str | None:
         >>> len(cache_identity(nbkit.CachedDataset(src, tempfile.mkdtemp()))), cache_identity(src)
         (32, None)
     """
-    meta = getattr(getattr(data, "store", None), "meta", None)
-    generation = meta.get("generation") if isinstance(meta, dict) else None
+    generation = _meta_of(data).get("generation")
     return generation if isinstance(generation, str) else None
+
+
+def _meta_of(data) -> dict:
+    """The metadata of the cache behind ``data`` (a ``CachedDataset``'s store), else ``{}``."""
+    meta = getattr(getattr(data, "store", None), "meta", None)
+    return meta if isinstance(meta, dict) else {}
 
 
 def content_identity(data) -> str | None:
@@ -244,8 +249,7 @@ def content_identity(data) -> str | None:
         >>> content_identity(a) == content_identity(b) != None, cache_identity(a) != cache_identity(b)
         (True, True)
     """
-    meta = getattr(getattr(data, "store", None), "meta", None)
-    fp = meta.get("fingerprint") if isinstance(meta, dict) else None
+    fp = _meta_of(data).get("fingerprint")
     if not isinstance(fp, dict) or not fp.get("samples"):
         return None
     blob = json.dumps(fp, sort_keys=True, separators=(",", ":"), default=str).encode()

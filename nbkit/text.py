@@ -318,10 +318,9 @@ def format_age(seconds: float) -> str:
     seconds = max(0.0, float(seconds))
     if seconds < 60:
         return f"{seconds:.0f}s ago"
-    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
-        if seconds >= size * (2 if unit != "minute" else 1):
-            return plural(int(round(seconds / size)), unit) + " ago"
-    return plural(int(round(seconds / 60)), "minute") + " ago"
+    unit, size = next((u, s) for u, s in (("day", 86400), ("hour", 3600), ("minute", 60))
+                      if seconds >= 2 * s or u == "minute")  # "90 minutes", "36 hours": two of a unit at least
+    return plural(int(round(seconds / size)), unit) + " ago"
 
 
 def shorten_middle(text: str, width: int) -> str:

@@ -75,13 +75,12 @@ class ProgressBar(TextProgress):
 
     def text(self) -> str:
         """The line under the bar: ``"bench: 120 of 470 batches, raw, timed epoch 1 of 3"``."""
+        unit = "" if self.unit == "bytes" else f" {self.unit}"  # bytes carry their unit: "1.2 MB"
         if self.size is not None:
             done = min(self.value, self.size) if self.size > 0 else self.value
-            count = f"{format_amount(done, self.unit)} of {format_amount(self.size, self.unit)}"
+            count = f"{format_amount(done, self.unit)} of {format_amount(self.size, self.unit)}{unit}"
         else:
-            count = format_amount(self.value, self.unit) + " so far"
-        if self.unit != "bytes":
-            count = count.replace(" so far", f" {self.unit} so far") if self.size is None else f"{count} {self.unit}"
+            count = f"{format_amount(self.value, self.unit)}{unit} so far"
         return f"{self._what()}: {count}" + (f", {self.description}" if self.description else "")
 
     def call(self, *args, **kwargs):
@@ -114,9 +113,9 @@ class ProgressBar(TextProgress):
         self.bar.value = min(self.bar.max, int(round(fraction * self.bar.max)))
         self.note.value = status_html(self.text())  # wraps at spaces in a narrow column, never inside a word
 
-    def _end_bar(self) -> None:
-        """Draw this phase's bar as it ended: green when its work is all done."""
-        if self._shown:
+    def _end_bar(self, *, show: bool = False) -> None:
+        """Draw this phase's bar as it ended (if it is shown, or ``show``): green when its work is all done."""
+        if self._shown or show:
             self._draw()
             self.bar.remove_class("nbkit-indeterminate")
             self.bar.bar_style = "success" if self.finished else ""
@@ -134,6 +133,4 @@ class ProgressBar(TextProgress):
         if self.terminal:
             return super().close()
         Callback.close(self)  # stop the clock; no text line under a widget
-        self._draw()
-        self.bar.remove_class("nbkit-indeterminate")
-        self.bar.bar_style = "success" if self.finished else ""
+        self._end_bar(show=True)
