@@ -549,7 +549,14 @@ def prune(older_than=None, max_bytes=None, *, dry_run: bool = False) -> list[Rem
 
 
 class Removals(list):
-    """The :class:`Removal` list :func:`prune` returns; when it frees nothing, :attr:`why_nothing` says why."""
+    """The :class:`Removal` list :func:`prune` returns; when it frees nothing, :attr:`why_nothing` says why.
+
+    Example:
+        >>> pruned = Removals()  # what prune(max_bytes=...) returns when every copy fits already
+        >>> pruned.why_nothing = "the 2 working copies take 1.0 GB, within the limit of 2.0 GB already"
+        >>> len(pruned), pruned.why_nothing.endswith("already")
+        (0, True)
+    """
 
     why_nothing: str | None = None
 

@@ -62,7 +62,14 @@ CREDENTIALS_SECONDS = 5.0
 READ_SECONDS = 20.0
 REQUEST_SECONDS = 180.0
 def no_credentials_fix() -> str:
-    """What to do when ``gs://`` has no credentials, in the words of the front end in use (:func:`nbkit.text.fix`)."""
+    """What to do when ``gs://`` has no credentials, in the words of the front end in use (:func:`nbkit.text.fix`).
+
+    Example:
+        >>> from nbkit.text import speaking_to
+        >>> with speaking_to("shell"):
+        ...     "pass -o token=..." in no_credentials_fix()
+        True
+    """
     return ("run `from google.colab import auth; auth.authenticate_user()` (Colab) or "
             f"`gcloud auth application-default login`, or {fix_for('give token')} "
             "('anon' for a public bucket or an emulator)")

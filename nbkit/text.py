@@ -181,7 +181,12 @@ def html_words(text: str, *, longest: int = 40) -> str:
 
 
 def in_kernel() -> bool:
-    """True inside a Jupyter/Colab/Voila kernel (a notebook's output), False in a terminal or a script."""
+    """True inside a Jupyter/Colab/Voila kernel (a notebook's output), False in a terminal or a script.
+
+    Example:
+        >>> in_kernel()  # a doctest runs in a plain interpreter
+        False
+    """
     ipython = sys.modules.get("IPython")
     if ipython is None:
         return False
@@ -359,7 +364,7 @@ FIXES = {
     "list caches": {"python": "nbkit.caches()", "shell": "nbkit ls"},
     "remove": {"python": "nbkit.remove({path!r})", "shell": "nbkit rm {path}"},
     "free cache space": {"python": "nbkit.caches() shows the caches and what they hold; nbkit.remove(path) or "
-                                   "nbkit.prune(max_size=...) removes them",
+                                   "nbkit.prune(max_bytes=...) removes them",
                          "shell": "nbkit ls shows the caches and what they hold; nbkit rm or nbkit prune removes them"},
     "remove leftovers": {"python": "nbkit.remove(path)", "shell": "nbkit rm PATH"},
     "push a cache": {"python": "nbkit.push(cache_dir, {url!r})", "shell": "nbkit push CACHE_DIR {url}",
@@ -377,7 +382,15 @@ FIXES = {
 
 
 def front_end() -> str:
-    """Where the user is now: ``"python"`` (the default), ``"shell"`` or ``"panel"`` (see :func:`speaking_to`)."""
+    """Where the user is now: ``"python"`` (the default), ``"shell"`` or ``"panel"`` (see :func:`speaking_to`).
+
+    Example:
+        >>> front_end()
+        'python'
+        >>> with speaking_to("shell"):
+        ...     front_end()
+        'shell'
+    """
     return _FRONT_END.get()
 
 
