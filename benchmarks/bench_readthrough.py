@@ -7,7 +7,7 @@ All in one run, against one emulator (fake-gcs-server, in-memory) on 127.0.0.1 w
 * **pulled**: ``nbkit.pull`` then a local cache, shuffled, ``collate_fn=nbkit.collate`` (the pull
   time is shown apart);
 * **read-through**: ``CachedDataset.open(url, local_max_bytes=25% of the cache)`` with
-  ``nbkit.readthrough.PrefetchSampler``; epoch 1 starts with an empty local area, epoch 2 refetches
+  ``nbkit.PrefetchSampler``; epoch 1 starts with an empty local area, epoch 2 refetches
   (the area holds a quarter of the cache);
 * **read-through, plain shuffle**: the same with a ``RandomSampler`` (no locality): a few batches,
   scaled to an epoch.

@@ -25,6 +25,8 @@ __all__ = [
     "CachedDataset",
     "CacheLoader",
     "DeviceLoader",
+    "EpochSampler",
+    "PrefetchSampler",
     "collate",
     "fields",
     "register_namedtuple",
@@ -48,7 +50,8 @@ __all__ = [
 # ``nbkit`` command, which never needs torch) loads no more than it uses: torch loads with the
 # engine, the optional world with its front end.
 _PUBLIC = {
-    "CachedDataset": "dataset", "CacheLoader": "cacheloader", "DeviceLoader": "loader", "collate": "collate",
+    "CachedDataset": "dataset", "CacheLoader": "cacheloader", "DeviceLoader": "loader",
+    "EpochSampler": "samplers", "PrefetchSampler": "samplers", "collate": "collate",
     "fields": "transforms", "register_namedtuple": "codec", "Callback": "progress", "TextProgress": "progress",
     "export_tar": "archive", "import_tar": "archive", "push": "transfer", "pull": "transfer",
     "caches": "disk", "remove": "disk", "prune": "disk",

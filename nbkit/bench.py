@@ -14,8 +14,7 @@
   noise (:data:`NOISE`), never as a result.
 
 Progress goes to the ``callback`` (:mod:`nbkit.progress`): which feed and which epoch is being
-timed, and every batch. :func:`mnist_like` loads an MNIST-style torchvision dataset, or offline
-stand-in files (:mod:`nbkit.offline`) without a network.
+timed, and every batch. The notebooks' MNIST-style data comes from :func:`nbkit.offline.mnist_like`.
 
 Example:
     >>> import tempfile, torch
@@ -33,22 +32,18 @@ Example:
 from __future__ import annotations
 
 import math
-import socket
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
+from . import devices
 from .extras import require
 from .progress import as_callback
 from .stats import EpochCounter
-from .text import Table, fill, html_words, say, format_count, format_percent
+from .text import Table, fill, html_words, format_count, format_percent
 
 __all__ = ["EpochRow", "EpochComparison", "compare_epochs", "TrainingRow", "TrainingComparison", "compare_training",
-           "mnist_like", "MNIST_LIKE", "MIN_TIMED", "NOISE"]
-
-#: The dataset names :func:`mnist_like` accepts (the tutorials' form field).
-MNIST_LIKE = ("MNIST", "FashionMNIST", "KMNIST", "EMNIST")
+           "MIN_TIMED", "NOISE"]
 
 #: Timed epochs (or passes) per feed at the least: fewer give no spread to judge a ratio by, so a
 #: smaller ``epochs`` is raised to this and the result says so.
@@ -837,20 +832,6 @@ class TrainingComparison:
                            legend=legend, xlabel=f"seconds per {self._unit} (shorter is better)", path=path)
 
 
-def _resolve_device(device):
-    import torch
-
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return device if isinstance(device, torch.device) else torch.device(device)
-
-
-def _sync(device) -> None:
-    from .tpu import xla
-
-    xla.wait(device)
-
-
 class _OnDevice:
     """The whole cached dataset in device memory, batches taken by index: the on-device limit."""
 
@@ -963,7 +944,7 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
         raise ValueError(f"compare_training(seconds={seconds!r}): expected a positive number of seconds")
     if not hasattr(cached, "loader"):
         raise TypeError(f"compare_training: cached is a {type(cached).__name__}; pass an nbkit.CachedDataset over raw")
-    device = _resolve_device(device)
+    device = devices.resolve(device, caller="compare_training")
     loss_fn = loss_fn or F.cross_entropy
     callback = as_callback(callback)
     if not cached.is_complete:  # its own phase, in samples: the bar then starts again, in batches
@@ -1004,7 +985,7 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        _step_done(device)
+        devices.step_done(device)
         callback.relative_update(1)
 
     def one_pass(batches, epoch, *, count=None, until=None):
@@ -1017,7 +998,7 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
         done, start = 0, None
         for k, (x, y, *_) in enumerate(it):
             if k == warm:
-                _sync(device)
+                devices.wait(device)
                 start = _clock()
             step(x, y)
             done = k + 1 - warm
@@ -1027,7 +1008,7 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
                 break
         if hasattr(it, "close"):
             it.close()  # ds.loader's pass: stops its thread when we break early
-        _sync(device)
+        devices.wait(device)
         return (_clock() - start if start is not None else 0.0), max(done, 0)
 
     first = 0
@@ -1079,89 +1060,3 @@ def _phase(callback, name: str, size) -> None:
     callback.start_phase(name, unit="batches", size=size)
     if size is not None:
         callback.set_size(size)  # also tells a wrapped fsspec callback
-
-
-def _step_done(device) -> None:
-    from .tpu import xla
-
-    xla.step_done(device)
-
-
-def mnist_like(name: str = "MNIST", root="data", *, train: bool = True, transform=None,
-               download: bool = True, offline_samples: int = 60000, timeout: float = 5.0):
-    """An MNIST-style torchvision dataset: the real one if it can be had, else offline files.
-
-    The real data is used when it is already under ``root`` or (with ``download=True``) can be
-    downloaded. Without a network the download fails within ``timeout`` seconds and the
-    dataset falls back to MNIST-format files written by :func:`nbkit.offline.write_mnist` under
-    ``root/nbkit-offline-<n>`` (kept apart so they are never taken for the real data). EMNIST
-    (``split="digits"``) has no offline layout of its own, so its fallback is MNIST-format
-    data. A message says which data was used.
-
-    Args:
-        name: one of ``MNIST_LIKE``: ``"MNIST"``, ``"FashionMNIST"``, ``"KMNIST"``, ``"EMNIST"``.
-        root: torchvision's ``root`` folder.
-        train: the training split (else the test split).
-        transform: passed to the torchvision dataset.
-        download: try to download the real data when it is not under ``root``.
-        offline_samples: size of the offline training split (the test split is a sixth of it).
-        timeout: socket timeout of the download attempt, in seconds.
-
-    Returns:
-        The torchvision dataset. Its ``nbkit_source`` attribute says ``"real"`` or ``"offline"``.
-
-    Example:
-        >>> import tempfile
-        >>> ds = mnist_like("KMNIST", tempfile.mkdtemp(), download=False, offline_samples=120)  # doctest: +ELLIPSIS
-        Using offline KMNIST-format stand-in data (120 samples): ...
-        >>> len(ds), ds.nbkit_source
-        (120, 'offline')
-    """
-    try:
-        from torchvision import datasets
-    except ImportError as e:
-        raise ImportError("nbkit.bench.mnist_like needs torchvision: pip install torchvision") from e
-    if name not in MNIST_LIKE:
-        raise ValueError(f"mnist_like(name={name!r}): expected one of {', '.join(MNIST_LIKE)}")
-
-    cls = getattr(datasets, name)
-    kwargs = dict(train=train, transform=transform)
-    if name == "EMNIST":
-        kwargs["split"] = "digits"  # ten classes, like the others, so the same model fits
-    reason = "download=False and the data is not under root"
-    try:
-        ds = cls(root, download=False, **kwargs)
-        ds.nbkit_source = "real"
-        return ds
-    except RuntimeError:
-        pass  # not there yet (torchvision raises RuntimeError("Dataset not found ..."))
-    if download:
-        previous = socket.getdefaulttimeout()
-        socket.setdefaulttimeout(timeout)
-        try:
-            ds = cls(root, download=True, **kwargs)
-            ds.nbkit_source = "real"
-            return ds
-        except (RuntimeError, OSError) as e:  # URLError and socket timeouts are OSErrors
-            reason = f"the download failed ({_first_line(e)})"
-        finally:
-            socket.setdefaulttimeout(previous)
-
-    from nbkit.offline import has_mnist, stand_in_notice, write_mnist
-
-    layout = "MNIST" if name == "EMNIST" else name
-    offline_root = Path(root) / f"nbkit-offline-{offline_samples}"
-    if not has_mnist(offline_root, layout):
-        write_mnist(offline_root, name=layout, n_train=offline_samples,
-                    n_test=max(1, offline_samples // 6))
-    ds = getattr(datasets, layout)(offline_root, download=False, train=train, transform=transform)
-    ds.nbkit_source = "offline"
-    note = " (EMNIST has no offline layout; using MNIST-format data instead)" if name == "EMNIST" else ""
-    say(stand_in_notice(len(ds), reason, layout=layout, name=name, note=note))  # fits 400 px in a notebook
-    return ds
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    # torchvision's message starts with "Error downloading X:" and names the cause further down.
-    return " / ".join(line.strip() for line in text[:3] if line.strip()) or type(error).__name__

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-__all__ = ["require", "EXTRAS", "DISTRIBUTION", "moved", "is_tensor"]
+__all__ = ["require", "EXTRAS", "DISTRIBUTION", "is_tensor"]
 
 # nbkit's distribution name (pyproject.toml's [project] name). The package index's "nbkit" is an
 # unrelated project: no message ever sends anyone to `pip install nbkit`. Until nbkit-cache is
@@ -55,32 +55,6 @@ def require(module: str, *, extra: str, feature: str, package: str | None = None
         name = package or module.split(".")[0]
         raise ImportError(f"{feature} needs the {name} package ({DISTRIBUTION}'s {extra!r} extra): "
                           f"{install or 'pip install ' + name}") from e
-
-
-def moved(alias: str, table: dict):
-    """The module ``__getattr__`` of a deprecated alias module: ``table`` maps each name to the
-    module that holds it now, imported on first use, with a ``DeprecationWarning`` naming it.
-
-    Example:
-        >>> import warnings
-        >>> getattr_ = moved("old.place", {"dumps": "json"})
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     getattr_("dumps")([1])
-        '[1]'
-        >>> str(caught[0].message)
-        'old.place is deprecated: use json.dumps'
-    """
-
-    def __getattr__(name):
-        if name not in table:
-            raise AttributeError(f"module {alias!r} has no attribute {name!r}")
-        import warnings
-
-        warnings.warn(f"{alias} is deprecated: use {table[name]}.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(table[name]), name)
-
-    return __getattr__
 
 
 def is_tensor(value) -> bool:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from . import devices
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads, pinned_rows
 from .samplers import STATE_VERSION, EpochSampler, check_resume_state
@@ -64,26 +65,6 @@ _DATALOADER_ARGS = {
     "worker_init_fn": "it has no worker processes",
     "generator": "use seed= (the shuffle depends only on seed and epoch)",
 }
-
-
-def _as_device(device) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        dev = device if isinstance(device, torch.device) else torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(
-            f"DeviceLoader: device={device!r} is not a device. Use 'cuda', 'cuda:1', 'cpu', None (host tensors) "
-            "or an XLA device (torch_xla.device())."
-        ) from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"DeviceLoader: device={device!r} but this runtime has no CUDA GPU (torch.cuda.is_available() is False). "
-            "Pass device=None or 'cpu' for host tensors, or choose a GPU runtime."
-        )
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return None if dev.type == "cpu" else dev
 
 
 class DeviceLoader:
@@ -142,7 +123,9 @@ class DeviceLoader:
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
-        self.device = _as_device(device)
+        self.device = None if device is None else devices.resolve(device, caller="DeviceLoader")
+        if self.device is not None and self.device.type == "cpu":
+            self.device = None  # host tensors
         self.sampler = EpochSampler(dataset, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
                                     drop_last=drop_last)
         self.prefetch = int(prefetch)
@@ -426,9 +409,7 @@ class _Pipeline:
                 event.record(self.stream)
             return moved, event
         if self.kind == "xla":
-            from .tpu import xla  # every torch_xla call goes through nbkit.tpu's adapter
-
-            return xla.send(batch, self.device), None
+            return devices.send(batch, self.device), None
         return map_tensors(batch, lambda t: t.to(self.device)), None
 
     # -- consumer ------------------------------------------------------------------------------
@@ -489,9 +470,7 @@ class _Epoch:
         if self._pipeline is None:
             raise StopIteration
         if self._xla:
-            from .tpu import xla
-
-            xla.step_done(self._loader.device)  # cut the graph of the step that used the previous batch (as MpDeviceLoader)
+            devices.step_done(self._loader.device)  # cut the graph of the step that used the previous batch (as MpDeviceLoader)
         t0 = time.perf_counter()
         try:
             got = self._pipeline.get()

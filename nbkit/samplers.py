@@ -60,10 +60,10 @@ def default_rank_world() -> tuple[int, int]:
     # Ask torch_xla only when its runtime is already running here: asking would start it (and a
     # process that started it can no longer spawn one process per TPU chip).
     if "torch_xla" in sys.modules:
-        from .tpu import xla  # every torch_xla call goes through nbkit.tpu's adapter
+        from . import devices  # every torch_xla call goes through nbkit's one adapter
 
-        if xla.runtime_started():
-            return xla.rank_world()
+        if devices.runtime_started():
+            return devices.rank_world()
     return 0, 1
 
 

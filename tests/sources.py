@@ -298,3 +298,16 @@ class StructureSource(Dataset):
 
     def __repr__(self):
         return f"StructureSource({self.structure!r})"
+
+
+def check_complete_and_equal(path, n):
+    """The cache at ``path`` holds all ``n`` samples of ``TupleSource(n)``, whole and equal."""
+    import nbkit
+
+    ds = nbkit.CachedDataset.open(path)
+    assert ds.is_complete, f"{len(ds.missing())} samples missing"
+    assert ds.verify() == n
+    src = TupleSource(n)
+    batch = ds.__getitems__(list(range(n)))
+    for i in range(n):
+        assert_equal(batch[i], src[i], f"sample {i}")

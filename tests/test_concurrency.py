@@ -13,19 +13,9 @@ from torch.utils.data import DataLoader
 import nbkit
 import workers
 from fixtures_redis import redis_server, redis_url  # noqa: F401
-from sources import CountingSource, TupleSource, assert_equal, computed_counts
+from sources import CountingSource, TupleSource, assert_equal, check_complete_and_equal, computed_counts
 
 CTX = mp.get_context("spawn")
-
-
-def _check_complete_and_equal(path, n):
-    ds = nbkit.CachedDataset.open(path)
-    assert ds.is_complete, f"{len(ds.missing())} samples missing"
-    assert ds.verify() == n
-    src = TupleSource(n)
-    batch = ds.__getitems__(list(range(n)))
-    for i in range(n):
-        assert_equal(batch[i], src[i], f"sample {i}")
 
 
 def test_four_processes_create_and_warm_one_cache_at_once(tmp_path):
@@ -39,7 +29,7 @@ def test_four_processes_create_and_warm_one_cache_at_once(tmp_path):
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
-    _check_complete_and_equal(path, n)
+    check_complete_and_equal(path, n)
     assert set(computed_counts(logs)) == set(range(n))
 
 
@@ -59,7 +49,7 @@ def test_sharded_warmup_computes_each_sample_once(tmp_path):
     probes = {0, n // 2, n - 1}
     assert all(counts[i] == 1 for i in range(n) if i not in probes)
     assert set(counts) == set(range(n))
-    _check_complete_and_equal(path, n)
+    check_complete_and_equal(path, n)
 
 
 def test_readers_never_see_a_torn_sample_while_others_fill(tmp_path):
@@ -76,7 +66,7 @@ def test_readers_never_see_a_torn_sample_while_others_fill(tmp_path):
         p.join(180)
         assert p.exitcode == 0, "a reader saw a wrong sample or a writer failed"
     assert results.get(timeout=5) == results.get(timeout=5) == 40 * 32
-    _check_complete_and_equal(path, n)
+    check_complete_and_equal(path, n)
 
 
 def test_sigkill_mid_warmup_then_resume(tmp_path):
@@ -103,7 +93,7 @@ def test_sigkill_mid_warmup_then_resume(tmp_path):
     resumed = nbkit.CachedDataset(CountingSource(n, str(logs)), path)
     report = resumed.warmup()
     assert report.skipped == cached_before and report.computed == n - cached_before
-    _check_complete_and_equal(path, n)
+    check_complete_and_equal(path, n)
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -121,57 +111,6 @@ def test_stats_from_dataloader_workers_reach_the_main_process(tmp_path, context)
         pass
     s = ds.stats
     assert (s.hits, s.misses) == (n, 0) and s.hit_rate == 1.0
-
-
-def test_parallel_warmup_in_worker_processes(tmp_path):
-    n = 1000
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    ds = nbkit.CachedDataset(CountingSource(n, str(logs)), tmp_path / "c")
-    report = ds.warmup(num_workers=2, chunk_size=50)
-    assert report.computed == n and not report.stopped
-    assert len([f for f in os.listdir(logs)]) >= 2  # work really ran in other processes
-    _check_complete_and_equal(tmp_path / "c", n)
-    assert ds.stats.stored == n
-
-
-def test_warmup_stops_on_request_and_resumes(tmp_path):
-    n = 1000
-
-    class StopAfter(nbkit.Callback):
-        def call(self, *args, **kwargs):
-            if self.value >= 300:
-                self.request_stop()
-
-    ds = nbkit.CachedDataset(TupleSource(n), tmp_path)
-    cb = StopAfter()
-    first = ds.warmup(callback=cb, chunk_size=100)
-    assert first.stopped and first.computed == 300 and cb.description == "stopped"
-    second = ds.warmup(callback=nbkit.Callback())
-    assert not second.stopped and second.skipped == 300 and second.computed == 700
-    assert ds.is_complete
-
-
-def test_warmup_reports_progress(tmp_path):
-    cb = nbkit.Callback()
-    ds = nbkit.CachedDataset(TupleSource(250), tmp_path)
-    ds[0], ds[1]
-    ds.warmup(callback=cb, chunk_size=100)
-    assert (cb.size, cb.value, cb.description) == (250, 250, "done")
-
-
-def test_source_errors_name_the_sample(tmp_path):
-    class Broken(TupleSource):
-        def __getitem__(self, i):
-            if i == 77:
-                raise RuntimeError("bad file")
-            return super().__getitem__(i)
-
-    ds = nbkit.CachedDataset(Broken(100), tmp_path)
-    with pytest.raises(RuntimeError, match="bad file") as e:
-        ds.warmup()
-    assert any("sample 77" in note for note in getattr(e.value, "__notes__", ["sample 77"]))
-    assert ds.stats.cached < 100
 
 
 def test_processes_appending_variable_length_samples_at_once(tmp_path):
@@ -284,49 +223,3 @@ def test_a_generation_check_costs_one_stat_per_write(tmp_path):
         ds._check_generation()
     per_check = (time.perf_counter() - t0) / 2000
     assert per_check < 200e-6, f"{per_check * 1e6:.1f} µs per check"
-
-
-# -- stop always stops -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("stop_by", ["callback", "signal"])
-def test_stop_ends_a_warmup_whose_workers_are_stuck_in_the_source(tmp_path, stop_by):
-    path = str(tmp_path / "cache")
-    result = CTX.Queue()
-    p = CTX.Process(target=workers.warm_stuck, args=(path, result, stop_by))
-    p.start()
-    try:
-        kind, asked = result.get(timeout=120)
-        assert kind == "asked"
-        if stop_by == "signal":
-            os.kill(p.pid, signal.SIGINT)
-        outcome = result.get(timeout=15)  # the old warmup blocked in DataLoader's next() for the source's 600 s
-    finally:
-        if p.is_alive():
-            p.join(10)
-        if p.is_alive():
-            p.kill()
-    took = outcome[-1] - asked
-    assert took < 5, f"the warmup took {took:.1f} s to stop"
-    if stop_by == "callback":
-        assert outcome[:3] == ("report", 32, True)
-    else:
-        assert outcome[0] == "interrupted"
-    p.join(10)
-    assert p.exitcode == 0
-    ds = nbkit.CachedDataset.open(path)
-    assert ds.verify() == ds.stats.cached >= 32  # whatever the killed workers left is whole
-    assert len(ds.missing()) == 64 - ds.stats.cached
-
-
-def test_a_worker_error_or_crash_reaches_the_caller_and_keeps_what_was_stored(tmp_path):
-    ds = nbkit.CachedDataset(workers.FailingSource(40, bad=30), tmp_path / "a", fingerprint_samples=0)
-    with pytest.raises(ValueError, match="bad sample 30") as got:
-        ds.warmup(num_workers=2, chunk_size=5)
-    if hasattr(got.value, "add_note"):  # Python 3.11+
-        assert any("warmup worker" in note for note in got.value.__notes__)
-    assert ds.verify() == ds.stats.cached >= 5
-    crash = nbkit.CachedDataset(workers.FailingSource(40, bad=30, crash=True), tmp_path / "b", fingerprint_samples=0)
-    with pytest.raises(RuntimeError, match="warmup worker .* exited with code 9"):
-        crash.warmup(num_workers=2, chunk_size=5)
-    assert crash.verify() == crash.stats.cached

@@ -2,8 +2,8 @@
 module imports another module's ``_private`` name.
 
 Every import statement counts, at module level or inside a function (a lazy import is still a
-dependency). The deprecated alias modules forward names through ``importlib`` and are documented
-as such; they hold no import statements of nbkit modules, so they cannot hide a cycle here.
+dependency). Importing a submodule runs its package's ``__init__`` first, so an import of
+``nbkit.a.b`` counts as an import of the package ``nbkit.a`` too (from outside that package).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "nbkit"
 
 # The layers below the engine (nbkit.dataset): none of them may import it, directly or through others.
-BELOW_DATASET = ("nbkit.errors", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.codec",
+BELOW_DATASET = ("nbkit.errors", "nbkit.devices", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.codec",
                  "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms", "nbkit.format",
                  "nbkit.cachedir", "nbkit.manifest", "nbkit.transfer", "nbkit.archive", "nbkit.stores", "nbkit.disk", "nbkit.warmup")
 # The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
 # Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
 LAYERS = {
-    # nbkit.tpu.xla, the torch_xla adapter, imports only torch: the engine calls it (lazily) on XLA.
-    0: ("nbkit.errors", "nbkit.trust", "nbkit.tpu.xla", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.gather"),
+    # nbkit.devices, the device resolver and torch_xla adapter, imports only torch (torch_xla when asked for XLA).
+    0: ("nbkit.errors", "nbkit.trust", "nbkit.devices", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.gather"),
     1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms"),
     2: ("nbkit.format",),
     3: ("nbkit.cachedir",),
@@ -40,11 +40,6 @@ def layer_of(module: str) -> int:
         if any(module == n or module.startswith(n + ".") for n in names):
             return layer
     return TOP
-
-
-# Thin lazy aliases of moved modules, kept for one release: they import nbkit.extras.moved only,
-# which imports the new module by name on first use.
-ALIASES = ("nbkit.storage", "nbkit.readthrough", "nbkit.redis_store")
 
 
 def module_name(path: Path) -> str:
@@ -147,7 +142,7 @@ def _cycles(edges) -> list:
 
 def test_no_import_cycle(graph):
     _, edges = graph
-    cycles = _cycles({k: v for k, v in edges.items() if k not in ALIASES})
+    cycles = _cycles(edges)
     assert not cycles, f"import cycles among nbkit modules (lazy imports count too): {cycles}"
 
 
@@ -169,7 +164,7 @@ def _reach(edges, start) -> set:
 
 def test_nothing_below_the_engine_imports_it(graph):
     _, edges = graph
-    lower = [m for m in edges if m.startswith(BELOW_DATASET) and m not in ALIASES]
+    lower = [m for m in edges if m.startswith(BELOW_DATASET)]
     assert "nbkit.format" in lower and "nbkit.stores.registry" in lower
     bad = {m: sorted(_reach(edges, m) & {"nbkit.dataset", "nbkit"}) for m in lower}
     bad = {m: r for m, r in bad.items() if r}
@@ -179,23 +174,40 @@ def test_nothing_below_the_engine_imports_it(graph):
 def test_imports_run_down_the_layers(graph):
     _, edges = graph
     bad = [f"{src} (layer {layer_of(src)}) imports {dst} (layer {layer_of(dst)})"
-           for src, targets in edges.items() if src not in ALIASES
+           for src, targets in edges.items()
            for dst, _, _ in targets if layer_of(dst) > layer_of(src)]
     assert not bad, "imports against the layers of docs/DESIGN.md:\n" + "\n".join(bad)
 
 
-def test_aliases_import_nothing_directly(graph):
-    _, edges = graph
-    for alias in ALIASES:
-        assert {dst for dst, _, _ in edges[alias]} == {"nbkit.extras"}, f"{alias} should forward lazily (extras.moved)"
+def _packages_run(src: str, dst: str) -> list:
+    """The packages whose ``__init__`` importing ``dst`` runs, besides ``nbkit``'s own and those ``src`` is in."""
+    parts = dst.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(2, len(parts)))
+            if not (src == p or src.startswith(p + "."))]
+
+
+def test_no_import_runs_a_package_above(graph):
+    """``from .tpu import xla`` in the engine ran nbkit/tpu/__init__ (the notebook front end, which
+    imports the engine back): a low module in a high package is an upward import all the same."""
+    known, edges = graph
+    bad = [f"{src} (layer {layer_of(src)}) imports {dst}, which runs {pkg} (layer {layer_of(pkg)})"
+           for src, targets in edges.items() for dst, _, _ in targets
+           for pkg in _packages_run(src, dst) if pkg in known and layer_of(pkg) > layer_of(src)]
+    assert not bad, "imports against the layers of docs/DESIGN.md:\n" + "\n".join(bad)
+
+
+def test_the_package_check_sees_the_old_adapter():
+    assert _packages_run("nbkit.loader", "nbkit.tpu.xla") == ["nbkit.tpu"]
+    assert _packages_run("nbkit.tpu.run", "nbkit.tpu.runtime") == []
+    assert layer_of("nbkit.tpu") > layer_of("nbkit.loader")
 
 
 def test_torch_xla_is_called_only_behind_nbkit_tpu():
-    """torch_xla stopped at 2.9 and TorchTPU replaces it: every torch_xla import lives in nbkit/tpu/,
-    so the successor changes one package (issue 18)."""
+    """torch_xla stopped at 2.9 and TorchTPU replaces it: every torch_xla import lives in nbkit/tpu/
+    or in nbkit.devices (the engine's one adapter), so the successor changes those alone (issue 18)."""
     outside = []
     for name, (path, _) in modules().items():
-        if name == "nbkit.tpu" or name.startswith("nbkit.tpu."):
+        if name in ("nbkit.tpu", "nbkit.devices") or name.startswith("nbkit.tpu."):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else

@@ -171,7 +171,7 @@ def test_02_another_dataset_gets_its_own_cache_and_tar(tmp_path):
     """The form's cache_dir and tar_path follow the dataset: FashionMNIST after MNIST (whose cache is
     already at cache/mnist) runs through instead of stopping at StaleCacheError."""
     import torchvision.transforms as T
-    from nbkit.bench import mnist_like
+    from nbkit.offline import mnist_like
 
     work = tmp_path / "work"
     work.mkdir()

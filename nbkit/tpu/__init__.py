@@ -1,7 +1,8 @@
 """TPU runtime: detect it, set up torch_xla, and run a cached dataset on every TPU process.
 
-Everything torch_xla-specific in nbkit lives in this package, so a successor runtime can be
-swapped in here alone: :mod:`~nbkit.tpu.runtime` (:func:`describe`: what runtime this is, without
+Everything torch_xla-specific in nbkit lives in this package and in :mod:`nbkit.devices` (the
+engine's adapter: device, transfer, step cut, wait), so a successor runtime can be swapped in
+there alone: :mod:`~nbkit.tpu.runtime` (:func:`describe`: what runtime this is, without
 importing torch_xla or blocking on the network), :mod:`~nbkit.tpu.setup` (:func:`setup`: install
 the matching torch_xla, set ``PJRT_DEVICE``, check the device in a subprocess) and
 :mod:`~nbkit.tpu.run` (:func:`spawn`, :func:`warmup_shared`, :func:`device_loader`: one process per

@@ -365,8 +365,11 @@ def device_loader(ds, *, batch_size: int, shuffle: bool = True, drop_last: bool 
         ...         ...
         >>> spawn(train, args=(ds,))  # doctest: +SKIP
     """
-    torch_xla, xm, xr, xmp, pl = _require_xla()
+    _require_xla()  # or an ImportError that names the pip command
+    from nbkit import devices
     from nbkit.loader import DeviceLoader
 
-    return DeviceLoader(ds, batch_size, shuffle=shuffle, drop_last=drop_last, device=torch_xla.device(),
-                        rank=xr.global_ordinal(), world_size=xr.world_size(), **kw)
+    device = devices.resolve("xla")  # starts the runtime, which rank_world then reads
+    rank, world_size = devices.rank_world()
+    return DeviceLoader(ds, batch_size, shuffle=shuffle, drop_last=drop_last, device=device,
+                        rank=rank, world_size=world_size, **kw)

@@ -406,7 +406,7 @@ def _version_mismatch(torch_version: str, xla_version: Optional[str]) -> Optiona
 
 
 def runtime_initialized() -> bool:
-    from .xla import runtime_started
+    from ..devices import runtime_started
 
     return runtime_started()
 

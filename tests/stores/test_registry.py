@@ -1,14 +1,12 @@
-"""The store registry (nbkit.stores.registry) and the deprecated aliases of the old module paths."""
+"""The store registry (nbkit.stores.registry)."""
 
 import os
 import re
 import subprocess
 import sys
-import warnings
 
 import pytest
 
-import nbkit
 from nbkit.stores import registry
 from nbkit.stores.base import Location
 from nbkit.stores.mirror import MirrorLocation
@@ -41,27 +39,6 @@ def test_a_missing_backend_package_names_the_extra():
             "try:\n    resolve('gs://bucket/cache')\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "gs:// caches needs the gcsfs package (nbkit-cache's 'gcs' extra): pip install gcsfs" in out.stdout, out.stderr
-
-
-@pytest.mark.parametrize("old, name, new", [
-    ("nbkit.storage", "resolve", "nbkit.stores.registry"),
-    ("nbkit.storage", "working_copy_dir", "nbkit.stores.mirror"),
-    ("nbkit.readthrough", "PrefetchSampler", "nbkit.samplers"),
-    ("nbkit.readthrough", "store_of", "nbkit.stores.readthrough"),
-    ("nbkit.redis_store", "parse_url", "nbkit.stores.redis"),
-])
-def test_old_import_paths_still_work(old, name, new):
-    import importlib
-
-    with pytest.warns(DeprecationWarning, match=f"use {new}.{name}"):
-        got = getattr(importlib.import_module(old), name)
-    assert got is getattr(importlib.import_module(new), name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # importing the alias module itself warns about nothing
-        importlib.import_module(old)
-    assert getattr(nbkit, old.split(".")[1]).__name__ == old
-    with pytest.raises(AttributeError):
-        getattr(importlib.import_module(old), "no_such_name")
 
 
 @pytest.mark.parametrize("typo, fix", [
