@@ -911,7 +911,8 @@ def compare_training(raw, cached, model, *, device=None, epochs: int = 3, steps:
         raw: the source dataset.
         cached: an :class:`nbkit.CachedDataset` over ``raw``.
         model: a ``torch.nn.Module``; moved to ``device``.
-        device: ``"cuda"``, an XLA device, ``"cpu"`` …; default CUDA when there is a GPU, else the CPU.
+        device: ``"cuda"``, ``"xla"``, ``"cpu"``, a ``torch.device`` …; default (``None``, ``"auto"``) CUDA
+            when there is a GPU, else the CPU (:func:`nbkit.devices.resolve`).
         epochs: timed epochs per feed (full-epoch mode); fewer than :data:`MIN_TIMED` are raised.
         steps: timed batches per pass instead of epochs.
         seconds: a time budget for the raw feed's timed batches instead of epochs.

@@ -77,7 +77,8 @@ class DeviceLoader:
         drop_last: drop the samples that do not divide evenly over the ranks and the last
             incomplete batch (static shapes, e.g. for XLA); otherwise the rank split is padded by
             repeating samples, as ``DistributedSampler`` does, and the last batch may be smaller.
-        device: ``"cuda"``, a ``torch.device``, an XLA device, or ``None``/``"cpu"`` for host tensors.
+        device: ``"cuda"``, ``"xla"``, ``"auto"``, a ``torch.device``, or ``None``/``"cpu"`` for host
+            tensors (resolved by :func:`nbkit.devices.resolve`).
         seed: the shuffle seed: the same seed and epoch give the same order on every host.
         rank, world_size: this process's shard (default: ``torch.distributed`` when initialised,
             else the torch_xla runtime when running under it, else the whole dataset).
