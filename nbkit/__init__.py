@@ -50,7 +50,7 @@ __all__ = [
 _PUBLIC = {
     "CachedDataset": "dataset", "CacheLoader": "cacheloader", "DeviceLoader": "loader", "collate": "collate",
     "fields": "transforms", "register_namedtuple": "codec", "Callback": "progress", "TextProgress": "progress",
-    "export_tar": "archive", "import_tar": "archive", "push": "transfer", "pull": "transfer",
+    "export_tar": "transfer.archive", "import_tar": "transfer.archive", "push": "transfer.sync", "pull": "transfer.sync",
     "caches": "disk", "remove": "disk", "prune": "disk",
 }
 

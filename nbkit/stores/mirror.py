@@ -31,16 +31,16 @@ from .. import trust
 from ..cachedir import stored_count
 from ..errors import CorruptCacheError
 from ..commit import atomic_write, file_lock
-from ..manifest import LEASE, sha256_file, trusted_remote_manifest
-from ..remote import network_errors, url_to_fs
+from ..transfer.manifest import LEASE, sha256_file, trusted_remote_manifest
+from ..transfer.remote import network_errors, url_to_fs
 from ..text import fix
-from ..transfer import pull, push
+from ..transfer.sync import pull, push
 from .base import Location
 
 __all__ = ["MirrorLocation", "resolve", "working_copy_dir", "cache_dir", "read_origin", "ORIGIN_SUFFIX", "lease", "LEASE",
            "LEASE_SECONDS"]
 
-# LEASE (from nbkit.manifest): the object a host creates under a remote prefix while it publishes
+# LEASE (from nbkit.transfer.manifest): the object a host creates under a remote prefix while it publishes
 # there; the one object besides a cache's files that a pull accepts under the prefix.
 #: A lease older than this (seconds) is taken as abandoned.
 LEASE_SECONDS = 15 * 60

@@ -13,7 +13,7 @@ import torch
 import nbkit
 from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
 from nbkit import format as fmt
-from nbkit.remote import url_to_fs
+from nbkit.transfer.remote import url_to_fs
 from nbkit.stores import mirror
 from nbkit.stores.registry import resolve
 from servers import free_port

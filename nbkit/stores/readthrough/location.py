@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from ... import format as fmt
 from ... import trust
 from ...errors import CorruptCacheError
-from ...manifest import MANIFEST, REPUSH, check_listing, read_local_manifest, read_remote_manifest
-from ...remote import network_errors, url_to_fs
+from ...transfer.manifest import MANIFEST, REPUSH, check_listing, read_local_manifest, read_remote_manifest
+from ...transfer.remote import network_errors, url_to_fs
 from ..base import Location
 from ..mirror import working_copy_dir
 from .area import area_lock, read_listed, replace_area

@@ -32,18 +32,18 @@ import tarfile
 import time
 import zlib
 
-from . import format as fmt
-from .cachedir import cache_root, check_replaceable, data_files, discard_stage, stage_dir, sweep_leftovers, stored_count, swap_into_place
-from .errors import CorruptCacheError, UnsafeArchiveError
-from .extras import require
-from .commit import CHUNK, Dir, claim, disk_full, release, staging_name, unnamed_full_disk
+from .. import format as fmt
+from ..cachedir import cache_root, check_replaceable, data_files, discard_stage, stage_dir, sweep_leftovers, stored_count, swap_into_place
+from ..errors import CorruptCacheError, UnsafeArchiveError
+from ..extras import require
+from ..commit import CHUNK, Dir, claim, disk_full, release, staging_name, unnamed_full_disk
 from .manifest import (MANIFEST, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
                        manifest_bytes, parse_manifest, sha256_file)
-from .progress import as_callback
-from .text import fix as fix_for
+from ..progress import as_callback
+from ..text import fix as fix_for
 from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
-from .transfer import Stopped, TransferReport, check_whole, describe
-from .trust import MAX_COLUMNS, MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
+from .sync import Stopped, TransferReport, check_whole, describe
+from ..trust import MAX_COLUMNS, MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
 
 __all__ = ["export_tar", "import_tar", "compression_of", "open_decompressed", "stale_tar_reason"]
 

@@ -1,4 +1,4 @@
-"""nbkit.remote: URLs resolved once; connect() fails within seconds, saying what happened, against real
+"""nbkit.transfer.remote: URLs resolved once; connect() fails within seconds, saying what happened, against real
 loopback servers (the GCS emulator, a port that refuses, one that accepts and never answers, an HTTP
 server that answers 401/403, a silent metadata server)."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from fixtures_gcs import (BlackHole, black_hole, gcs, gcs_server, refused_port, silent_metadata,  # noqa: F401 - fixtures
                           status_server)
-from nbkit import remote
-from nbkit.remote import (Stopped, check_bucket, classify, connect, connection_errors, endpoint_of, is_connection_error,
+from nbkit.transfer import remote
+from nbkit.transfer.remote import (Stopped, check_bucket, classify, connect, connection_errors, endpoint_of, is_connection_error,
                           is_local, network_errors, remote_sizes, url_to_fs, write_bytes)
 
 ANON = {"token": "anon", "project": "test"}

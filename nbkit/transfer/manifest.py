@@ -24,11 +24,11 @@ import json
 import os
 import shutil
 
-from . import format as fmt
-from .cachedir import data_files, stored_count
-from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import CHUNK, disk_full, leftover_of, temp_pid
-from .trust import (MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, is_cache_file, load_json,
+from .. import format as fmt
+from ..cachedir import data_files, stored_count
+from ..errors import CorruptCacheError, UnsafeArchiveError
+from ..commit import CHUNK, disk_full, leftover_of, temp_pid
+from ..trust import (MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, is_cache_file, load_json,
                     open_readable)
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_manifest", "manifest_bytes",
@@ -259,7 +259,7 @@ def check_meta_sizes(meta: dict, sizes: dict, where: str, fix: str = REPUSH) -> 
     or the disk) are what ``meta`` (checked by :func:`nbkit.format.parse_meta`) implies: ``index.bin``
     holds ``length`` records and each column file ``capacity`` rows. Checked before any of those
     files is opened or allocated, so a length or shape in the metadata is bounded by real bytes."""
-    from .codec import Schema
+    from ..codec import Schema
 
     length, capacity = meta["length"], meta.get("capacity")
     schema = Schema.from_json(meta["schema"])

@@ -37,8 +37,8 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from .commit import atomic_write
-from .text import fix as fix_for
+from ..commit import atomic_write
+from ..text import fix as fix_for
 
 __all__ = ["url_to_fs", "is_local", "endpoint_of", "connection_errors", "is_connection_error", "unreachable",
            "check_reachable", "network_errors", "remote_sizes", "write_bytes", "write_url", "abandon", "BLOCK", "PROBE_SECONDS",

@@ -36,18 +36,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import format as fmt
-from .cachedir import cache_root, check_replaceable, discard_stage, frozen, open_files, stage_dir, swap_into_place
-from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import CHUNK, Dir, disk_full, leftover_of, temp_pid, unnamed_full_disk
+from .. import format as fmt
+from ..cachedir import cache_root, check_replaceable, discard_stage, frozen, open_files, stage_dir, swap_into_place
+from ..errors import CorruptCacheError, UnsafeArchiveError
+from ..commit import CHUNK, Dir, disk_full, leftover_of, temp_pid, unnamed_full_disk
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_listing,
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
-from .progress import as_callback
-from .text import fix as fix_for
+from ..progress import as_callback
+from ..text import fix as fix_for
 from .remote import BLOCK, Stopped, abandon, check_bucket, connect, classify, is_connection_error, is_local, remote_sizes, write_bytes
-from .stats import process_alive
-from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, is_cache_file, open_readable, read_small
+from ..stats import process_alive
+from ..trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, is_cache_file, open_readable, read_small
 
 __all__ = ["push", "pull", "TransferReport", "Stopped", "describe", "check_whole"]
 
