@@ -206,12 +206,12 @@ class WarmupPanel(View):
 
     @property
     def export_report(self):
-        """The last export's :class:`~nbkit.transfer.sync.TransferReport`, or ``None``."""
+        """The last export's :class:`~nbkit.transfer.TransferReport`, or ``None``."""
         return self._report("export")
 
     @property
     def upload_report(self):
-        """The last upload's :class:`~nbkit.transfer.sync.TransferReport`, or ``None``."""
+        """The last upload's :class:`~nbkit.transfer.TransferReport`, or ``None``."""
         return self._report("upload")
 
     @property

@@ -259,7 +259,7 @@ def test_failed_publish_after_training_warns_and_training_goes_on(tmp_path, monk
         raise ConnectionError("the endpoint went away")
 
     monkeypatch.setattr(mirror, "push", unreachable)
-    with pytest.warns(RuntimeWarning, match=rf"cache at {url} is complete but could not be published; training goes "
+    with pytest.warns(RuntimeWarning, match=rf"(?s)cache at {url} is complete but could not be published; training goes "
                                             r"on .*the endpoint went away.*call sync\(\) on the dataset again"):
         ds.__getitems__(list(range(8)))
     assert_equal(ds[7], TupleSource(n=8)[7])  # the working copy serves reads; no second try per read

@@ -436,7 +436,7 @@ def test_partial_export_is_amber_with_the_cached_fraction(tmp_path):
 
 
 def test_run_export_rewrites_a_stale_tar_and_keeps_a_current_one(tmp_path):
-    from nbkit.archive import stale_tar_reason
+    from nbkit.transfer.archive import stale_tar_reason
 
     tar = tmp_path / "x.tar"
     ds, panel = _stopped_midway(tmp_path, tar_path=str(tar))
