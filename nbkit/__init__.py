@@ -53,7 +53,7 @@ _PUBLIC = {
     "CachedDataset": "dataset", "CacheLoader": "cacheloader", "DeviceLoader": "loader",
     "EpochSampler": "samplers", "PrefetchSampler": "samplers", "collate": "collate",
     "fields": "transforms", "register_namedtuple": "codec", "Callback": "progress", "TextProgress": "progress",
-    "export_tar": "archive", "import_tar": "archive", "push": "transfer", "pull": "transfer",
+    "export_tar": "transfer.archive", "import_tar": "transfer.archive", "push": "transfer.sync", "pull": "transfer.sync",
     "caches": "disk", "remove": "disk", "prune": "disk",
 }
 

@@ -13,7 +13,7 @@ then the old object removed: a crash leaves the old object, or both.
 Example:
     >>> import os, tempfile, nbkit
     >>> path = os.path.join(tempfile.mkdtemp(), "run-checkpoint.pt")
-    >>> nbkit.remote.write_url(path, b"step 100")
+    >>> nbkit.transfer.remote.write_url(path, b"step 100")
     >>> moved = set_aside(path, label="started-over", stamp="20261126-101500")
     >>> os.path.basename(moved), os.path.exists(path), open(moved, "rb").read()
     ('run-checkpoint.started-over-20261126-101500.pt', False, b'step 100')
@@ -27,7 +27,7 @@ import re
 import time
 
 from .commit import HAS_DIR_FD, Dir
-from .remote import is_local, url_to_fs
+from .transfer.remote import is_local, url_to_fs
 
 __all__ = ["set_aside", "aside_name"]
 

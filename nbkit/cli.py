@@ -300,8 +300,8 @@ def _verify(args) -> int:
 
 def _copy(args, verb: str, source: str, target: str) -> int:
     """export, import, push or pull ``source`` to ``target`` with a progress bar, then report."""
-    from .archive import export_tar, import_tar
-    from .transfer import pull, push
+    from .transfer.archive import export_tar, import_tar
+    from .transfer.sync import pull, push
 
     run = {"export": export_tar, "import": import_tar, "push": push, "pull": pull}[verb]
     if verb in ("export", "push"):

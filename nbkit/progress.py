@@ -4,8 +4,8 @@
 Modelled on :mod:`fsspec.callbacks` and compatible with it both ways: an nbkit callback can be
 handed to ``fs.put(..., callback=cb)``, and :func:`as_callback` makes any fsspec callback safe for
 nbkit's long operations (warmup, verify, export, import, push, pull), which call ``set_size(n)``,
-``absolute_update(v)`` / ``relative_update(k)``, ``set_description(text)``, and check
-``stop_requested`` between units of work. An operation that runs several phases through one
+``absolute_update(v)`` / ``relative_update(k)``, ``set_description(text)``, and ask
+:meth:`Callback.should_stop` between units of work. An operation that runs several phases through one
 callback (fill the cache in samples, then upload it in bytes) says so with
 :meth:`Callback.start_phase`. Front ends (the notebook panel, :class:`TextProgress`) only render
 what a callback holds: its size, value, phase, unit, :meth:`~Callback.rate` and
@@ -54,6 +54,8 @@ class Callback(_FsspecCallback):
         (10, False, True)
         >>> cb.start_phase("publish", unit="bytes", size=2000); (cb.phase, cb.unit, cb.value, cb.moved)
         ('publish', 'bytes', 0, 0)
+        >>> cb.request_stop(); cb.should_stop()
+        True
     """
 
     #: Seconds for ``elapsed``, ``rate`` and ``eta`` (a front end may be given another, e.g. in tests).
@@ -120,6 +122,11 @@ class Callback(_FsspecCallback):
     def request_stop(self) -> None:
         """Ask the running operation to stop after its current unit of work."""
         self.stop_requested = True
+
+    def should_stop(self) -> bool:
+        """Whether the operation should stop now: the one question long operations ask, between units of work,
+        of the callback :func:`as_callback` gave them (only a real ``True`` flag counts)."""
+        return self.stop_requested is True
 
     def set_description(self, text: str) -> None:
         """Say what the operation does now and let the front end re-render."""
@@ -188,15 +195,16 @@ class _FsspecAdapter(Callback):
 
 def as_callback(callback) -> Callback:
     """The callback an operation reports to: ``callback`` itself when it is an nbkit :class:`Callback`,
-    any other fsspec-style callback wrapped so that ``set_description`` and ``stop_requested`` are
-    safe no-ops, and a do-nothing :class:`NoOpCallback` for ``None``.
+    any other fsspec-style callback wrapped so that ``set_description`` and ``should_stop`` are
+    safe, and a do-nothing :class:`NoOpCallback` for ``None``. Operations call the result's methods
+    directly: nothing else needs to guard against a callback that lacks one.
 
     Example:
         >>> import fsspec.callbacks
         >>> plain = fsspec.callbacks.Callback()
         >>> cb = as_callback(plain)
         >>> cb.set_description("any phase"); cb.set_size(3); cb.relative_update(2)
-        >>> plain.value, cb.stop_requested
+        >>> plain.value, cb.should_stop()
         (2, False)
     """
     if callback is None:
@@ -468,7 +476,7 @@ class Job:
         if self._thread is None:
             return JobState.READY
         if not self._ended:
-            return JobState.STOPPING if self.callback.stop_requested else JobState.RUNNING
+            return JobState.STOPPING if self.callback.should_stop() else JobState.RUNNING
         if self.error is not None:
             return JobState.ERROR
         return JobState.STOPPED if self.stopped else JobState.DONE
@@ -478,7 +486,7 @@ class Job:
         """The operation ended early because a stop was requested."""
         if bool(getattr(self.report, "stopped", False)):
             return True
-        return self._ended and self.callback.stop_requested and not self.callback.finished
+        return self._ended and self.callback.should_stop() and not self.callback.finished
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job has ended (and ``on_end`` ran); False on timeout."""

@@ -116,7 +116,7 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
         if num_workers == 0 or not chunks:
             done = 0
             for chunk in chunks:
-                if cb.stop_requested is True:
+                if cb.should_stop():
                     break
                 n = _fill(cached, chunk)
                 done += n
@@ -180,7 +180,7 @@ class _Workers:
             for _ in range(self.n):
                 tasks.put(None)
             while finished < len(self.chunks):
-                if cb.stop_requested is True:
+                if cb.should_stop():
                     break
                 try:
                     kind, value = results.get(timeout=POLL_SECONDS)

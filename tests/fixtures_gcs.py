@@ -231,7 +231,7 @@ def silent_metadata(monkeypatch, tmp_path):
     from google.auth import environment_vars
     from google.auth.compute_engine import _metadata
 
-    from nbkit import remote
+    from nbkit.transfer import remote
 
     hole = BlackHole()
     for var in (environment_vars.CREDENTIALS, "CLOUDSDK_AUTH_ACCESS_TOKEN", "STORAGE_EMULATOR_HOST",

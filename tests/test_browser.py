@@ -59,7 +59,7 @@ STOPPED = re.compile(r"(?i)\bstopped\b")
 
 
 def test_warmup_then_export_in_chromium(page, tmp_path):  # noqa: F811 - page is a fixture
-    pytest.importorskip("nbkit.archive", reason="nbkit.archive (export_tar/import_tar) is not in this checkout yet")
+    pytest.importorskip("nbkit.transfer.archive", reason="nbkit.transfer.archive (export_tar/import_tar) is not in this checkout yet")
     import nbkit
     from nbkit.offline import write_mnist
 

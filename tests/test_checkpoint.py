@@ -16,7 +16,7 @@ def test_local_checkpoint_is_moved_aside_and_a_taken_name_is_never_replaced(tmp_
     path = str(tmp_path / "run-checkpoint.pt")
     taken = tmp_path / "run-checkpoint.started-over-T.pt"
     taken.write_bytes(b"an earlier one")
-    nbkit.remote.write_url(path, b"step 100")
+    nbkit.transfer.remote.write_url(path, b"step 100")
     moved = set_aside(path, label="started-over", stamp="T")
     assert moved == str(tmp_path / "run-checkpoint.started-over-T-1.pt")
     assert open(moved, "rb").read() == b"step 100" and taken.read_bytes() == b"an earlier one"
@@ -28,7 +28,7 @@ def test_local_checkpoint_is_moved_aside_and_a_taken_name_is_never_replaced(tmp_
 def test_relative_path_keeps_its_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     os.makedirs("cache")
-    nbkit.remote.write_url("cache/x-checkpoint.pt", b"1")
+    nbkit.transfer.remote.write_url("cache/x-checkpoint.pt", b"1")
     assert set_aside("cache/x-checkpoint.pt", stamp="T") == os.path.join("cache", "x-checkpoint.set-aside-T.pt")
 
 
@@ -39,7 +39,7 @@ def test_bad_label_is_refused(tmp_path):
 
 def test_memory_url_is_copied_then_removed():
     url = "memory://set-aside/run/ckpt.pt"
-    nbkit.remote.write_url(url, b"step 5")
+    nbkit.transfer.remote.write_url(url, b"step 5")
     moved = set_aside(url, stamp="T")
     assert moved == "memory://set-aside/run/ckpt.set-aside-T.pt"
     fs = fsspec.filesystem("memory")
@@ -48,7 +48,7 @@ def test_memory_url_is_copied_then_removed():
 
 def test_gs_checkpoint_is_moved_aside(gcs):
     url = f"{gcs.url}/run-checkpoint.pt"
-    nbkit.remote.write_url(url, b"step 7", gcs.storage_options)
+    nbkit.transfer.remote.write_url(url, b"step 7", gcs.storage_options)
     moved = set_aside(url, gcs.storage_options, label="started-over", stamp="T")
     assert moved == f"{gcs.url}/run-checkpoint.started-over-T.pt"
     assert not gcs.fs.exists(f"{gcs.name}/run-checkpoint.pt")

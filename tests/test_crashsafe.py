@@ -253,7 +253,7 @@ def test_disk_full_names_the_file_the_room_and_the_fix(tmp_path):
 
 
 def test_push_refuses_a_file_that_changed_after_it_was_hashed(old_cache, tmp_path, monkeypatch):
-    from nbkit import transfer
+    from nbkit.transfer import sync as transfer
 
     real = transfer.build_manifest
 

@@ -17,18 +17,19 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nbkit"
 
 # The layers below the engine (nbkit.dataset): none of them may import it, directly or through others.
 BELOW_DATASET = ("nbkit.errors", "nbkit.devices", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.codec",
-                 "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms", "nbkit.format",
-                 "nbkit.cachedir", "nbkit.manifest", "nbkit.transfer", "nbkit.archive", "nbkit.stores", "nbkit.disk", "nbkit.warmup")
+                 "nbkit.fingerprint", "nbkit.collate", "nbkit.transfer", "nbkit.transforms", "nbkit.format",
+                 "nbkit.cachedir", "nbkit.stores", "nbkit.disk", "nbkit.warmup")
 # The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
 # Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
 LAYERS = {
     # nbkit.devices, the device resolver and torch_xla adapter, imports only torch (torch_xla when asked for XLA).
     0: ("nbkit.errors", "nbkit.trust", "nbkit.devices", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.gather"),
-    1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms"),
+    # nbkit.transfer straddles layers 1-5: each module is named; its __init__ imports nothing (lazy names).
+    1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.transfer.remote", "nbkit.transforms"),
     2: ("nbkit.format",),
     3: ("nbkit.cachedir",),
-    4: ("nbkit.manifest",),
-    5: ("nbkit.transfer", "nbkit.archive"),
+    4: ("nbkit.transfer.manifest",),
+    5: ("nbkit.transfer.sync", "nbkit.transfer.archive"),
     6: ("nbkit.stores", "nbkit.disk"),
     7: ("nbkit.warmup", "nbkit.dataset", "nbkit.samplers", "nbkit.loader", "nbkit.cacheloader"),
 }
@@ -214,3 +215,10 @@ def test_torch_xla_is_called_only_behind_nbkit_tpu():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             outside += [f"{name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "torch_xla"]
     assert not outside, "\n".join(outside)
+
+
+def test_the_transfer_package_imports_nothing(graph):
+    """nbkit.transfer straddles layers 1-5: importing nbkit.transfer.remote (layer 1) runs the package's
+    __init__ first, so that resolves its public names lazily and imports no module of its own."""
+    _, edges = graph
+    assert edges["nbkit.transfer"] == []

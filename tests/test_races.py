@@ -21,7 +21,7 @@ import nbkit
 import nbkit.disk
 import nbkit.format
 import nbkit.stores.base
-import nbkit.transfer
+import nbkit.transfer.sync
 from nbkit.errors import CorruptCacheError, StaleCacheError
 from nbkit.fingerprint import fingerprint
 from sources import TupleSource, assert_equal
@@ -184,7 +184,7 @@ def test_a_push_during_a_warmup_in_another_process_uploads_exactly_what_it_hashe
     child = Child(_warm, path, src, 16, reached, go, 20, marked)
     assert reached.wait(WAIT)
     seen = {}
-    real_manifest, real_parallel = nbkit.transfer.build_manifest, nbkit.transfer._run_parallel
+    real_manifest, real_parallel = nbkit.transfer.sync.build_manifest, nbkit.transfer.sync._run_parallel
 
     def manifest_then_let_the_writer_go(root, **kwargs):
         m = real_manifest(root, **kwargs)
@@ -205,8 +205,8 @@ def test_a_push_during_a_warmup_in_another_process_uploads_exactly_what_it_hashe
             seen["mid"] = str(e)
         return real_parallel(*a, **k)
 
-    monkeypatch.setattr(nbkit.transfer, "build_manifest", manifest_then_let_the_writer_go)
-    monkeypatch.setattr(nbkit.transfer, "_run_parallel", pull_mid_upload)
+    monkeypatch.setattr(nbkit.transfer.sync, "build_manifest", manifest_then_let_the_writer_go)
+    monkeypatch.setattr(nbkit.transfer.sync, "_run_parallel", pull_mid_upload)
     try:
         outcome = "ok", nbkit.push(path, url)
     except (OSError, RuntimeError) as e:  # refusing cleanly (a file changed) is allowed; a torn copy is not

@@ -143,7 +143,7 @@ def test_the_front_end_picks_the_words_and_is_set_per_thread():
 
 
 def test_remote_errors_name_the_fix_for_the_front_end():
-    from nbkit.remote import classify
+    from nbkit.transfer.remote import classify
     from nbkit.text import speaking_to
 
     refused = ConnectionRefusedError(111, "refused")

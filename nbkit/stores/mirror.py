@@ -31,16 +31,16 @@ from .. import trust
 from ..cachedir import stored_count
 from ..errors import CorruptCacheError
 from ..commit import atomic_write, file_lock
-from ..manifest import LEASE, sha256_file, trusted_remote_manifest
-from ..remote import network_errors, url_to_fs
+from ..transfer.manifest import LEASE, sha256_file, trusted_remote_manifest
+from ..transfer.remote import connect, remote_errors
 from ..text import fix
-from ..transfer import pull, push
+from ..transfer.sync import pull, push
 from .base import Location
 
 __all__ = ["MirrorLocation", "resolve", "working_copy_dir", "cache_dir", "read_origin", "ORIGIN_SUFFIX", "lease", "LEASE",
            "LEASE_SECONDS"]
 
-# LEASE (from nbkit.manifest): the object a host creates under a remote prefix while it publishes
+# LEASE (from nbkit.transfer.manifest): the object a host creates under a remote prefix while it publishes
 # there; the one object besides a cache's files that a pull accepts under the prefix.
 #: A lease older than this (seconds) is taken as abandoned.
 LEASE_SECONDS = 15 * 60
@@ -150,9 +150,10 @@ class MirrorLocation(Location):
         A no-op for a remote URL with no complete cache yet.
         """
         _record_origin(self.root, self.url, self.storage_options)  # for nbkit.caches(): which URL, last opened when
-        fs, rroot = url_to_fs(self.url, self.storage_options)
         fix = "open the cache again: a complete remote cache is pulled, otherwise warming starts from the working copy"
-        with file_lock(self.root + ".lock"), network_errors(fs, self.url, "looking for a cache at", fix):
+        doing = "looking for a cache at"
+        fs, rroot = connect(self.url, self.storage_options, doing=doing, fix=fix)
+        with file_lock(self.root + ".lock"), remote_errors(fs, self.url, doing, fix):
             fs.invalidate_cache()
             if not fs.exists(f"{rroot}/{fmt.META}"):
                 return False
@@ -175,9 +176,9 @@ class MirrorLocation(Location):
             stored, length = stored_count(self.root)
             if stored < length:
                 return False
-            fs, rroot = url_to_fs(self.url, self.storage_options)
             again = f"call sync() on the dataset again, or {fix('retry push', path=self.root, url=self.url)}: it resumes"
-            with network_errors(fs, self.url, "publishing to", again):
+            fs, rroot = connect(self.url, self.storage_options, doing="publishing to", fix=again, write=True)
+            with remote_errors(fs, self.url, "publishing to", again):
                 return self._publish(fs, rroot, length, callback)
 
     def _publish(self, fs, rroot: str, length: int, callback) -> bool:

@@ -263,7 +263,7 @@ class WarmupPanel(View):
             return
 
         def run(cb):
-            from nbkit.archive import export_tar  # imported when first used
+            from nbkit.transfer.archive import export_tar  # imported when first used
 
             return export_tar(self.ds.root, path, callback=cb)
 
@@ -292,7 +292,7 @@ class WarmupPanel(View):
 
         ``"warmup"`` does nothing when the cache is complete and resumes a stopped warmup;
         ``"export"`` keeps a tar that already holds the cache as it is now (see
-        :func:`nbkit.archive.stale_tar_reason`) and writes it again otherwise (partial, or from an
+        :func:`nbkit.transfer.archive.stale_tar_reason`) and writes it again otherwise (partial, or from an
         earlier state of the cache, whichever session made it); ``"upload"`` pushes (only the
         files the destination lacks).
 
@@ -333,7 +333,7 @@ class WarmupPanel(View):
         elif operation == "export":
             path = self.tar_field.value.strip()
             if path:
-                from nbkit.archive import stale_tar_reason  # imported when first used
+                from nbkit.transfer.archive import stale_tar_reason  # imported when first used
 
                 if stale_tar_reason(path, self.ds.root) is None:
                     self._refused.pop("export", None)

@@ -100,10 +100,10 @@ def main() -> None:
     torch.set_num_threads(1)
     import fsspec.implementations.local  # noqa: F401 - imported before the forks, not in each child
     import nbkit  # noqa: F401
-    import nbkit.archive  # noqa: F401
+    import nbkit.transfer.archive  # noqa: F401
     import nbkit.cacheloader  # noqa: F401
     import nbkit.disk  # noqa: F401
-    import nbkit.transfer  # noqa: F401
+    import nbkit.transfer.sync  # noqa: F401
     from crash import operations, toys  # noqa: F401
 
     try:

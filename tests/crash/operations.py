@@ -312,7 +312,7 @@ def _run_checkpoint(work):
     from crash.toys import content
 
     # What notebook 04 does every checkpoint_every steps: the training state, saved over the last one.
-    nbkit.remote.write_url(_p(work, "parent", "checkpoint.pt"), content(2))
+    nbkit.transfer.remote.write_url(_p(work, "parent", "checkpoint.pt"), content(2))
 
 
 #: Where set_aside moves the checkpoint (its stamp is fixed, so every run uses the same name).

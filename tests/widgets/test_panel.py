@@ -149,7 +149,7 @@ def test_export_with_empty_path_names_the_fix(tmp_path):
 
 
 def test_export_tar_writes_an_archive_that_opens_as_a_cache(tmp_path):
-    pytest.importorskip("nbkit.archive", reason="nbkit.archive (export_tar/import_tar) is not in this checkout yet")
+    pytest.importorskip("nbkit.transfer.archive", reason="nbkit.transfer.archive (export_tar/import_tar) is not in this checkout yet")
     ds = _filled(tmp_path)
     tar = tmp_path / "out.tar"
     panel = WarmupPanel(ds, tar_path=str(tar))
@@ -166,7 +166,7 @@ def test_export_tar_writes_an_archive_that_opens_as_a_cache(tmp_path):
 
 
 def test_export_to_a_bad_path_shows_the_error(tmp_path):
-    pytest.importorskip("nbkit.archive", reason="nbkit.archive (export_tar/import_tar) is not in this checkout yet")
+    pytest.importorskip("nbkit.transfer.archive", reason="nbkit.transfer.archive (export_tar/import_tar) is not in this checkout yet")
     ds = _filled(tmp_path)
     not_a_dir = tmp_path / "file.txt"
     not_a_dir.write_text("x")
@@ -436,7 +436,7 @@ def test_partial_export_is_amber_with_the_cached_fraction(tmp_path):
 
 
 def test_run_export_rewrites_a_stale_tar_and_keeps_a_current_one(tmp_path):
-    from nbkit.archive import stale_tar_reason
+    from nbkit.transfer.archive import stale_tar_reason
 
     tar = tmp_path / "x.tar"
     ds, panel = _stopped_midway(tmp_path, tar_path=str(tar))

@@ -24,7 +24,7 @@ import time
 from ... import format as fmt
 from ...commit import atomic_write, file_lock, temp_pid
 from ...errors import CorruptCacheError
-from ...manifest import MANIFEST, REPUSH, check_bytes, digest, manifest_bytes
+from ...transfer.manifest import MANIFEST, REPUSH, check_bytes, digest, manifest_bytes
 from ...stats import process_alive
 from .geometry import rounded
 

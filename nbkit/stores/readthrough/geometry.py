@@ -18,7 +18,7 @@ import numpy as np
 from ... import format as fmt
 from ...codec import Schema
 from ...errors import CorruptCacheError
-from ...manifest import digest, manifest_bytes
+from ...transfer.manifest import digest, manifest_bytes
 
 __all__ = ["Geometry", "rounded", "PIECE_MAX", "MIN_PIECES", "BLOCK"]
 

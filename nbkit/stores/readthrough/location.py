@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from ... import format as fmt
 from ... import trust
 from ...errors import CorruptCacheError
-from ...manifest import MANIFEST, REPUSH, check_listing, read_local_manifest, read_remote_manifest
-from ...remote import network_errors, url_to_fs
+from ...transfer.manifest import MANIFEST, REPUSH, check_listing, read_local_manifest, read_remote_manifest
+from ...transfer.remote import connect, remote_errors
 from ..base import Location
 from ..mirror import working_copy_dir
 from .area import area_lock, read_listed, replace_area
@@ -86,9 +86,9 @@ class ReadThroughLocation(Location):
             CorruptCacheError: the remote metadata, manifest or index is damaged.
             ValueError: ``local_max_bytes`` cannot hold the index and two pieces.
         """
-        fs, rroot = url_to_fs(self.url, self.storage_options)
         fix = "then open it again"
-        with network_errors(fs, self.url, "opening (read-through)", fix):
+        fs, rroot = connect(self.url, self.storage_options, doing="opening (read-through)", fix=fix)
+        with remote_errors(fs, self.url, "opening (read-through)", fix):
             fs.invalidate_cache()
             # The manifest first (at most MAX_JSON_BYTES): every other read is bounded by its sizes.
             manifest = read_remote_manifest(fs, rroot, self.url)

@@ -26,7 +26,7 @@ import numpy as np
 from ... import format as fmt
 from ...errors import CorruptCacheError
 from ...commit import temp_name
-from ...remote import is_connection_error, url_to_fs
+from ...transfer.remote import is_connection_error, url_to_fs
 from .area import area_lock, area_usage, piece_lock, read_generation, reserve, stamp
 from .geometry import Geometry, rounded
 

@@ -32,18 +32,18 @@ import tarfile
 import time
 import zlib
 
-from . import format as fmt
-from .cachedir import cache_root, check_replaceable, data_files, discard_stage, stage_dir, sweep_leftovers, stored_count, swap_into_place
-from .errors import CorruptCacheError, UnsafeArchiveError
-from .extras import require
-from .commit import CHUNK, Dir, claim, disk_full, release, staging_name, unnamed_full_disk
+from .. import format as fmt
+from ..cachedir import cache_root, check_replaceable, data_files, discard_stage, stage_dir, sweep_leftovers, stored_count, swap_into_place
+from ..errors import CorruptCacheError, UnsafeArchiveError
+from ..extras import require
+from ..commit import CHUNK, Dir, claim, disk_full, release, staging_name, unnamed_full_disk
 from .manifest import (MANIFEST, build_manifest, check_entry, check_file_set, check_free_disk, check_meta_sizes,
                        manifest_bytes, parse_manifest, sha256_file)
-from .progress import as_callback
-from .text import fix as fix_for
+from ..progress import as_callback
+from ..text import fix as fix_for
 from .remote import BLOCK, abandon, is_connection_error, is_local, url_to_fs
-from .transfer import Stopped, TransferReport, check_whole, describe
-from .trust import MAX_COLUMNS, MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
+from .sync import Stopped, TransferReport, check_whole
+from ..trust import MAX_COLUMNS, MAX_JSON_BYTES, cache_file_path, check_cache_file, check_path, check_url, open_readable
 
 __all__ = ["export_tar", "import_tar", "compression_of", "open_decompressed", "stale_tar_reason"]
 
@@ -83,7 +83,7 @@ class _HashingReader:
         self.f, self.cb, self.sha = f, cb, hashlib.sha256()
 
     def read(self, n=-1):
-        if getattr(self.cb, "stop_requested", False) is True:
+        if self.cb.should_stop():
             raise Stopped()
         chunk = self.f.read(n)
         self.sha.update(chunk)
@@ -151,14 +151,14 @@ def export_tar(cache_path, tar_path, *, compression: str | None = "auto", callba
     zstd = _zstandard() if compression == "zst" else None
     # The manifest goes first, so an import knows every size before it writes a byte: hash first,
     # then write (and hash again: a file changed in between is refused, never exported wrongly).
-    describe(cb, "reading the cache")
+    cb.set_description("reading the cache")
     manifest = build_manifest(root, callback=cb)  # only cache file names, no symbolic links (trust.cache_file_path)
     files = manifest["files"]
     names = sorted(n for n in files if n != fmt.META)
     paths = {n: cache_file_path(root, n, os.path.join(root, fmt.META), error=UnsafeArchiveError) for n in names}
     # A phase of its own: the bytes written to the tar, after the bytes hashed.
     cb.start_phase("export", unit="bytes", size=sum(f["size"] for f in files.values()))
-    describe(cb, f"exporting to {tar_path}")
+    cb.set_description(f"exporting to {tar_path}")
 
     fs, path = url_to_fs(tar_path, storage_options)
     local = is_local(fs)
@@ -198,7 +198,7 @@ def export_tar(cache_path, tar_path, *, compression: str | None = "auto", callba
             staged.commit(needed=sum(f["size"] for f in files.values()))
     except Stopped:
         staged.discard() if local else abandon(raw, tell_backend=True)
-        describe(cb, "stopped")
+        cb.set_description("stopped")
         return TransferReport(seconds=time.perf_counter() - start, stopped=True)
     except BaseException as e:
         if local:
@@ -210,7 +210,7 @@ def export_tar(cache_path, tar_path, *, compression: str | None = "auto", callba
         raise
     if not local:
         raw.close()
-    describe(cb, "exported")
+    cb.set_description("exported")
     return TransferReport(tuple(names) + (MANIFEST, fmt.META), (), sum(f["size"] for f in files.values()),
                           time.perf_counter() - start)
 
@@ -330,8 +330,8 @@ class _GuardedReader:
 
 
 def _check_stop(cb) -> None:
-    """Raise :class:`Stopped` when ``cb`` asks to stop (a plain fsspec callback answers every attribute)."""
-    if getattr(cb, "stop_requested", False) is True:
+    """Raise :class:`Stopped` when ``cb`` (:func:`nbkit.progress.as_callback`'s) asks to stop."""
+    if cb.should_stop():
         raise Stopped()
 
 
@@ -427,7 +427,7 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
         if size is None:
             size = os.fstat(raw.fileno()).st_size if hasattr(raw, "fileno") else None
         cb.start_phase("import", unit="bytes", size=size)  # tar bytes read; then a "verify" phase in samples
-        describe(cb, f"importing {tar_path}")
+        cb.set_description(f"importing {tar_path}")
         tmp = stage_dir(dest, "import")  # beside dest: a crash leaves a leftover nbkit ls lists and nbkit rm removes
         try:
             names = _extract(raw, tar_path, tmp, free, cb)
@@ -435,7 +435,7 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
             swap_into_place(tmp, dest)  # durable first, then in place in one step
         except Stopped:
             discard_stage(tmp)
-            describe(cb, "stopped")
+            cb.set_description("stopped")
             return TransferReport(seconds=time.perf_counter() - start, stopped=True)
         except BaseException as e:
             discard_stage(tmp)
@@ -443,7 +443,7 @@ def import_tar(tar_path, cache_path, *, callback=None, storage_options: dict | N
                 # The room checks passed but the writes still met a full disk (another writer took it).
                 raise disk_full(dest, size, e, doing="import the cache into") from e
             raise
-    describe(cb, "imported")
+    cb.set_description("imported")
     files = tuple(n for n in names if n not in (MANIFEST, fmt.META)) + (fmt.META,)
     return TransferReport(files, (), sum(os.path.getsize(os.path.join(dest, n)) for n in files), time.perf_counter() - start)
 

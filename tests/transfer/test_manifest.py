@@ -1,4 +1,4 @@
-"""nbkit.manifest: build, parse, check."""
+"""nbkit.transfer.manifest: build, parse, check."""
 
 import fsspec
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import nbkit
 from nbkit.errors import CorruptCacheError
-from nbkit.manifest import (build_manifest, check_bytes, check_name, digest, manifest_bytes, parse_manifest,
+from nbkit.transfer.manifest import (build_manifest, check_bytes, check_name, digest, manifest_bytes, parse_manifest,
                             read_local_manifest, read_remote_manifest, trusted_remote_manifest)
 
 
@@ -54,7 +54,7 @@ def test_remote_manifest(cache):
 import json  # noqa: E402
 
 from nbkit.errors import UnsafeArchiveError  # noqa: E402
-from nbkit.manifest import check_listing, new_manifest  # noqa: E402
+from nbkit.transfer.manifest import check_listing, new_manifest  # noqa: E402
 
 
 def test_the_spec_names_the_field_and_the_fix(cache):

@@ -7,15 +7,16 @@ google-auth's default credentials is bounded, where gcsfs would spend 12-18 s on
 server), an endpoint that refuses connections or accepts them and never answers, a missing bucket,
 a permission denied. Every wait polls the caller's stop flag, and gcsfs gets timeouts for every
 request. :func:`classify` turns an error met later into the same short messages (first line: what
-happened; then where; then the fix). :func:`network_errors` is the older one-TCP-connection probe
-the stores use. :func:`abandon` drops a file being written without committing it (a failed upload
+happened; then where; then the fix), and :func:`remote_errors` does that for a block of work. Every
+user of a bucket (push, pull, the mirror and read-through stores) reaches it through these two, so
+one endpoint fails with one message wherever it is met. :func:`abandon` drops a file being written without committing it (a failed upload
 never publishes a truncated object).
 
 Example:
     >>> fs, root = connect("memory://doctest/remote/", None, doing="pushing to", fix="rerun")
     >>> root, endpoint_of(fs), is_local(fs)
     ('/doctest/remote', None, False)
-    >>> with network_errors(fs, "memory://doctest/remote", "reading", "rerun"):
+    >>> with remote_errors(fs, "memory://doctest/remote", "reading", "rerun"):
     ...     write_bytes(fs, root + "/a", b"x")
     >>> remote_sizes(fs, root)
     {'a': 1}
@@ -37,20 +38,16 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from .commit import atomic_write
-from .text import fix as fix_for
+from ..commit import atomic_write
+from ..text import fix as fix_for
 
-__all__ = ["url_to_fs", "is_local", "endpoint_of", "connection_errors", "is_connection_error", "unreachable",
-           "check_reachable", "network_errors", "remote_sizes", "write_bytes", "write_url", "abandon", "BLOCK", "PROBE_SECONDS",
-           "check_bucket", "connect", "classify", "Stopped", "CONNECT_SECONDS", "ANSWER_SECONDS", "CREDENTIALS_SECONDS",
+__all__ = ["url_to_fs", "is_local", "endpoint_of", "connection_errors", "is_connection_error", "remote_errors",
+           "remote_sizes", "write_bytes", "write_url", "abandon", "BLOCK", "check_bucket", "connect", "classify", "Stopped", "CONNECT_SECONDS", "ANSWER_SECONDS", "CREDENTIALS_SECONDS",
            "READ_SECONDS", "REQUEST_SECONDS", "no_credentials_fix"]
 
 # Bytes in flight per upload. 32 MiB is a multiple of GCS's 256 KiB resumable-upload granularity
 # and measured fastest against the emulator.
 BLOCK = 32 << 20
-# A TCP connect to the endpoint before the first request: an unreachable endpoint then fails at
-# once rather than after gcsfs's retries (6 tries, ~30 s, per request).
-PROBE_SECONDS = 10.0
 #: :func:`connect`'s bounds: a TCP connection to the endpoint, then its first answer (one listing
 #: request), and google-auth's default-credentials lookup (a silent metadata server costs it 12-18 s).
 CONNECT_SECONDS = 5.0
@@ -122,40 +119,6 @@ def connection_errors() -> tuple:
 def is_connection_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a failure to reach the storage endpoint (rather than, say, a missing file)."""
     return isinstance(exc, connection_errors())
-
-
-def unreachable(url: str, endpoint: str | None, exc: BaseException, doing: str, fix: str) -> OSError:
-    """The ``OSError`` for a failure to reach ``endpoint`` while ``doing`` ``url``; ``fix`` says what to do then."""
-    where = f"the endpoint {endpoint}" if endpoint else "the storage backend"
-    return OSError(
-        f"could not reach {where} while {doing} {url} ({type(exc).__name__}: {exc}). Check the URL, the endpoint "
-        f"({fix_for('endpoint option')} or STORAGE_EMULATOR_HOST), the network and the credentials, then {fix}."
-    )
-
-
-def check_reachable(fs, url: str, doing: str, fix: str) -> None:
-    """Open (and close) one TCP connection to the endpoint; raise the clear ``OSError`` if that fails."""
-    endpoint = endpoint_of(fs)
-    if not endpoint or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")):
-        return  # nothing to probe, or the HTTP stack may reach it through a proxy we cannot see
-    parts = urlsplit(endpoint)
-    if not parts.hostname:
-        return
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname, port), timeout=PROBE_SECONDS).close()
-    except OSError as e:
-        raise unreachable(url, endpoint, e, doing, fix) from e
-
-
-@contextlib.contextmanager
-def network_errors(fs, url: str, doing: str, fix: str):
-    """Check that the endpoint answers, then turn connection failures inside the block into the clear ``OSError``."""
-    check_reachable(fs, url, doing, fix)
-    try:
-        yield
-    except connection_errors() as e:
-        raise unreachable(url, endpoint_of(fs), e, doing, fix) from e
 
 
 def remote_sizes(fs, root: str) -> dict:
@@ -506,3 +469,31 @@ def classify(exc: BaseException, fs, url: str, doing: str, fix: str, *, note: st
                                  f"Check the bucket's name in the URL, or create it (gcloud storage buckets create "
                                  f"gs://{bucket}); then {fix}.")
     return None
+
+
+@contextlib.contextmanager
+def remote_errors(fs, url: str, doing: str, fix, *, note: str = ""):
+    """Turn an unreachable endpoint, missing credentials or a permission denied met inside the block
+    into :func:`classify`'s short error; other errors pass unchanged.
+
+    ``fix`` is a string, or a callable that says it as it stands when the error is met (a push that
+    uploaded files meanwhile resumes). ``fs`` is what :func:`connect` returned, which checked the
+    endpoint first.
+
+    Example:
+        >>> fs, _ = connect("memory://doctest/errors", None, doing="reading", fix="rerun")
+        >>> with remote_errors(fs, "memory://doctest/errors", "reading", "rerun"):
+        ...     raise ConnectionResetError("gone")
+        Traceback (most recent call last):
+        ...
+        OSError: cannot reach the storage backend (ConnectionResetError: gone)
+        while reading memory://doctest/errors.
+        Check the URL, storage_options['endpoint_url'] or STORAGE_EMULATOR_HOST, and the network (proxy, VPN, firewall); then rerun.
+    """
+    try:
+        yield
+    except Exception as e:  # re-raised unchanged unless classify() knows its kind
+        classified = classify(e, fs, url, doing, fix() if callable(fix) else fix, note=note)
+        if classified is None:
+            raise
+        raise classified from e

@@ -1,10 +1,10 @@
 """Copy a cache directory to and from any fsspec URL (``gs://`` first): :func:`push` and :func:`pull`.
 
-A pushed cache is its files under the URL plus ``manifest.json`` (:mod:`nbkit.manifest`); a push is
+A pushed cache is its files under the URL plus ``manifest.json`` (:mod:`nbkit.transfer.manifest`); a push is
 resumable and publishes ``nbkit.json`` last. A bucket prefix is untrusted input: a pull takes only
 a cache's own file names, checks the manifest's sizes against the objects and the free disk before
 fetching, and checks every sha256 and every stored sample's CRC (:func:`check_whole`) before it
-swaps the copy into place. Before any of it, :func:`nbkit.remote.connect` checks within seconds that
+swaps the copy into place. Before any of it, :func:`nbkit.transfer.remote.connect` checks within seconds that
 the URL works (bucket, credentials, endpoint), and a failure says what happened in a short first line
 and the fix; "it resumes" only when a rerun has uploaded files to skip (``docs/DESIGN.md``,
 "Transfer and archives"; ``docs/SECURITY.md``).
@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import queue
@@ -36,20 +35,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import format as fmt
-from .cachedir import cache_root, check_replaceable, discard_stage, frozen, open_files, stage_dir, swap_into_place
-from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import CHUNK, Dir, disk_full, leftover_of, temp_pid, unnamed_full_disk
+from .. import format as fmt
+from ..cachedir import cache_root, check_replaceable, discard_stage, frozen, open_files, stage_dir, swap_into_place
+from ..errors import CorruptCacheError, UnsafeArchiveError
+from ..commit import CHUNK, Dir, disk_full, leftover_of, temp_pid, unnamed_full_disk
 from .manifest import (MANIFEST, REPUSH, build_manifest, check_entry, check_file_set, check_free_disk, check_listing,
                        check_meta_sizes, manifest_bytes, read_bounded, read_remote_manifest, sha256_file,
                        trusted_remote_manifest)
-from .progress import as_callback
-from .text import fix as fix_for
-from .remote import BLOCK, Stopped, abandon, check_bucket, connect, classify, is_connection_error, is_local, remote_sizes, write_bytes
-from .stats import process_alive
-from .trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, is_cache_file, open_readable, read_small
+from ..progress import as_callback
+from ..text import fix as fix_for
+from .remote import (BLOCK, Stopped, abandon, check_bucket, classify, connect, is_connection_error, is_local, remote_errors,
+                     remote_sizes, write_bytes)
+from ..stats import process_alive
+from ..trust import MAX_JSON_BYTES, cache_file_path, check_int, check_path, check_url, is_cache_file, open_readable, read_small
 
-__all__ = ["push", "pull", "TransferReport", "Stopped", "describe", "check_whole"]
+__all__ = ["push", "pull", "TransferReport", "Stopped", "check_whole"]
 
 # Downloads fetch a large file as ranged reads of PART bytes, at most PARTS_IN_FLIGHT of them
 # (over all files) fetched and not yet written: this bounds pull's memory to ~100 MiB. Against the
@@ -85,22 +85,6 @@ class TransferReport:
     stopped: bool = False
 
 
-def _stop_requested(cb) -> bool:
-    """Whether ``cb`` asked to stop (``getattr(cb, "stop_requested", False) is True``, see :func:`describe`)."""
-    return getattr(cb, "stop_requested", False) is True
-
-
-def describe(cb, text: str) -> None:
-    """``cb.set_description(text)`` for callbacks that have it (an fsspec-style callback may not).
-
-    Stop flags are read as ``getattr(cb, "stop_requested", False) is True``: a plain fsspec
-    ``Callback`` answers every unknown attribute with a (truthy) no-op method.
-    """
-    set_description = getattr(cb, "set_description", None)
-    if set_description is not None:
-        set_description(text)
-
-
 def check_whole(tmp: str, where: str, fix: str, callback=None, describe_as: str | None = None) -> int:
     """Check, before it is swapped into place, that the copy in ``tmp`` is a whole cache: ``nbkit.json``
     names exactly the data files there, agrees with their sizes, and every stored sample's CRC holds.
@@ -125,7 +109,7 @@ def check_whole(tmp: str, where: str, fix: str, callback=None, describe_as: str 
             # A phase of its own, in samples: never counted against the bytes copied before it.
             cb.start_phase("verify", unit="samples", size=int(np.count_nonzero(files.is_stored(np.arange(files.length)))))
             if describe_as:
-                describe(cb, describe_as)
+                cb.set_description(describe_as)
             # Rows checked where they lie, checksums on two threads: keeps an import's full check
             # within its budget (benchmarks/results/trust.md).
             return fmt.verify_store(files, where=where, callback=cb, chunk=8192, threads=2, fix="")
@@ -181,7 +165,7 @@ def _run_parallel(jobs, cb, max_workers: int, on_done=None):
                 elif not isinstance(exc, Stopped) and failure is None:
                     failure = (name, exc)
                     stop.set()
-            if _stop_requested(cb):
+            if cb.should_stop():
                 stop.set()
             if stop.is_set():
                 for fut in pending:
@@ -225,12 +209,12 @@ def push(cache_path, url: str, *, callback=None, storage_options: dict | None = 
     cb = as_callback(callback)
     root = cache_root(check_path(cache_path, "cache_path"))
     rerun = fix_for("retry push", path=root, url=url)  # in the words of the front end running the push
-    describe(cb, f"connecting to {url}")
+    cb.set_description(f"connecting to {url}")
     try:
         fs, rroot = connect(url, storage_options, doing="pushing to", fix=rerun, write=True,
-                            should_stop=lambda: _stop_requested(cb))
+                            should_stop=cb.should_stop)
     except Stopped:
-        describe(cb, "stopped")
+        cb.set_description("stopped")
         return TransferReport(seconds=time.perf_counter() - start, stopped=True)
     # Writers (a warmup in this or another process) wait while the push reads the files, so what is
     # uploaded is one consistent state: exactly the bytes that were hashed.
@@ -242,7 +226,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
     if is_local(fs) and (os.path.realpath(rroot) + os.sep).startswith(os.path.realpath(root) + os.sep):
         raise ValueError(f"cannot push the cache at {root} to {url}: that is the cache's own directory (or lies in it), "
                          "and pushing would overwrite the files it reads. Push to another directory or bucket.")
-    describe(cb, "reading the cache")
+    cb.set_description("reading the cache")
     manifest = build_manifest(root, callback=cb)
     files = manifest["files"]
     names = [n for n in files if n != fmt.META]
@@ -255,7 +239,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
         n = len(kept)
         return f"{rerun}: it resumes, skipping the {n} file{'s' if n != 1 else ''} already uploaded"
 
-    with _remote_errors(fs, url, fix, " (nothing was changed there)"):
+    with remote_errors(fs, url, "pushing to", fix, note=" (nothing was changed there)"):
         fs.invalidate_cache()
         if is_local(fs):
             fs.makedirs(rroot, exist_ok=True)  # object stores have no directories to create
@@ -270,12 +254,12 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
     todo = sorted((n for n in names if not present(n)), key=lambda n: -files[n]["size"])
     skipped = tuple(n for n in names if n not in todo)
     if not todo and present(fmt.META) and remote == manifest:
-        describe(cb, "up to date")
+        cb.set_description("up to date")
         return TransferReport(skipped=skipped + (fmt.META,), seconds=time.perf_counter() - start)
     kept.update(skipped)
 
     # Unpublish first: from here until nbkit.json is written again the prefix is not a cache.
-    with _remote_errors(fs, url, fix, " (unpublishing the older copy)"):
+    with remote_errors(fs, url, "pushing to", fix, note=" (unpublishing the older copy)"):
         if fmt.META in sizes:
             fs.rm_file(f"{rroot}/{fmt.META}")
         for stale in set(remote_files) - set(files):
@@ -284,7 +268,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
 
     total = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
     cb.start_phase("push", unit="bytes", size=total)
-    describe(cb, f"pushing to {url}")
+    cb.set_description(f"pushing to {url}")
     state = {"since_checkpoint": 0, "confirmed": set(skipped)}
 
     def checkpoint():
@@ -346,13 +330,13 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
         ) from exc
     if stopped:
         if state["since_checkpoint"]:
-            with _remote_errors(fs, url, fix, " (writing the resume checkpoint after Stop)"):
+            with remote_errors(fs, url, "pushing to", fix, note=" (writing the resume checkpoint after Stop)"):
                 checkpoint()
-        describe(cb, "stopped")
+        cb.set_description("stopped")
         return TransferReport(tuple(done), skipped, nbytes, time.perf_counter() - start, stopped=True)
 
-    describe(cb, "publishing")
-    with _remote_errors(fs, url, fix, " (publishing: every file was uploaded, the cache is not published yet)"):
+    cb.set_description("publishing")
+    with remote_errors(fs, url, "pushing to", fix, note=" (publishing: every file was uploaded, the cache is not published yet)"):
         write_bytes(fs, f"{rroot}/{MANIFEST}", manifest_bytes(manifest))
         kept.update(names)
         with open_readable(os.path.join(root, fmt.META)) as f:
@@ -361,7 +345,7 @@ def _push(root, url, fs, rroot, cb, max_workers, start, rerun) -> TransferReport
             raise RuntimeError(f"{root}/{fmt.META} changed while the cache was being pushed; nothing was published. {rerun}.")
         write_bytes(fs, f"{rroot}/{fmt.META}", meta)
     cb.relative_update(len(meta))
-    describe(cb, "pushed")
+    cb.set_description("pushed")
     fs.invalidate_cache()
     return TransferReport(tuple(done) + (fmt.META,), skipped, nbytes + len(meta), time.perf_counter() - start)
 
@@ -374,19 +358,6 @@ def _sweep_temp(rroot: str) -> None:
             if left is not None and temp_pid(name) is not None and is_cache_file(left[0]) \
                     and not process_alive(temp_pid(name)):
                 d.unlink(name)
-
-
-@contextlib.contextmanager
-def _remote_errors(fs, url: str, fix, note: str, doing: str = "pushing to"):
-    """Turn an unreachable endpoint, missing credentials or a permission denied inside the block into
-    :func:`nbkit.remote.classify`'s short error (``fix()`` as it stands then); other errors pass unchanged."""
-    try:
-        yield
-    except Exception as e:  # noqa: BLE001 - re-raised unchanged unless classify() knows its kind
-        classified = classify(e, fs, url, doing, fix(), note=note)
-        if classified is None:
-            raise
-        raise classified from e
 
 
 # -- pull -------------------------------------------------------------------------------------------
@@ -426,17 +397,17 @@ def pull(url: str, cache_path, *, callback=None, storage_options: dict | None = 
     start = time.perf_counter()
     cb = as_callback(callback)
     fix = fix_for("retry pull", url=url, path=dest)
-    describe(cb, f"connecting to {url}")
+    cb.set_description(f"connecting to {url}")
     try:
-        fs, rroot = connect(url, storage_options, doing="pulling from", fix=fix, should_stop=lambda: _stop_requested(cb))
+        fs, rroot = connect(url, storage_options, doing="pulling from", fix=fix, should_stop=cb.should_stop)
     except Stopped:
-        describe(cb, "stopped")
+        cb.set_description("stopped")
         return TransferReport(seconds=time.perf_counter() - start, stopped=True)
     return _pull(url, dest, fs, rroot, cb, max_workers, start, fix)
 
 
 def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
-    with _remote_errors(fs, url, lambda: fix, f" ({dest} is unchanged)", doing="pulling from"):
+    with remote_errors(fs, url, "pulling from", fix, note=f" ({dest} is unchanged)"):
         fs.invalidate_cache()
         if not fs.exists(f"{rroot}/{fmt.META}"):
             raise FileNotFoundError(
@@ -477,7 +448,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
         todo = sorted((n for n in files if n not in reused and n != fmt.META), key=lambda n: -files[n]["size"])
         nbytes = sum(files[n]["size"] for n in todo) + files[fmt.META]["size"]
         cb.start_phase("pull", unit="bytes", size=nbytes)
-        describe(cb, f"pulling from {url}")
+        cb.set_description(f"pulling from {url}")
         budget = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
 
         with ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="nbkit-fetch") as fetchers:
@@ -503,7 +474,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
                           f"{dest} is unchanged.\nTo try again, {fix}." + (f"\n{rest.strip()}" if rest.strip() else "")) from exc
         if stopped:
             discard_stage(tmp)
-            describe(cb, "stopped")
+            cb.set_description("stopped")
             return TransferReport(tuple(done), tuple(reused), sum(files[n]["size"] for n in done), time.perf_counter() - start, stopped=True)
         with open(os.path.join(tmp, fmt.META), "wb") as f:
             f.write(meta)
@@ -516,7 +487,7 @@ def _pull(url, dest, fs, rroot, cb, max_workers, start, fix) -> TransferReport:
             # The room check passed but a write still met a full disk (copying a reused file, nbkit.json).
             raise disk_full(dest, sum(f["size"] for f in files.values()), e, doing="pull the cache into") from e
         raise
-    describe(cb, "pulled")
+    cb.set_description("pulled")
     return TransferReport(tuple(todo) + (fmt.META,), tuple(reused), nbytes, time.perf_counter() - start)
 
 

@@ -14,8 +14,9 @@ import nbkit
 from fixtures_gcs import (black_hole, gcs, gcs_emulator, gcs_server, refused_port, short_gcsfs_retries,  # noqa: F401 - fixtures
                           silent_metadata)
 from nbkit import format as fmt
-from nbkit import manifest, transfer
-from nbkit.remote import url_to_fs
+from nbkit.transfer import manifest
+from nbkit.transfer import sync as transfer
+from nbkit.transfer.remote import url_to_fs
 from nbkit.errors import CorruptCacheError
 from nbkit.progress import Callback
 from sources import DictSource, TupleSource, assert_equal
@@ -341,7 +342,7 @@ def test_an_endpoint_that_never_answers_fails_within_seconds(tmp_path, black_hol
 
 
 def test_stop_ends_a_push_waiting_for_a_silent_endpoint(tmp_path, silent_metadata, black_hole, monkeypatch):
-    from nbkit import remote
+    from nbkit.transfer import remote
 
     monkeypatch.setattr(remote, "CREDENTIALS_SECONDS", 300.0)
     ds = make_cache(tmp_path / "c")
@@ -372,7 +373,7 @@ def test_a_missing_bucket_is_named(tmp_path, gcs_server):
 
 
 def test_push_without_credentials_says_so_and_sends_nothing(tmp_path, silent_metadata, gcs, monkeypatch):
-    from nbkit import remote
+    from nbkit.transfer import remote
 
     monkeypatch.setattr(remote, "CREDENTIALS_SECONDS", 1.0)
     ds = make_cache(tmp_path / "c")

@@ -11,7 +11,7 @@ import pytest
 import nbkit
 from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
 from nbkit import format as fmt
-from nbkit.archive import open_decompressed
+from nbkit.transfer.archive import open_decompressed
 from nbkit.errors import CorruptCacheError, UnsafeArchiveError
 from nbkit.progress import Callback
 from sources import DictSource, TupleSource, assert_equal
@@ -208,7 +208,7 @@ def test_a_plain_fsspec_callback_works(tmp_path, cache, plain):
 
 
 def test_stale_tar_reason_tells_partial_other_and_current_tars(tmp_path):
-    from nbkit.archive import stale_tar_reason
+    from nbkit.transfer.archive import stale_tar_reason
 
     tar = tmp_path / "x.tar"
     assert stale_tar_reason(tar, tmp_path) == f"{tar} does not exist yet."
@@ -243,7 +243,7 @@ def test_stale_tar_reason_tells_partial_other_and_current_tars(tmp_path):
 
 
 def test_stale_tar_reason_of_a_plain_tar_and_of_a_damaged_one(tmp_path, cache):
-    from nbkit.archive import stale_tar_reason
+    from nbkit.transfer.archive import stale_tar_reason
 
     plain = tmp_path / "plain.tar"
     with tarfile.open(plain, "w") as t:
@@ -267,7 +267,7 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
 
-from nbkit.manifest import MANIFEST, manifest_bytes, new_manifest  # noqa: E402
+from nbkit.transfer.manifest import MANIFEST, manifest_bytes, new_manifest  # noqa: E402
 
 
 def tree_digest(path):
@@ -503,7 +503,7 @@ def test_export_sends_only_cache_files_and_refuses_a_symlink(tmp_path, cache):
 
 
 def test_stale_tar_reason_reads_only_the_head(tmp_path, cache):
-    from nbkit.archive import stale_tar_reason
+    from nbkit.transfer.archive import stale_tar_reason
 
     tar = tmp_path / "c.tar"
     nbkit.export_tar(cache, tar)
@@ -691,7 +691,7 @@ def mutate_json(manifest: dict, data) -> dict:
 @given(data=st.data())
 def test_fuzz_manifest_values_in_a_tar(fuzz_cache, arena, data):
     root, _, files = fuzz_cache
-    from nbkit.manifest import build_manifest
+    from nbkit.transfer.manifest import build_manifest
 
     manifest = mutate_json(build_manifest(root), data)
     members = dict(files, **{MANIFEST: json.dumps(manifest).encode()})
@@ -736,7 +736,7 @@ def test_partial_and_budgeted_caches_import_and_their_damage_is_found(tmp_path):
 def test_a_tar_of_thousands_of_empty_members_is_refused_at_the_bound(tmp_path, cache, good_dest):
     # Issue 25: 200,000 empty skipped members kept import_tar busy for minutes. A cache has at most
     # a few thousand files, so a tar with more members is refused at the first one past the bound.
-    from nbkit.archive import stale_tar_reason
+    from nbkit.transfer.archive import stale_tar_reason
     from nbkit.trust import MAX_COLUMNS
 
     bound = 4 + MAX_COLUMNS + 2  # every file a cache can have, then ./ and heap.lock

@@ -24,11 +24,12 @@ import json
 import os
 import shutil
 
-from . import format as fmt
-from .cachedir import data_files, stored_count
-from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import CHUNK, disk_full, leftover_of, temp_pid
-from .trust import (MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, is_cache_file, load_json,
+from .. import format as fmt
+from ..cachedir import data_files, stored_count
+from ..errors import CorruptCacheError, UnsafeArchiveError
+from ..progress import as_callback
+from ..commit import CHUNK, disk_full, leftover_of, temp_pid
+from ..trust import (MAX_JSON_BYTES, Int, Map, Obj, Str, cache_file_path, check_cache_file, check_json, is_cache_file, load_json,
                     open_readable)
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "sha256_file", "build_manifest", "new_manifest", "manifest_bytes",
@@ -68,19 +69,18 @@ def sha256_file(path: str, progress=None) -> str:
                 progress(len(chunk))
 
 
-def build_manifest(root: str, progress=None, *, callback=None) -> dict:
+def build_manifest(root: str, *, callback=None) -> dict:
     """Size and sha256 of every file of the cache at ``root`` (``nbkit.json`` included).
 
-    ``progress(n)`` is called after each chunk read; a ``callback`` (:class:`nbkit.progress.Callback`)
-    is told of a ``"hash"`` phase in bytes, its total (every file's size) known before the first byte."""
+    The ``callback`` (:func:`nbkit.progress.as_callback`) is told of a ``"hash"`` phase in bytes, its
+    total (every file's size) known before the first byte."""
     stored, length = stored_count(root)
     names = data_files(root) + [fmt.META]
     paths = {n: cache_file_path(root, n, os.path.join(root, fmt.META), error=UnsafeArchiveError) for n in names}
     sizes = {n: os.path.getsize(p) for n, p in paths.items()}
-    if callback is not None:
-        callback.start_phase("hash", unit="bytes", size=sum(sizes.values()))
-        progress = callback.relative_update
-    files = {n: {"size": sizes[n], "sha256": sha256_file(paths[n], progress)} for n in names}
+    cb = as_callback(callback)
+    cb.start_phase("hash", unit="bytes", size=sum(sizes.values()))
+    files = {n: {"size": sizes[n], "sha256": sha256_file(paths[n], cb.relative_update)} for n in names}
     return new_manifest(files, stored, length)
 
 
@@ -259,7 +259,7 @@ def check_meta_sizes(meta: dict, sizes: dict, where: str, fix: str = REPUSH) -> 
     or the disk) are what ``meta`` (checked by :func:`nbkit.format.parse_meta`) implies: ``index.bin``
     holds ``length`` records and each column file ``capacity`` rows. Checked before any of those
     files is opened or allocated, so a length or shape in the metadata is bounded by real bytes."""
-    from .codec import Schema
+    from ..codec import Schema
 
     length, capacity = meta["length"], meta.get("capacity")
     schema = Schema.from_json(meta["schema"])
