@@ -25,7 +25,8 @@ LAYERS = {
     # nbkit.tpu.xla, the torch_xla adapter, imports only torch: the engine calls it (lazily) on XLA.
     0: ("nbkit.errors", "nbkit.trust", "nbkit.tpu.xla", "nbkit.extras", "nbkit.text", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.gather"),
     1: ("nbkit.codec", "nbkit.fingerprint", "nbkit.collate", "nbkit.remote", "nbkit.transforms"),
-    2: ("nbkit.format",),
+    # nbkit.stores.base declares the Store and Location contracts (no backend): cachedir's CacheFiles derives from it.
+    2: ("nbkit.format", "nbkit.stores.base"),
     3: ("nbkit.cachedir",),
     4: ("nbkit.manifest",),
     5: ("nbkit.transfer", "nbkit.archive"),
