@@ -35,12 +35,15 @@ from .. import format as fmt
 from ..codec import Schema
 from ..errors import StaleCacheError
 
-__all__ = ["Store", "Location", "Generation", "new_generation"]
+__all__ = ["Store", "KeyedStore", "Location", "Generation", "new_generation"]
+
+
+_NOUNS = {"Store": "store", "KeyedStore": "keyed store", "Location": "location"}
 
 
 def _required(obj, member: str, base: str) -> NotImplementedError:
     return NotImplementedError(f"{type(obj).__name__} does not implement {base}.{member}, which every "
-                               f"{base.lower()} must define (see nbkit.stores.base.{base}).")
+                               f"{_NOUNS[base]} must define (see nbkit.stores.base.{base}).")
 
 
 class Store:
@@ -183,6 +186,51 @@ class Store:
     def close(self) -> None:
         """Release what the store holds in this process (files, maps, threads, buffers); called
         once, by ``CachedDataset.close()``. Default: nothing to release."""
+
+
+class KeyedStore:
+    """The values of one keyed cache (:class:`nbkit.CacheLoader`), opened in one process: what the
+    loader reads and writes. Keys are in their stored form (:func:`nbkit.stores.keyed.key_bytes`).
+
+    Required: :meth:`get`, :meth:`put`, :meth:`contains`, :meth:`count`, :meth:`keys`; optional:
+    :meth:`close`. The loader checks each value's CRC-32 itself. Backends:
+    :class:`nbkit.stores.keyed.LocalKeyed` (a directory), :class:`nbkit.stores.keyed_redis.RedisKeyed`.
+
+    Example:
+        >>> class Nothing(KeyedStore):
+        ...     def get(self, kb, *, fresh=False):
+        ...         return None
+        >>> Nothing().get(b"k"), Nothing().is_remote
+        (None, False)
+    """
+
+    #: Whether the values live elsewhere than this host (a server).
+    is_remote = False
+
+    def get(self, kb: bytes, *, fresh: bool = False):
+        """Required: ``(crc, value)`` of a stored key, or ``None``; ``fresh``: look for a newer record
+        of it first (another process may have replaced a damaged value)."""
+        raise _required(self, "get()", "KeyedStore")
+
+    def put(self, kb: bytes, crc: int, value: bytes, *, replace: bool = False) -> bool:
+        """Required: store ``value`` under ``kb`` unless another process stored the key first (or
+        ``replace``); return whether this call stored it."""
+        raise _required(self, "put()", "KeyedStore")
+
+    def contains(self, kb: bytes) -> bool:
+        """Required: whether ``kb`` is stored."""
+        raise _required(self, "contains()", "KeyedStore")
+
+    def count(self) -> int:
+        """Required: how many keys are stored."""
+        raise _required(self, "count()", "KeyedStore")
+
+    def keys(self) -> list:
+        """Required: every stored key, in stored form."""
+        raise _required(self, "keys()", "KeyedStore")
+
+    def close(self) -> None:
+        """Release what the store holds in this process. Default: nothing to release."""
 
 
 def new_generation() -> str:
