@@ -28,6 +28,7 @@ from .errors import CorruptCacheError, UnsafeArchiveError
 from .commit import (Dir, claim, disk_full, file_lock, is_claimed, leftover_of, makedirs, recover, release, remove_tree, staging_name, swap_in,
                      sync_tree, write_all)
 from .gather import gather_rows, physical_memory, read_mode, resident, will_need
+from .stores.base import Store
 
 try:
     import fcntl
@@ -481,7 +482,7 @@ PREAD_MIN_ROW_BYTES = 64 << 10
 RESIDENT_SECONDS = 1.0
 
 
-class CacheFiles(fmt.Store):
+class CacheFiles(Store):
     """The memory-mapped files of one cache directory, opened in one process.
 
     Not shared between processes: each process (DataLoader worker, TPU process) opens its own.
@@ -592,8 +593,9 @@ class CacheFiles(fmt.Store):
         return gather_rows(self.columns, rows, out, threads, files=self._column_files, crc=crc, mode=mode)
 
     def will_need(self, idx: np.ndarray) -> None:
-        """Start reading the rows of ``idx`` into the page cache in the background when they are
-        not resident (read-ahead of a batch gathered later)."""
+        """Start reading the rows of the stored samples of ``idx`` into the page cache in the
+        background when they are not resident (read-ahead of a batch gathered later)."""
+        idx = idx[self.is_stored(idx)]
         rows = idx if self.slot_of is None else self.slot_of[idx]
         if len(rows) and not resident(self.columns, rows):
             will_need(self._column_files, self.columns, rows)

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from . import format as fmt
 from .stores import registry
-from .stores.base import new_generation
+from .stores.base import Store, new_generation
 from .trust import MAX_FINGERPRINT_SAMPLES, check_bool, check_int, check_size
 from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
@@ -291,8 +291,8 @@ class CachedDataset(Dataset):
             )
 
     @property
-    def store(self) -> fmt.Store:
-        """The sample store of this process (``docs/DESIGN.md``, "Store protocol"), opened on first use."""
+    def store(self) -> Store:
+        """The sample store of this process (a :class:`nbkit.stores.base.Store`), opened on first use."""
         self._check_open()
         pid = os.getpid()
         if self._files_obj is None or self._files_pid != pid:
@@ -305,10 +305,24 @@ class CachedDataset(Dataset):
             self._verified = np.zeros(self._length, dtype=bool)
         return self._files_obj
 
-    def _check_generation(self, every: float = 0.0) -> None:
+    def check_generation(self, every: float = 0.0) -> None:
         """Raise :class:`StaleCacheError` if the cache was rebuilt since this handle opened it (one
         ``stat`` of ``nbkit.json``; at most every ``every`` seconds); reopen the store if its files
-        were replaced by a copy of the same build."""
+        were replaced by a copy of the same build.
+
+        Package-internal (the engine's reads and writes, :mod:`nbkit.warmup`), not notebook API.
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> path = tempfile.mkdtemp()
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), path)
+            >>> ds.check_generation()   # nothing rebuilt it: one stat
+            >>> _ = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(5)), path, overwrite=True)
+            >>> ds.check_generation()  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            nbkit.errors.StaleCacheError: the cache at ... is not the one this dataset opened: it was rebuilt...
+        """
         self._check_open()  # first: a closed dataset's cache may be gone, and that is not the news
         now = time.monotonic()
         if every and now - self._generation_checked < every:
@@ -353,7 +367,7 @@ class CachedDataset(Dataset):
             return [self[i] for i in range(*index.indices(self._length))]
         if isinstance(index, torch.Tensor):
             index = index.item()
-        self._check_generation(every=_READ_CHECK_SECONDS)
+        self.check_generation(every=_READ_CHECK_SECONDS)
         return self._fetch(self._index_array([index]), single=True)
 
     def __getitems__(self, indices):
@@ -364,7 +378,7 @@ class CachedDataset(Dataset):
         main process gathers the rows itself from the shared memory-mapped files.
         """
         idx = self._index_array(indices)
-        self._check_generation(every=_READ_CHECK_SECONDS)
+        self.check_generation(every=_READ_CHECK_SECONDS)
         if self.transform is None and get_worker_info() is not None and self._column_ready(idx):
             self._counters.add(hits=len(idx))
             self.read_ahead(idx)  # the main process gathers it later: start reading it now
@@ -374,17 +388,14 @@ class CachedDataset(Dataset):
     def read_ahead(self, idx) -> None:
         """Start reading the stored rows of ``idx`` into the page cache in the background when they
         are not there (a batch gathered later: DataLoader workers, ``DeviceLoader``'s next batch)."""
-        will_need = getattr(self.store, "will_need", None)
-        if will_need is not None:
-            idx = self._index_array(idx)
-            will_need(idx[self.store.is_stored(idx)])
+        self.store.will_need(self._index_array(idx))
 
     def _column_ready(self, idx: np.ndarray, local: bool = True) -> bool:
         """Whether every sample of ``idx`` is stored whole in fixed-shape columns (so the batch is
         one gather per column), in a store this host maps in memory when ``local``."""
         f = self.store
         schema = f.schema
-        if schema.structure is None or schema.has_var or (local and not getattr(f, "memory_mapped", False)):
+        if schema.structure is None or schema.has_var or (local and not f.memory_mapped):
             return False
         return bool(f.is_stored(idx).all()) and not (f.flags_of(idx) & fmt.FLAG_FREEFORM).any()
 
@@ -417,14 +428,14 @@ class CachedDataset(Dataset):
             [1, 2]
         """
         idx = self._index_array(idx)
-        self._check_generation(every=_READ_CHECK_SECONDS)
+        self.check_generation(every=_READ_CHECK_SECONDS)
         if not self._column_ready(idx, local=False):
             return None
         f = self.store
         n = len(idx)
         dest = None if out is None else [o[:n] for o in out]
         crcs = None
-        if getattr(f, "memory_mapped", False):
+        if f.memory_mapped:
             columns, crcs = f.gather_checked(idx, out=dest, threads=threads, crc=not self._verified[idx].all())
         else:
             columns = f.gather(idx)
@@ -464,7 +475,7 @@ class CachedDataset(Dataset):
         admitted = f.admitted(todo)
         # Samples the store did not keep (beyond a byte budget, or refused by a full store) are
         # served straight from the source: correct, just not cached.
-        unkept = self._compute_and_store(todo[admitted]) if admitted.any() else {}
+        unkept = self.compute_and_store(todo[admitted]) if admitted.any() else {}
         unkept.update((int(i), None) for i in todo[~admitted])
         self._counters.add(hits=len(idx) - misses, misses=misses)
         if self._publish_pending:
@@ -487,7 +498,7 @@ class CachedDataset(Dataset):
         if schema.structure is None or (f.flags_of(idx) & fmt.FLAG_FREEFORM).any():
             return [self._read_one(int(i)) for i in idx]
         crcs = None
-        if getattr(f, "memory_mapped", False):
+        if f.memory_mapped:
             columns, crcs = f.gather_checked(idx, crc=not self._verified[idx].all())
         else:
             columns = f.gather(idx)
@@ -600,7 +611,7 @@ class CachedDataset(Dataset):
                 "path)) to recompute it, or pull / import the cache again."
             )
         self._counters.add(recomputed=1)
-        return self._compute_and_store(np.array([i]))
+        return self.compute_and_store(np.array([i]))
 
     # -- writes ----------------------------------------------------------------------------------------
 
@@ -625,9 +636,18 @@ class CachedDataset(Dataset):
             raise
         return sample
 
-    def _compute_and_store(self, indices: np.ndarray) -> dict:
+    def compute_and_store(self, indices: np.ndarray) -> dict:
         """Compute ``indices`` from the source and store them; return ``{i: sample}`` for those the
-        store refused (a full Redis server, say), which callers serve without reading them back."""
+        store refused (a full Redis server, say), which callers serve without reading them back.
+
+        Package-internal (misses, repairs, :mod:`nbkit.warmup`'s chunks), not notebook API.
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+            >>> ds.compute_and_store(np.array([0, 2])), ds.missing().tolist()
+            ({}, [1, 3])
+        """
         samples = [self._compute(int(i)) for i in indices]
         kept = self._store(indices, samples)
         if kept.all():
@@ -636,7 +656,7 @@ class CachedDataset(Dataset):
 
     def _store(self, indices: np.ndarray, samples: list) -> np.ndarray:
         """Store computed samples; return which ones the store kept."""
-        self._check_generation()  # never write old-source samples into a cache rebuilt meanwhile
+        self.check_generation()  # never write old-source samples into a cache rebuilt meanwhile
         f = self.store
         if not f.writable:
             raise PermissionError(f"the cache at {self.path} is open read-only")
@@ -764,8 +784,7 @@ class CachedDataset(Dataset):
             >>> ds.prefetch([1, 2, 3])   # a local cache has nothing to fetch
             0
         """
-        fn = getattr(self.store, "prefetch", None)
-        return int(fn(self._index_array(indices)) or 0) if fn is not None else 0
+        return int(self.store.prefetch(self._index_array(indices)) or 0)
 
     def loader(self, batch_size: int, **options):
         """Batches of this cache already on the accelerator: ``nbkit.DeviceLoader(self, batch_size, **options)``.

@@ -1,5 +1,5 @@
-"""The nbkit cache format (version 1): file names, index records, flags, CRCs, metadata, and the
-``Store`` base every sample store derives from, with the one checksum check they all use.
+"""The nbkit cache format (version 1): file names, index records, flags, CRCs, metadata, and the one
+checksum check every sample store (:class:`nbkit.stores.base.Store`) goes through.
 
 A cache is ``nbkit.json``, ``index.bin``, ``col-<k>.bin`` and ``heap.bin`` (``docs/DESIGN.md``,
 "On-disk format"); its memory-mapped files are :class:`nbkit.cachedir.CacheFiles`, and a store
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from functools import cached_property
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from .commit import atomic_write
 from .progress import as_callback
 from .text import fix, format_list
 
-__all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "Store", "list_cache_files", "read_meta",
+__all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "list_cache_files", "read_meta",
            "parse_meta", "publish_meta", "row_crc", "batch_crc", "sample_crcs", "verify", "verify_store", "read_blob_or_none",
            "META_SPEC"]
 
@@ -178,62 +177,6 @@ def row_crc(rows, blob: bytes = b"") -> int:
     return c
 
 
-class Store:
-    """What every sample store (local files, Redis, read-through) derives from the cache metadata:
-    its length and schema, and, under a byte budget, which samples have a row (their slot).
-
-    Example:
-        >>> int(Store({"length": 4, "schema": None, "capacity": 2}, writable=False).admitted(np.arange(4)).sum())
-        2
-    """
-
-    row_crc = staticmethod(row_crc)
-
-    def __init__(self, meta: dict, *, writable: bool):
-        self.meta = meta
-        self.writable = writable
-        self.length = int(meta["length"])
-        self.schema = Schema.from_json(meta["schema"])
-        # A byte budget (``max_bytes``) gives the columns fewer rows than samples: only the admitted
-        # samples have a row (their slot); the others are always computed from the source.
-        self.capacity = self.length if meta.get("capacity") is None else int(meta["capacity"])
-
-    @cached_property
-    def slot_of(self) -> np.ndarray | None:
-        """Each index's row (``-1``: not admitted), or ``None`` when every sample has one. Made on
-        first use, so a store checks its files against the metadata before allocating anything."""
-        if self.capacity >= self.length:
-            return None
-        return admission_slots(self.length, self.capacity, int(self.meta.get("admit_seed", 0)))
-
-    @property
-    def n_columns(self) -> int:
-        return len(self.schema.columns)
-
-    def admitted(self, idx: np.ndarray) -> np.ndarray:
-        """Which of ``idx`` may be stored (all, unless a byte budget limits the cache)."""
-        if self.slot_of is None:
-            return np.ones(len(idx), dtype=bool)
-        return self.slot_of[idx] >= 0
-
-    def stored_mask(self, idx: np.ndarray) -> np.ndarray:
-        """Which of ``idx`` are stored, as cheaply as the store can tell (default: :meth:`is_stored`)."""
-        return self.is_stored(idx)
-
-    def missing(self, idx: np.ndarray | None = None) -> np.ndarray:
-        """The admitted indices (of ``idx``, or of all) that are not stored yet."""
-        idx = np.arange(self.length) if idx is None else np.asarray(idx, dtype=np.int64)
-        return idx[self.admitted(idx) & ~self.stored_mask(idx)]
-
-    def sync(self) -> None:
-        """Make what was stored durable (a power loss keeps it); called at the end of a warmup.
-        Default: nothing to do (a server keeps what it acknowledged)."""
-
-    def close(self) -> None:
-        """Release what the store holds in this process (files, maps, threads, buffers); called
-        once, by ``CachedDataset.close()``. Default: nothing to release."""
-
-
 def admission_slots(length: int, capacity: int, seed: int) -> np.ndarray:
     """Slot of each index under a byte budget (``-1``: not admitted).
 
@@ -329,7 +272,7 @@ def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict |
     """Which of the stored samples ``idx`` of ``store`` match their checksum (a bool per sample).
 
     Args:
-        store: any :class:`Store` (local files, Redis, read-through).
+        store: any :class:`nbkit.stores.base.Store` (local files, Redis, read-through).
         idx: stored sample indices (int64).
         columns: their column rows if already gathered (``store.gather(idx)``); read otherwise.
         blobs: ``position -> heap blob`` if already read; read otherwise (an unreadable blob fails).

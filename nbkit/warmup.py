@@ -76,7 +76,7 @@ def _fill(cached, chunk: np.ndarray) -> int:
     # Another process (a TPU peer, a reader) may have filled some meanwhile.
     todo = cached.store.missing(chunk)
     if len(todo):
-        cached._compute_and_store(todo)
+        cached.compute_and_store(todo)
     return len(chunk)
 
 
@@ -103,7 +103,7 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
     all_idx = np.arange(len(cached))
     if shard is not None:
         all_idx = all_idx[rank::world]
-    cached._check_generation()  # a handle made before a rebuild elsewhere fills nothing
+    cached.check_generation()  # a handle made before a rebuild elsewhere fills nothing
     files = cached.store
     missing = files.missing(all_idx)
     all_idx = all_idx[files.admitted(all_idx)]  # beyond a byte budget: nothing to fill

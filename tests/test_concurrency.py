@@ -220,6 +220,6 @@ def test_a_generation_check_costs_one_stat_per_write(tmp_path):
     ds[0]
     t0 = time.perf_counter()
     for _ in range(2000):
-        ds._check_generation()
+        ds.check_generation()
     per_check = (time.perf_counter() - t0) / 2000
     assert per_check < 200e-6, f"{per_check * 1e6:.1f} µs per check"

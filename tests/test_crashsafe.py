@@ -200,15 +200,15 @@ def test_warmup_refuses_to_write_through_a_hard_link(tmp_path):
 
 
 def test_an_opener_racing_rm_gets_a_clear_error_and_recreates_nothing(old_cache, monkeypatch):
-    from nbkit.stores import base
+    from nbkit.stores import local
 
-    real = base.Location.open_store
+    real = local.LocalLocation.open_store
 
     def removed_meanwhile(self, meta, *, writable):
         nbkit.remove(old_cache)  # rm runs between the opener's metadata read and its file opens
         return real(self, meta, writable=writable)
 
-    monkeypatch.setattr(base.Location, "open_store", removed_meanwhile)
+    monkeypatch.setattr(local.LocalLocation, "open_store", removed_meanwhile)
     ds = nbkit.CachedDataset(source(0.0), old_cache)
     with pytest.raises((CorruptCacheError, nbkit.StaleCacheError, FileNotFoundError), match="removed|gone|no nbkit cache|Open it again"):
         ds[0]

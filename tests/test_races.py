@@ -20,7 +20,7 @@ import pytest
 import nbkit
 import nbkit.disk
 import nbkit.format
-import nbkit.stores.base
+import nbkit.stores.local
 import nbkit.transfer.sync
 from nbkit.errors import CorruptCacheError, StaleCacheError
 from nbkit.fingerprint import fingerprint
@@ -230,14 +230,14 @@ def test_a_push_during_a_warmup_in_another_process_uploads_exactly_what_it_hashe
 
 
 def _open_paused_at_open_store(path, with_source, reached, go):
-    real = nbkit.stores.base.CacheFiles
+    real = nbkit.stores.local.CacheFiles
 
     def paused(*a, **k):
         reached.set()
         assert go.wait(WAIT)
         return real(*a, **k)
 
-    nbkit.stores.base.CacheFiles = paused
+    nbkit.stores.local.CacheFiles = paused
     ds = nbkit.CachedDataset(GatedSource(32), path) if with_source else nbkit.CachedDataset.open(path)
     return len(ds[3])
 
@@ -382,7 +382,7 @@ def _overwrite_paused_at_publish(path, reached, go):
 
 
 def _overwrite_paused_after_removing(path, read, read_go, reached, go):
-    real_read, real = nbkit.stores.base.Location.read_meta, nbkit.stores.base.Location.remove
+    real_read, real = nbkit.stores.local.LocalLocation.read_meta, nbkit.stores.local.LocalLocation.remove
     first = [True]
 
     def read_paused(self):
@@ -398,8 +398,8 @@ def _overwrite_paused_after_removing(path, read, read_go, reached, go):
         reached.set()
         assert go.wait(WAIT)
 
-    nbkit.stores.base.Location.read_meta = read_paused
-    nbkit.stores.base.Location.remove = paused
+    nbkit.stores.local.LocalLocation.read_meta = read_paused
+    nbkit.stores.local.LocalLocation.remove = paused
     ds = nbkit.CachedDataset(Shifted(32), path, overwrite=True)
     return ds.warmup().computed
 

@@ -1,9 +1,10 @@
 """Where caches live: the store backends and the registry that picks one for a path or URL.
 
-:mod:`.registry` maps a URL scheme (or a location option) to a backend; :mod:`.base` is the
-``Location`` every backend derives from; :mod:`.local` (a directory), :mod:`.mirror` (a remote
-URL through a local working copy), :mod:`.redis` (Redis servers) and :mod:`.readthrough` (a bucket
-read through a bounded local area) are the backends. Backends are imported on first use.
+:mod:`.registry` maps a URL scheme (or a location option) to a backend; :mod:`.base` declares the
+contracts every backend implements (``Location``: where a cache lives; ``Store``: its samples);
+:mod:`.local` (a directory), :mod:`.mirror` (a remote URL through a local working copy),
+:mod:`.redis` (Redis servers) and :mod:`.readthrough` (a bucket read through a bounded local area)
+are the backends. Backends are imported on first use.
 
 Example:
     >>> from nbkit.stores import resolve
@@ -11,6 +12,15 @@ Example:
     False
 """
 
-from .registry import resolve
+from __future__ import annotations
 
 __all__ = ["resolve"]
+
+
+def __getattr__(name):
+    # Imports nothing up front: cachedir (below the backends) imports .base, which runs this file.
+    if name == "resolve":
+        from .registry import resolve
+
+        return resolve
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,6 +36,7 @@ from .. import format as fmt
 from .. import trust
 from ..errors import CorruptCacheError, UnsafeArchiveError
 from ..commit import atomic_write, file_lock, write_all
+from .base import KeyedStore
 
 __all__ = ["KEYS_META", "KEYS", "VALUES", "KEYS_LOCK", "FORMAT_NAME", "RECORD", "key_bytes", "key_of", "LocalKeyed"]
 
@@ -145,7 +146,7 @@ def check_keyed_meta(raw: bytes, where: str) -> dict:
     return trust.check_json(meta, _META_SPEC, where, fix)
 
 
-class LocalKeyed:
+class LocalKeyed(KeyedStore):
     """The files of one local keyed cache, opened in one process (each DataLoader worker opens its own).
 
     Methods take keys in their stored form (:func:`key_bytes`).

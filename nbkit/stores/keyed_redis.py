@@ -22,6 +22,7 @@ import zlib
 from .. import trust
 from ..errors import CorruptCacheError
 from ..extras import require
+from .base import KeyedStore
 from .keyed import MAX_KEY, check_keyed_meta, key_of, keyed_meta
 from .redis import RedisLocation, is_oom
 
@@ -30,7 +31,7 @@ __all__ = ["RedisKeyed"]
 _CRC = struct.Struct("<I")
 
 
-class RedisKeyed:
+class RedisKeyed(KeyedStore):
     """The values of one keyed cache on its Redis servers, for one process.
 
     Methods take keys in their stored form (:func:`nbkit.stores.keyed.key_bytes`).

@@ -35,7 +35,7 @@ from ..transfer.manifest import LEASE, sha256_file, trusted_remote_manifest
 from ..transfer.remote import connect, remote_errors
 from ..text import fix
 from ..transfer.sync import pull, push
-from .base import Location
+from .local import LocalLocation
 
 __all__ = ["MirrorLocation", "resolve", "working_copy_dir", "cache_dir", "read_origin", "ORIGIN_SUFFIX", "lease", "LEASE",
            "LEASE_SECONDS"]
@@ -130,7 +130,7 @@ def resolve(url: str, storage_options: dict | None = None, **location_options) -
 
 
 @dataclass
-class MirrorLocation(Location):
+class MirrorLocation(LocalLocation):
     """A remote cache and its local working copy (``root``). Processes of one host share the copy under a file lock."""
 
     publishes = True

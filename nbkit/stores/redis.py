@@ -32,7 +32,7 @@ from ..errors import CorruptCacheError, MissingSampleError
 from ..extras import require
 from ..gather import physical_memory
 from ..text import format_bytes, format_list
-from .base import Location
+from .base import Location, Store
 
 __all__ = ["RedisLocation", "RedisStore", "is_oom", "RedisURL", "parse_url", "resolve", "resolve_redis", "FULL_RETRY_SECONDS",
            "PUT_BYTES", "CONNECT_SECONDS", "ANSWER_SECONDS", "MAX_LENGTH", "MAX_VALUE_BYTES"]
@@ -524,7 +524,7 @@ def is_oom(e: Exception) -> bool:
     return isinstance(e, oom) or "OOM" in str(e) or "maxmemory" in str(e)
 
 
-class RedisStore(fmt.Store):
+class RedisStore(Store):
     """The samples of one cache in Redis, for one process (see ``docs/DESIGN.md``, "Store protocol").
 
     Reads of a batch fetch every sample of it with one ``MGET`` per server and keep the values until

@@ -1,11 +1,14 @@
 """One store contract, every backend: what ``CachedDataset`` may rely on from any store
-(docs/DESIGN.md, "Store protocol"), in the style of fsspec's abstract test suites.
+(:class:`nbkit.stores.base.Store` and :class:`~nbkit.stores.base.Location`), in the style of
+fsspec's abstract test suites.
 
 Each backend is a small adapter (:class:`Backend`) that knows how to make a cache of a source at a
 fresh location and how to open it again without the source, on this host or on another one. The
 tests in :class:`StoreContract` are written once against that adapter and run for a local
-directory, ``memory://`` and the GCS emulator through the mirror (working copy), Redis, and a
-bucket read through a bounded local area.
+directory, ``memory://`` and the GCS emulator through the mirror (working copy), Redis, a bucket
+read through a bounded local area, and :class:`DictStore`: a whole backend written here in a few
+lines (one ``Store`` subclass, one ``Location`` subclass, one entry in ``BACKENDS``), which is all a
+new backend takes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ from sources import TupleSource, VarShapeSource, assert_equal
 
 import nbkit
 from nbkit import format as fmt
+from nbkit.cachedir import CacheFiles
+from nbkit.stores import registry
+from nbkit.stores.base import Location, Store
+from nbkit.stores.readthrough import ReadThroughStore
+from nbkit.stores.redis import RedisStore
 
 
 class Backend:
@@ -108,7 +116,90 @@ class ReadThrough(Backend):
         return nbkit.CachedDataset(source, url, **options), url, options
 
 
-BACKENDS = [Local, Memory, GCS, Redis, ReadThrough]
+#: The "servers" of :class:`DictLocation`: URL -> that cache's metadata and samples, in this process.
+DICT_SERVERS: dict = {}
+
+
+class DictStore(Store):
+    """A minimal backend's store: each sample one ``(flags, crc, column rows as bytes, blob)`` entry in a dict."""
+
+    def __init__(self, server: dict, meta: dict, *, writable: bool):
+        super().__init__(meta, writable=writable)
+        self.samples = server.setdefault("samples", {})
+
+    def is_stored(self, idx):
+        return np.array([int(i) in self.samples for i in idx], dtype=bool)
+
+    def flags_of(self, idx):
+        return np.array([self.samples[int(i)][0] for i in idx], dtype=np.uint8)
+
+    def crc_of(self, idx):
+        return np.array([self.samples[int(i)][1] for i in idx], dtype=np.uint32)
+
+    def gather(self, idx):
+        out = []
+        for k, leaf in enumerate(self.schema.columns):
+            dtype = self.schema.column_dtype(leaf)
+            zero = bytes(self.schema.row_bytes(leaf))  # a free-form sample has no rows (as in a local cache's zeros)
+            raw = b"".join(self.samples[int(i)][2][k] if self.samples[int(i)][2] else zero for i in idx)
+            out.append(np.frombuffer(raw, dtype=dtype).reshape(len(idx), *leaf.shape).copy())
+        return out
+
+    def read_blob(self, i):
+        return self.samples[int(i)][3]
+
+    def put(self, idx, flags, crc, cpos, stacked, bpos, blobs):
+        rows = {int(p): [np.ascontiguousarray(c[m]).tobytes() for c in stacked] for m, p in enumerate(cpos)}
+        blob_of = dict(zip(bpos.tolist(), blobs))
+        for j, i in enumerate(idx.tolist()):
+            self.samples[i] = (int(flags[j]), int(crc[j]), rows.get(j), blob_of.get(j, b""))
+
+    def stored_count(self):
+        return len(self.samples)
+
+    def data_bytes(self):
+        return sum(sum(map(len, rows or [])) + len(blob) for _, _, rows, blob in self.samples.values())
+
+    stored_bytes = data_bytes
+
+
+class DictLocation(Location):
+    """A minimal backend's location: ``dict-store://<name>`` in :data:`DICT_SERVERS`."""
+
+    def __init__(self, url, storage_options=None):
+        super().__init__(url=url, root=url, is_remote=True, storage_options=dict(storage_options or {}))
+
+    def read_meta(self):
+        return DICT_SERVERS.get(self.root, {}).get("meta")
+
+    def publish_meta(self, meta):
+        return DICT_SERVERS.setdefault(self.root, {}).setdefault("meta", meta)  # the first creator wins
+
+    def open_store(self, meta, *, writable):
+        return DictStore(DICT_SERVERS[self.root], meta, writable=writable)
+
+    def remove(self):
+        DICT_SERVERS.pop(self.root, None)
+
+
+def resolve_dict(url, storage_options=None, **location_options):
+    return DictLocation(url, storage_options)
+
+
+class Dict(Backend):
+    """The backend above, registered for ``dict-store://`` for the length of one test."""
+
+    name = "dict"
+
+    def __init__(self, tmp_path, monkeypatch, request):
+        super().__init__(tmp_path, monkeypatch, request)
+        monkeypatch.setitem(registry.SCHEMES, "dict-store", registry.Backend(f"{__name__}:resolve_dict"))
+
+    def location(self):
+        return f"dict-store://contract-{uuid.uuid4().hex[:10]}/cache", {}
+
+
+BACKENDS = [Local, Memory, GCS, Redis, ReadThrough, Dict]
 
 
 @pytest.fixture(params=BACKENDS, ids=[b.name for b in BACKENDS])
@@ -204,3 +295,47 @@ class StoreContract:
 
 class TestStores(StoreContract):
     """The contract, once for each backend."""
+
+
+# -- the contract itself: every member declared in one base class ------------------------------------
+
+REQUIRED = ("is_stored", "flags_of", "crc_of", "gather", "read_blob", "put", "stored_count", "data_bytes", "stored_bytes")
+OPTIONAL = ("admitted", "stored_mask", "missing", "gather_checked", "will_need", "prefetch", "sync", "close", "memory_mapped",
+            "row_crc", "n_columns", "slot_of")
+
+
+@pytest.mark.parametrize("cls", [CacheFiles, RedisStore, ReadThroughStore, DictStore], ids=lambda c: c.__name__)
+def test_every_store_defines_the_required_members(cls):
+    assert all(hasattr(Store, m) for m in REQUIRED + OPTIONAL)
+    assert [m for m in REQUIRED if getattr(cls, m) is getattr(Store, m)] == []
+
+
+def test_a_store_missing_a_required_member_says_which_and_where():
+    class Half(DictStore):
+        gather = Store.gather
+
+    store = Half({}, {"length": 3, "schema": None}, writable=True)
+    with pytest.raises(NotImplementedError, match=r"^Half does not implement Store\.gather\(\), which every store must define"):
+        store.gather(np.arange(2))
+    # The optional members have the defaults the engine relies on.
+    assert (store.memory_mapped, store.prefetch(np.arange(3)), store.will_need(np.arange(3)), store.sync()) == (False, 0, None, None)
+
+
+def test_an_engine_on_a_store_without_put_names_the_member(tmp_path, monkeypatch):
+    class NoPut(DictStore):
+        put = Store.put
+
+    monkeypatch.setattr(DictLocation, "open_store", lambda self, meta, *, writable: NoPut(DICT_SERVERS[self.root], meta,
+                                                                                           writable=writable))
+    Dict(tmp_path, monkeypatch, None)
+    ds = nbkit.CachedDataset(TupleSource(4), f"dict-store://noput-{uuid.uuid4().hex[:6]}/cache")
+    with pytest.raises(NotImplementedError, match=r"NoPut does not implement Store\.put\(\)"):
+        ds[0]
+
+
+def test_a_location_missing_a_required_member_says_which():
+    class Bare(Location):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"^Bare does not implement Location\.open_store\(\), which every location"):
+        Bare(url="x://y", root="x://y").open_store({}, writable=False)

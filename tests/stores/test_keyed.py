@@ -76,3 +76,19 @@ def test_a_huge_sparse_index_is_read_in_bounded_pieces(tmp_path, monkeypatch):
     assert reader.get("a") == "value a" and reader.get("b", lambda k: "value b") == "value b"
     assert reader.get("c", lambda k: 3) == 3 and "zzz" not in reader
     assert max(asked) <= 16 << 20
+
+
+def test_both_keyed_stores_define_the_keyed_contract():
+    from nbkit.stores.base import KeyedStore
+    from nbkit.stores.keyed_redis import RedisKeyed
+
+    required = ("get", "put", "contains", "count", "keys")
+    for cls in (keyed.LocalKeyed, RedisKeyed):
+        assert issubclass(cls, KeyedStore)
+        assert [m for m in required if getattr(cls, m) is getattr(KeyedStore, m)] == [], cls.__name__
+
+    class NoKeys(KeyedStore):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"^NoKeys does not implement KeyedStore\.keys\(\), which every keyed store"):
+        NoKeys().keys()

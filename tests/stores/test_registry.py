@@ -8,14 +8,14 @@ import sys
 import pytest
 
 from nbkit.stores import registry
-from nbkit.stores.base import Location
+from nbkit.stores.local import LocalLocation
 from nbkit.stores.mirror import MirrorLocation
 from nbkit.stores.registry import resolve
 
 
 def test_schemes_and_options_pick_the_backend(tmp_path):
-    assert type(registry.resolve(tmp_path)) is Location
-    assert type(registry.resolve(f"file://{tmp_path}")) is Location
+    assert type(registry.resolve(tmp_path)) is LocalLocation
+    assert type(registry.resolve(f"file://{tmp_path}")) is LocalLocation
     assert isinstance(registry.resolve("memory://b/c"), MirrorLocation)
     assert registry.backend_of("redis://h/0/x") == registry.backend_of("rediss://h/0/x") == "nbkit.stores.redis:resolve"
     assert registry.backend_of("gs://b/c", local_max_bytes=10) == "nbkit.stores.readthrough:resolve"

@@ -20,7 +20,7 @@ from ... import trust
 from ...errors import CorruptCacheError
 from ...transfer.manifest import MANIFEST, REPUSH, check_listing, read_local_manifest, read_remote_manifest
 from ...transfer.remote import connect, remote_errors
-from ..base import Location
+from ..local import LocalLocation
 from ..mirror import working_copy_dir
 from .area import area_lock, read_listed, replace_area
 from .geometry import Geometry
@@ -60,7 +60,7 @@ def resolve(url: str, storage_options: dict | None = None, *, local_max_bytes: i
 
 
 @dataclass
-class ReadThroughLocation(Location):
+class ReadThroughLocation(LocalLocation):
     """A remote cache read through a bounded local area (see the module docstring).
 
     Attributes:

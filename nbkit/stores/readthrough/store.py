@@ -27,6 +27,7 @@ from ... import format as fmt
 from ...errors import CorruptCacheError
 from ...commit import temp_name
 from ...transfer.remote import is_connection_error, url_to_fs
+from ..base import Store
 from .area import area_lock, area_usage, piece_lock, read_generation, reserve, stamp
 from .geometry import Geometry, rounded
 
@@ -55,7 +56,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_end_idle_prefetchers, after_in_child=_forget_prefetchers)
 
 
-class ReadThroughStore(fmt.Store):
+class ReadThroughStore(Store):
     """The sample store of a read-through cache in one process (the engine's store protocol).
 
     Also: :meth:`prefetch` (fetch ahead in a background thread), :meth:`local_bytes`, and
