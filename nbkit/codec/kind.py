@@ -134,9 +134,12 @@ class Kind:
         inline: the free-form header holds the value itself (no payload).
         legacy_pickled: ``encode_freeform(..., legacy=True, allow_pickle=True)`` pickles it, as nbkit
             did before this kind existed (source fingerprints of older caches still match).
+        exact_types: types whose every instance (of exactly that type) this kind takes, with no
+            :meth:`check`: the table looks them up in one step (no kind before it may claim them).
     """
 
     name = ""
+    exact_types: tuple = ()
     stores: tuple = ("col", "var")
     var_dtype = True
     header_spec = ARRAY_HEADER

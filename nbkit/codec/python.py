@@ -77,6 +77,7 @@ class ScalarKind(Kind):
 
 class BoolKind(ScalarKind):
     name, pytype, dtype = "bool", bool, "|b1"
+    exact_types = (bool,)
     header_spec = Obj({"k": Str(), "v": Bool()})
 
 
@@ -101,6 +102,7 @@ class IntKind(ScalarKind):
 
 class FloatKind(ScalarKind):
     name, pytype, dtype = "float", float, "<f8"
+    exact_types = (float,)
     header_spec = Obj({"k": Str(), "v": AnyJSON()})  # NaN and ±inf are kept: checked by valid()
 
     def valid(self, v) -> bool:
@@ -112,6 +114,7 @@ class FloatKind(ScalarKind):
 
 class ComplexKind(ScalarKind):
     name, pytype, dtype = "complex", complex, "<c16"
+    exact_types = (complex,)
     header_spec = Obj({"k": Str(), "v": List(AnyJSON(), max_len=2)})
 
     def to_freeform(self, value) -> tuple:
@@ -128,6 +131,7 @@ class NoneKind(Kind):
     """``None``: stored as nothing (a ``const`` leaf)."""
 
     name = "none"
+    exact_types = (type(None),)
     stores = ("const",)
     var_dtype = False
     inline = True
@@ -189,6 +193,7 @@ class StrKind(PayloadKind):
     """A string, as UTF-8 (lone surrogates kept); a batch of strings is the list of them."""
 
     name = "str"
+    exact_types = (str,)
 
     def claims(self, value) -> bool:
         return isinstance(value, str)
@@ -213,6 +218,7 @@ class BytesKind(PayloadKind):
     """``bytes``, ``bytearray`` or ``memoryview`` (read back as ``bytes``)."""
 
     name = "bytes"
+    exact_types = (bytes, bytearray, memoryview)
 
     def claims(self, value) -> bool:
         return isinstance(value, (bytes, bytearray, memoryview))

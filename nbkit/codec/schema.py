@@ -31,11 +31,12 @@ from ..errors import CorruptCacheError
 from ..trust import AnyJSON, Int, List, Obj, Str, check_json
 from .kind import DIM, MAX_NDIM, MAX_ROW_BYTES, Leaf, nbytes
 from .structure import compile_structure, count_leaves, flatten, structure_from_json, structure_to_json
-from .table import BY_NAME, KINDS, kind_of
+from .table import BY_NAME, kind_of
 
 __all__ = ["Leaf", "Schema", "infer_schema", "MAX_ROW_BYTES"]
 
-_LEAF_SPEC = Obj({"kind": Str(choices=tuple(k.name for k in KINDS)), "store": Str(choices=("col", "var", "const")),
+# The kinds' names are read live from the table (a kind added to it is a valid name at once).
+_LEAF_SPEC = Obj({"kind": Str(choices=BY_NAME.keys()), "store": Str(choices=("col", "var", "const")),
                   "dtype": Str(max_len=32), "shape": List(DIM, max_len=MAX_NDIM), "column": Int(min=-1, max=4095),
                   "mode": Str(max_len=8)}, required=("kind", "store"))
 _SCHEMA_SPEC = Obj({"structure": AnyJSON(), "leaves": List(_LEAF_SPEC)})

@@ -31,12 +31,29 @@ BY_NAME: dict = {k.name: k for k in KINDS}
 
 def kind_of(value, where: str, allow_pickle: bool) -> Kind:
     """The kind that stores ``value`` (``where`` names it in errors)."""
+    exact = _exact[1] if _exact[0] is KINDS else _exact_types()
+    kind = exact.get(type(value))
+    if kind is not None:
+        return kind
     for kind in KINDS:
         if kind.claims(value):
             return BY_NAME[kind.check(value, where, allow_pickle)]
     if allow_pickle:
         return PICKLE
     return refuse(value, where)
+
+
+_exact: tuple = (None, {})  # (the table it was built from, {type: kind}) of the kinds' exact_types
+
+
+def _exact_types() -> dict:
+    global _exact
+    exact: dict = {}
+    for kind in KINDS:
+        for t in kind.exact_types:
+            exact.setdefault(t, kind)
+    _exact = (KINDS, exact)
+    return exact
 
 
 def kind_named(name: str, where: str = "cache metadata") -> Kind:
