@@ -31,14 +31,13 @@ Example:
 from __future__ import annotations
 
 from .freeform import decode_freeform, encode_freeform
-from .kind import MAX_NDIM, MAX_ROW_BYTES, Kind, Leaf, native, nbytes
-from .pil import PALETTE_MODES, PIL_MODES, channels_first, is_pil_image, pil_from_bytes, pil_from_pixels, pil_pixels, pil_to_bytes, stack_pil
-from .python import pickle_refused
+from .kind import Kind, Leaf
+from .pil import stack_pil
 from .schema import Schema, infer_schema
-from .structure import (MAX_DEPTH, MAX_KEY_LEN, MAX_NAME, count_leaves, flatten, is_namedtuple, named_class, named_path,
-                        named_type, register_namedtuple, sample_type, structure_from_json, structure_to_json, unflatten,
-                        unflatten_columns)
+from .structure import flatten, register_namedtuple, structure_from_json, unflatten
 from .table import KINDS, array_to_leaf, batch_leaf_values, kind_named, kind_of, leaf_kind, storage_dtype
-from .tensor import torch_dtype
 
-__all__ = ["Schema", "flatten", "unflatten", "encode_freeform", "decode_freeform", "infer_schema", "register_namedtuple"]
+# The names the rest of nbkit imports from here; each concept's other helpers live in its module.
+__all__ = ["Schema", "flatten", "unflatten", "encode_freeform", "decode_freeform", "infer_schema", "register_namedtuple",
+           "structure_from_json", "storage_dtype", "array_to_leaf", "batch_leaf_values", "stack_pil", "Kind", "Leaf",
+           "KINDS", "kind_of", "kind_named", "leaf_kind"]

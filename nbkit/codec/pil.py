@@ -100,7 +100,7 @@ def pil_from_bytes(data, where: str):
     return pil_from_pixels(mode, arr, palette, where)
 
 
-def stack_pil(images: list, where: str = "batch") :
+def stack_pil(images: list, where: str = "batch"):
     """A batch of PIL images as ``default_collate([PILToTensor()(im) for im in images])`` gives it:
     ``(N, C, H, W)``; ``TypeError`` naming the fix when their sizes or modes differ."""
     arrays = [pil_pixels(im) for im in images]
@@ -117,7 +117,7 @@ def stack_pil(images: list, where: str = "batch") :
     return channels_first(torch.from_numpy(native(np.stack(arrays))))
 
 
-def channels_first(pixels: torch.Tensor) :
+def channels_first(pixels):
     """Stacked PIL pixels ``(N, H, W[, C])`` as ``(N, C, H, W)``, PILToTensor's layout (a view:
     channels-last in memory, which convolutions take as is)."""
     return pixels.unsqueeze(1) if pixels.dim() == 3 else pixels.permute(0, 3, 1, 2)
