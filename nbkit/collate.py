@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import os
-import sys
 import weakref
 from collections.abc import Sequence
 
@@ -28,8 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from .codec import (array_to_leaf, batch_leaf_values, channels_first, is_namedtuple, named_class, native, stack_pil,
-                    unflatten_columns)
+from .codec.structure import is_namedtuple, named_class, unflatten_columns
+from .codec.table import BY_NAME, collate_types
 
 __all__ = ["SampleBatch", "DeferredBatch", "BatchHandle", "collate", "collate_columns", "map_tensors", "iter_tensors"]
 
@@ -60,7 +59,7 @@ class SampleBatch(Sequence):
         out, var_iter = [], iter(self._var_values or ())
         for leaf in self._schema.leaves:
             if leaf.store == "col":
-                out.append(batch_leaf_values(leaf.kind, leaf.dtype, self._columns[leaf.column], leaf.mode))
+                out.append(BY_NAME[leaf.kind].column_values(leaf, self._columns[leaf.column]))
             elif leaf.store == "var":
                 out.append(next(var_iter))
             else:
@@ -98,33 +97,25 @@ class SampleBatch(Sequence):
 
 def column_tensor(leaf, col):
     """One gathered column as the tensor ``default_collate`` would stack for ``leaf`` (a PIL leaf's
-    pixels as gathered, ``(n, H, W[, C])``)."""
-    return array_to_leaf("tensor", leaf.dtype, col) if leaf.kind == "tensor" else torch.from_numpy(native(col))
+    pixels as gathered, ``(n, H, W[, C])``): its kind decides (:meth:`nbkit.codec.kind.Kind.column_tensor`)."""
+    return BY_NAME[leaf.kind].column_tensor(leaf, col)
 
 
 def collate_columns(schema, columns: list, var_values: list | None, n: int):
     """The collated batch of ``n`` samples from their gathered columns (numpy arrays, or tensors
     already in place, e.g. pinned buffers) and var-leaf values, in ``default_collate``'s structure.
 
+    Each leaf's kind batches it (:meth:`~nbkit.codec.kind.Kind.collate_column`, ``collate_values``):
     PIL images, which ``default_collate`` refuses, are stacked as ``PILToTensor`` would make them:
-    ``(n, C, H, W)`` (uint8 for 8-bit modes); images of different sizes raise ``TypeError``.
+    ``(n, C, H, W)`` (uint8 for 8-bit modes); images of different sizes raise ``TypeError``; numpy
+    bfloat16 arrays become a ``torch.bfloat16`` tensor.
     """
     leaf_batches, var_iter = [], iter(var_values or ())
     for leaf in schema.leaves:
         if leaf.store == "col":
-            col = columns[leaf.column]
-            if not isinstance(col, torch.Tensor):
-                if col.dtype.kind in "SU":  # fixed-width numpy strings: default_collate decides
-                    leaf_batches.append(default_collate(list(col)))
-                    continue
-                col = column_tensor(leaf, col)
-            leaf_batches.append(channels_first(col) if leaf.kind == "pil" else col)
+            leaf_batches.append(BY_NAME[leaf.kind].collate_column(leaf, columns[leaf.column]))
         elif leaf.store == "var":
-            values = next(var_iter)
-            if leaf.kind == "pil":
-                leaf_batches.append(stack_pil(values, "a batch"))
-            else:
-                leaf_batches.append(values if leaf.kind in ("str", "bytes") else default_collate(values))
+            leaf_batches.append(BY_NAME[leaf.kind].collate_values(next(var_iter)))
         else:
             leaf_batches.append([None] * n)
     return _rebuild(schema.structure, iter(leaf_batches))
@@ -400,14 +391,10 @@ def collate(batch):
         return batch
     if isinstance(batch, TensorBatch):
         return batch.stacked
-    image = sys.modules.get("PIL.Image")  # PIL images in a batch of samples read one by one
-    if image is not None and _torch_collate is not None:
-        return _torch_collate(batch, collate_fn_map={**default_collate_fn_map, image.Image: _collate_pil})
+    extra = collate_types()  # values torch cannot batch (PIL images) in a batch of samples read one by one
+    if extra and _torch_collate is not None:
+        return _torch_collate(batch, collate_fn_map={**default_collate_fn_map, **extra})
     return default_collate(batch)
-
-
-def _collate_pil(batch, *, collate_fn_map=None):
-    return stack_pil(list(batch), "a batch")
 
 
 def map_tensors(batch, fn):

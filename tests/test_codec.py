@@ -167,13 +167,15 @@ def test_a_dtype_this_torch_lacks_is_named():
 def test_the_table_of_tensor_storage_dtypes_agrees_with_torch():
     # Metadata is checked without importing torch (nbkit ls, info, verify) through this table: each
     # dtype torch has is stored as its numpy twin, or as its bit pattern in an integer of its size.
-    from nbkit.codec import _TENSOR_STORAGE, _torch_dtypes, _torch_storage_dtype
+    from nbkit.codec.tensor import TENSOR_STORAGE as _TENSOR_STORAGE
+    from nbkit.codec.tensor import torch_dtypes as _torch_dtypes
+    from nbkit.codec.tensor import torch_storage_dtype as _torch_storage_dtype
 
     for name, dtype in _torch_dtypes().items():
         if name in _TENSOR_STORAGE:
             assert _TENSOR_STORAGE[name] == _torch_storage_dtype(dtype), name
     missing = set(_torch_dtypes()) - set(_TENSOR_STORAGE)
-    assert not missing, f"add these (a newer torch's dtypes) to nbkit.codec._TENSOR_STORAGE: {sorted(missing)}"
+    assert not missing, f"add these (a newer torch's dtypes) to nbkit.codec.tensor.TENSOR_STORAGE: {sorted(missing)}"
     assert {"float32", "bfloat16", "float8_e4m3fn", "complex32", "bool"} <= set(_torch_dtypes())  # what the table is for
 
 
