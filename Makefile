@@ -1,4 +1,4 @@
-# nbkit — `make setup` once, then `make test`, `make crash`, `make demo`, `make bench`; `make dist` builds the wheel.
+# nbkit — `make setup` once, then `make test` (ruff, then pytest), `make lint`, `make crash`, `make demo`, `make bench`; `make dist` builds the wheel.
 #
 # Two stacks, each in its own venv (README, "Tested with"):
 #   make setup / make test                 .venv: Colab's TPU runtime: Python 3.13, torch 2.9.0,
@@ -31,7 +31,7 @@ export PJRT_DEVICE ?= CPU
 # tests/test_environment.py checks that the test targets use it.
 OFFLINE := PIP_NO_INDEX=1 PIP_INDEX_URL=http://127.0.0.1:9/simple UV_OFFLINE=1
 
-.PHONY: FORCE setup setup-newest test test-newest crash demo bench notebooks dist clean python-check
+.PHONY: FORCE setup setup-newest lint test test-newest crash demo bench notebooks dist clean python-check
 
 # Warn (not fail) when no Python 3.13 exists: the suite runs on 3.10+, but Colab's TPU runtime is 3.13.
 python-check:
@@ -69,7 +69,11 @@ setup-newest: python-check $(VENV_NEWEST)/.installed
 $(VENV_NEWEST)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$(VENV_NEWEST))
 	$(call venv_recipe,$(VENV_NEWEST),$(NEWEST_STACK),PIP_CONSTRAINT=/dev/null)
 
-test: setup
+# The linter first (pyproject's [tool.ruff]: the house habits it holds), then the suite.
+lint: setup
+	$(BIN)/ruff check .
+
+test: setup lint
 	$(OFFLINE) $(BIN)/python -m pytest
 
 # Every crash point of every operation (docs/CRASH.md); make test runs a fixed budget of them.
@@ -79,6 +83,7 @@ crash: setup
 
 # The same suite on the newest torch, without torch_xla: what needs torch_xla skips and says why.
 test-newest: setup-newest
+	$(VENV_NEWEST)/bin/ruff check .
 	$(OFFLINE) $(VENV_NEWEST)/bin/python -m pytest
 
 demo: setup

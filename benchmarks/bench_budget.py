@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import nbkit  # noqa: E402
-import workloads  # noqa: E402
+import nbkit
+import workloads
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

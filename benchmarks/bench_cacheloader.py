@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import workloads  # noqa: E402  (first: it makes nbkit and tests/ importable)
+import workloads
 
 BATCH = 256
 CHECK = 256

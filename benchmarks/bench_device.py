@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-import workloads  # noqa: F401  (puts the checkout on sys.path)
+import workloads
 
 import numpy as np
 import torch
@@ -251,7 +251,7 @@ def bench_workload(name, args, device, log):
             data_only = measure(lambda: ds.loader(BATCH), trainer, False, args.epochs)
             rows.append(dict(data_only, key="deviceloader-dataonly-ref", label="(data-only DeviceLoader)", train=False,
                              kind="ref"))
-    return {"n": spec.n, "warm_s": warm_s, "rows": rows, "row_bytes": int(sum(ds.schema.row_bytes(l) for l in ds.schema.columns))}
+    return {"n": spec.n, "warm_s": warm_s, "rows": rows, "row_bytes": int(sum(ds.schema.row_bytes(leaf) for leaf in ds.schema.columns))}
 
 
 # -- targets and report -------------------------------------------------------------------------------

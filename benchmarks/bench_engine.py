@@ -63,7 +63,7 @@ for _p in (str(ROOT), str(HERE)):  # run from a checkout; nbkit need not be inst
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import workloads  # noqa: E402
+import workloads
 
 BATCH = 256
 EPOCHS = 3

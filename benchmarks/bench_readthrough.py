@@ -37,8 +37,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import workloads  # noqa: E402  (first: it makes nbkit and tests/ importable)
-from fixtures_gcs import GCSEmulator  # noqa: E402
+import workloads
+from fixtures_gcs import GCSEmulator
 
 MiB = 1 << 20
 

@@ -33,8 +33,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import workloads  # noqa: E402  (first: it makes nbkit and tests/ importable)
-from fixtures_redis import RedisServer, sharded_url  # noqa: E402
+import workloads
+from fixtures_redis import RedisServer, sharded_url
 
 MiB = 1 << 20
 BATCH = 256

@@ -48,8 +48,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import workloads  # noqa: E402  (first: it makes nbkit and tests/ importable)
-from fixtures_gcs import GCSEmulator  # noqa: E402
+import workloads
+from fixtures_gcs import GCSEmulator
 
 MiB = 1 << 20
 #: nbkit before issue 17's checks on tars and pulls (full sample CRCs, bounded sizes, manifest first).
@@ -224,7 +224,9 @@ def run(args):
         shutil.rmtree(work, ignore_errors=True)
 
     limit = -(-size // (64 * MiB)) + 4
-    rate = lambda b, t: b / MiB / t  # noqa: E731
+    def rate(b, t):
+        return b / MiB / t
+
     rows = [
         ("objects pushed", f"{objects}", f"≤ {limit} (one per 64 MiB + 4)", "yes" if objects <= limit else "**no**"),
         ("nbkit push", f"{push_t:.2f} s ({rate(size, push_t):.0f} MiB/s)",

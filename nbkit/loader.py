@@ -326,7 +326,7 @@ class _Pipeline:
                 if ahead is not None:
                     ahead.shutdown(wait=True, cancel_futures=True)
             self._put(_DONE)
-        except BaseException as e:  # handed to the caller's thread, which raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, which raises it
             self._put(_Failure(e, b))
 
     def _slot(self, c: int):

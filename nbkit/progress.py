@@ -446,7 +446,7 @@ class Job:
             self.report = self.fn(self.callback)
         # Any failure of the operation is the job's outcome, shown by whoever renders it, rather
         # than a traceback lost in a background thread.
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the job's outcome (above)
             self.error = e
         finally:
             self.callback.close()

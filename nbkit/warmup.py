@@ -239,7 +239,7 @@ def _worker(cached, chunks: list, tasks, results, seed: int) -> None:
             return
         try:
             n = _fill(cached, chunks[k])
-        except Exception as e:  # handed to the main process, which raises it
+        except Exception as e:  # noqa: BLE001 - handed to the main process, which raises it
             results.put(("error", _error_payload(e, k, cached)))
             return
         results.put(("done", n))

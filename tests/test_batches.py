@@ -86,7 +86,7 @@ def _load(ds, collate, workers, pin):
         kw.update(num_workers=2, multiprocessing_context=workers)
     try:
         return list(DataLoader(ds, **kw))
-    except Exception as e:  # the raw loader refusing PIL images: compared below
+    except Exception as e:  # noqa: BLE001 - the raw loader refusing PIL images: compared below
         return Raised(e)
     finally:
         gc.collect()  # a finished iterator in a cycle, collected here and not in a later loader's pin thread

@@ -633,11 +633,11 @@ def test_progress_bar_renders_the_callback(capsys):
 
 # -- properties: what is drawn and printed is what was measured -----------------------------------
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from nbkit.bench import TrainingComparison, TrainingRow  # noqa: E402
-from nbkit.bench import _Estimate  # noqa: E402
+from nbkit.bench import TrainingComparison, TrainingRow
+from nbkit.bench import _Estimate
 
 _SECONDS = st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False)
 _PASSES = st.lists(_SECONDS, min_size=2, max_size=6)
@@ -715,7 +715,7 @@ def test_epoch_headline_table_and_bars_print_the_same_numbers(raw, cached):
 
 # -- the tables at 400 px -------------------------------------------------------------------------
 
-from fixtures_browser import chromium, page  # noqa: E402,F401 - fixtures
+from fixtures_browser import chromium, page
 
 # JupyterLab 4's rules for an HTML output (13 px, cells padded 0.5em, right-aligned), in an output
 # area as wide as a 400-pixel window leaves it (the prompt stacks above the output below 760 px).
@@ -735,7 +735,7 @@ def _overflow(page, html_output):
 
 
 @pytest.mark.browser
-def test_both_tables_fit_a_400_px_output_without_scrolling(page):  # noqa: F811 - page is a fixture
+def test_both_tables_fit_a_400_px_output_without_scrolling(page):
     epochs = EpochComparison(_epochs([40.9, 35.2, 44.1], [0.0149, 0.014, 0.028], filling=29.1), batch_size=256)
     rows = [TrainingRow(RAW, 12.1, (11.8, 12.1, 12.34), 60000), TrainingRow(NBKIT, 8.31, (8.02, 8.31, 9.66), 60000),
             TrainingRow(LIMIT, 8.1, (8.0, 8.1, 15.2), 60000)]

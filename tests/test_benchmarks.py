@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import bench_engine  # noqa: E402  (benchmarks/bench_engine.py)
-import run as bench_run  # noqa: E402  (benchmarks/run.py)
-import workloads  # noqa: E402  (benchmarks/workloads.py)
+import bench_engine
+import run as bench_run
+import workloads
 
 
 def _env():

@@ -28,7 +28,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from fixtures_browser import (  # noqa: F401 - fixtures
+from fixtures_browser import (
     ARTIFACTS, chromium, classic_server, frontend, lab_server, notebook_dir, page, voila,
 )
 from frontends import SCREENSHOTS, CellError, Notebook, clipped, flat, set_parameters
@@ -58,7 +58,7 @@ NARROW = (400, 600)
 STOPPED = re.compile(r"(?i)\bstopped\b")
 
 
-def test_warmup_then_export_in_chromium(page, tmp_path):  # noqa: F811 - page is a fixture
+def test_warmup_then_export_in_chromium(page, tmp_path):
     pytest.importorskip("nbkit.transfer.archive", reason="nbkit.transfer.archive (export_tar/import_tar) is not in this checkout yet")
     import nbkit
     from nbkit.offline import write_mnist
@@ -109,7 +109,7 @@ def test_warmup_then_export_in_chromium(page, tmp_path):  # noqa: F811 - page is
     assert again.verify() == N_TRAIN
 
 
-def test_hit_rate_meter_in_chromium(page, tmp_path):  # noqa: F811 - page is a fixture
+def test_hit_rate_meter_in_chromium(page, tmp_path):
     from nbkit.offline import write_mnist
 
     mnist = tmp_path / "mnist"
@@ -147,7 +147,7 @@ def _notebook(path: Path, cells: list[str]) -> Path:
     return path
 
 
-def test_front_end_runs_its_ipywidgets_and_the_driver_works(page, frontend, notebook_dir):  # noqa: F811
+def test_front_end_runs_its_ipywidgets_and_the_driver_works(page, frontend, notebook_dir):
     """The harness itself: the kernel's ipywidgets version, Run All, a click, widget text, an error."""
     path = _notebook(notebook_dir / "driver.ipynb", [
         "import ipywidgets, nbkit.widgets\nprint(ipywidgets.__version__)",
@@ -171,7 +171,7 @@ def test_front_end_runs_its_ipywidgets_and_the_driver_works(page, frontend, note
 
 
 @pytest.fixture
-def open_02(page, frontend, notebook_dir):  # noqa: F811
+def open_02(page, frontend, notebook_dir):
     """Open a copy of notebooks/02_cache_mnist.ipynb with small offline parameters (overridable)."""
     opened = []
 
@@ -387,11 +387,11 @@ def test_02_stop_while_a_cell_waits_for_the_panel(open_02):
 
 
 @pytest.fixture(scope="module", params=["lab", "classic"])
-def ran_02(request, chromium):  # noqa: F811
+def ran_02(request, chromium):
     """Notebook 02 after Run All in one front end: ``(notebook, error or None)``; shared by two tests."""
     server = request.getfixturevalue(f"{request.param}_server")
     context = chromium.new_context(viewport={"width": 1400, "height": 900}, device_scale_factor=2)
-    page = context.new_page()  # noqa: F811
+    page = context.new_page()
     console = []
     page.on("console", lambda msg: console.append(f"{msg.type}: {msg.text}"))
     page.console_log = console
@@ -504,7 +504,7 @@ def _words_intact(nb: Notebook, index: int) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["01_tpu_setup", "03_benchmark", "04_resume"])
-def test_a_notebook_at_400px_nothing_cut_no_word_broken(name, page, frontend, notebook_dir):  # noqa: F811
+def test_a_notebook_at_400px_nothing_cut_no_word_broken(name, page, frontend, notebook_dir):
     """Run All with the small parameters, then at 400 px: every output fits (02's is checked on ``ran_02``)."""
     path = notebook_dir / f"{name}.ipynb"
     shutil.copyfile(REPO / "notebooks" / path.name, path)

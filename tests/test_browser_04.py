@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures_browser import (  # noqa: F401 - fixtures
+from fixtures_browser import (
     ARTIFACTS, chromium, classic_server, frontend, lab_server, notebook_dir, page,
 )
 from frontends import CellError, Notebook, flat, set_parameters
@@ -43,7 +43,7 @@ _spec.loader.exec_module(run_notebooks)
 SMALL_04 = {**run_notebooks.SMALL["04_resume"], "device": "cpu"}
 
 
-def test_04_disconnect_resume_lost_cache_changed_form(page, frontend, notebook_dir):  # noqa: F811
+def test_04_disconnect_resume_lost_cache_changed_form(page, frontend, notebook_dir):
     step = [0]
 
     def open_04(**parameters) -> Notebook:

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import nbkit
-from fixtures_redis import redis_server, redis_url  # noqa: F401
+from fixtures_redis import redis_server, redis_url
 from nbkit.stores import keyed
 from sources import image
 
@@ -334,7 +334,7 @@ def test_files_that_are_links_are_refused(tmp_path):
 
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st
 
 FUZZ_VALUES = {"a": torch.arange(5), 7: ("seven", 7.5, None), b"raw": {"x": [1, 2], "y": b"\x00"}, "long": "z" * 300}
 

@@ -9,7 +9,7 @@ import pytest
 import nbkit
 from nbkit.checkpoint import set_aside
 
-from fixtures_gcs import gcs, gcs_server  # noqa: F401  (fixtures)
+from fixtures_gcs import gcs, gcs_server
 
 
 def test_local_checkpoint_is_moved_aside_and_a_taken_name_is_never_replaced(tmp_path):

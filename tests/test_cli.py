@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
+from fixtures_gcs import gcs, gcs_server
 from torch.utils.data import TensorDataset
 
 import nbkit

@@ -309,7 +309,7 @@ def test_var_blob_shapes_cannot_overflow():
 
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st
 
 FUZZ_SAMPLES = [
     {"a": torch.arange(6).reshape(2, 3), "s": "text", "b": b"\x00\x01", "n": None, "f": 1.5, "c": 1 + 2j, "t": True},

@@ -53,10 +53,10 @@ def test_names_that_claim_impossible_process_ids_are_no_live_process(tmp_path):
 
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given
+from hypothesis import strategies as st
 
-from nbkit.commit import LEFTOVER_OPS, leftover_of, staging_name  # noqa: E402
+from nbkit.commit import LEFTOVER_OPS, leftover_of, staging_name
 
 
 @pytest.mark.fuzz

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 import nbkit
 import workers
-from fixtures_redis import redis_server, redis_url  # noqa: F401
+from fixtures_redis import redis_server, redis_url
 from sources import CountingSource, TupleSource, assert_equal, check_complete_and_equal, computed_counts
 
 CTX = mp.get_context("spawn")

@@ -281,7 +281,7 @@ def test_read_blob_checks_the_heap_size_before_reading(tmp_path):
 # -- fuzzing ---------------------------------------------------------------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st
 
 FUZZ_SOURCE = DictSource(10)
 

@@ -21,7 +21,7 @@ from nbkit import format as fmt
 from sources import TupleSource, flip_byte
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st
 
 
 class MixedRows(Dataset):

@@ -146,7 +146,9 @@ def test_batch_transform_runs_on_the_device_batch(tmp_path):
 
     ds = nbkit.CachedDataset(Uint8Images(), tmp_path / "c")
     ds.warmup()
-    norm = lambda b: ((b[0].float() / 255 - 0.5) / 0.5, b[1])  # noqa: E731
+    def norm(b):
+        return (b[0].float() / 255 - 0.5) / 0.5, b[1]
+
     for x, y in ds.loader(8, batch_transform=norm):
         assert x.dtype == torch.float32
         assert torch.allclose(x[:, 0, 0, 0], (y.float() / 255 - 0.5) / 0.5)

@@ -21,7 +21,7 @@ import pytest
 
 import nbkit
 
-from fixtures_gcs import gcs, gcs_server  # noqa: F401  (fixtures)
+from fixtures_gcs import gcs, gcs_server
 from frontends import flat
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,7 +212,7 @@ class _StopAfterFirstChunk(nbkit.Callback):
         self.request_stop()
 
 
-def test_02_cache_mnist_through_gcs(tmp_path, gcs):  # noqa: F811
+def test_02_cache_mnist_through_gcs(tmp_path, gcs):
     url = f"{gcs.url}/mnist-cache"
     _, out = execute("02_cache_mnist", tmp_path, upload_url=url, storage_options=gcs.storage_options)
     _check_02(out, tmp_path / "work")

@@ -283,7 +283,7 @@ def test_an_open_waits_for_a_removal_in_progress_then_fails_cleanly(tmp_path, wi
             ds = nbkit.CachedDataset(GatedSource(32), path) if with_source else nbkit.CachedDataset.open(path)
             outcome["r"] = ("ok", ds[3])
             ds.store.close()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - every outcome goes back to the test
             outcome["r"] = ("error", type(e).__name__, str(e), getattr(e, "errno", None))
 
     t = threading.Thread(target=opener)

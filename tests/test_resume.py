@@ -24,8 +24,8 @@ import nbkit
 from nbkit.samplers import EpochSampler
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 def round_trip(state):

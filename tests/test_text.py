@@ -78,8 +78,8 @@ def test_table_shows_hostile_cells_as_escapes_in_every_form():
 
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 @pytest.mark.fuzz

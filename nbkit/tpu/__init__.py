@@ -22,6 +22,7 @@ from .run import device_loader, spawn, warmup_shared
 from .setup import SetupReport, setup  # the function shadows its module's name; import_module("nbkit.tpu.setup") gets the module
 
 __all__ = [
+    "KINDS",
     "RuntimeInfo",
     "SetupReport",
     "describe",

@@ -359,7 +359,7 @@ def connect(url: str, storage_options: dict | None, *, doing: str, fix: str, wri
             sync(fs.loop, _answer, lambda: _first_answer(fs, root), ANSWER_SECONDS, should_stop)
     except Stopped:
         raise
-    except Exception as e:  # noqa: BLE001 - classified below; what classify() does not know is raised as it is
+    except Exception as e:
         classified = classify(e, fs, url, doing, fix, probing=True, anonymous=so.get("token") == "anon")
         if classified is None:
             raise

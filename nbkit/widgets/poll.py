@@ -96,7 +96,7 @@ class _Poller:
             if inspect.isawaitable(result):
                 _run_now(result)
         # A failing widget callback must not end the wait (the kernel's own dispatch logs it too).
-        except Exception:  # noqa: BLE001
+        except Exception:
             kernel.log.error("Exception in a widget message handled while a cell waited", exc_info=True)
         finally:
             kernel.set_parent(saved_ident, saved_parent, channel="shell")

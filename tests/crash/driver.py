@@ -98,16 +98,16 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    import fsspec.implementations.local  # noqa: F401 - imported before the forks, not in each child
-    import nbkit  # noqa: F401
-    import nbkit.transfer.archive  # noqa: F401
-    import nbkit.cacheloader  # noqa: F401
-    import nbkit.disk  # noqa: F401
-    import nbkit.transfer.sync  # noqa: F401
-    from crash import operations, toys  # noqa: F401
+    import fsspec.implementations.local
+    import nbkit
+    import nbkit.transfer.archive
+    import nbkit.cacheloader
+    import nbkit.disk
+    import nbkit.transfer.sync
+    from crash import operations, toys
 
     try:
-        import nbkit.commit  # noqa: F401
+        import nbkit.commit
     except ImportError:
         pass
     try:  # looked up once here (a subprocess running ldconfig), not in every child

@@ -283,7 +283,7 @@ def check_remote(path: str, op: Operation, known: Known, scratch: str, *, final:
         nbkit.pull("file://" + path, dest)
     except (FileNotFoundError, nbkit.CorruptCacheError, nbkit.UnsafeArchiveError) as e:
         return [f"the remote does not pull after the push completed: {_first_line(e)}"] if final else []
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - the failure is a finding, reported below
         return [f"pulling the remote fails uncleanly: {_first_line(e)}"]
     try:
         whole = Known(old_gen=known.old_gen, new_gen=known.new_gen)
@@ -311,7 +311,7 @@ def check_keyed(path: str, scratch: str, *, final: bool) -> list[str]:
             elif k < KEYS_BEFORE or final:
                 out.append(f"key {k} is missing" + (" (it was stored before the operation)" if k < KEYS_BEFORE else ""))
         loader.store.close()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - the failure is a finding, reported below
         out.append(f"the CacheLoader does not read back: {_first_line(e)}")
     finally:
         shutil.rmtree(copy, ignore_errors=True)
@@ -434,7 +434,7 @@ def check_leftovers(op: Operation, work: str, scratch: str, tmpdir: str | None) 
     with _cache_dir(op, work, scratch):
         try:
             listed = {c.path for c in nbkit.disk.caches(parent)}
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the failure is a finding, reported below
             return out + [("3", f"nbkit.caches(parent) fails: {_first_line(e)}")]
     for name in names:
         if os.path.join(parent, name) not in listed:
@@ -447,14 +447,14 @@ def check_leftovers(op: Operation, work: str, scratch: str, tmpdir: str | None) 
             for name in names:
                 try:
                     nbkit.disk.remove(os.path.join(cparent, name))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 - the failure is a finding, reported below
                     out.append(("3", f"nbkit.remove(leftover {name!r}) fails: {_first_line(e)}"))
             if has_cache:
                 try:
                     left = nbkit.disk.remove(os.path.join(copy, op.target)).left
                     if left:
                         out.append(("3", f"nbkit.remove(target cache) leaves {list(left)[:3]} (and the directory)"))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 - the failure is a finding, reported below
                     out.append(("3", f"nbkit.remove(target cache) fails: {_first_line(e)}"))
         still = sorted(set(os.listdir(cparent)) - _expected_names(op)) if os.path.isdir(cparent) else []
         if still:

@@ -55,7 +55,7 @@ import threading
 import uuid
 
 #: The real functions, taken before anything is replaced; the model itself uses only these.
-O = type("O", (), {})()
+O = type("O", (), {})()  # noqa: E741 - one letter, read as "the originals" on every line that uses it
 for _name in ("open", "write", "pwrite", "writev", "pwritev", "sendfile", "copy_file_range", "ftruncate", "truncate",
               "posix_fallocate", "fsync", "fdatasync", "rename", "replace", "unlink", "remove", "rmdir", "mkdir",
               "link", "symlink", "chmod", "fchmod", "close", "fstat", "lstat", "stat", "readlink", "pread", "listdir"):
@@ -655,7 +655,7 @@ def _replacements() -> list:
     commit = sys.modules.get("nbkit.commit")
     if commit is None:
         try:
-            import nbkit.commit as commit  # noqa: F401 - only where nbkit has it
+            import nbkit.commit as commit
         except ImportError:
             commit = None
     if commit is not None and hasattr(commit, "_exchange"):

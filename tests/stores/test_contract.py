@@ -18,8 +18,8 @@ import uuid
 import fsspec.callbacks
 import numpy as np
 import pytest
-from fixtures_gcs import gcs, gcs_server  # noqa: F401  (pytest fixtures)
-from fixtures_redis import redis_server, redis_url  # noqa: F401  (pytest fixtures)
+from fixtures_gcs import gcs, gcs_server
+from fixtures_redis import redis_server, redis_url
 from sources import TupleSource, VarShapeSource, assert_equal
 
 import nbkit

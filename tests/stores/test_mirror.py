@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nbkit
-from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
+from fixtures_gcs import gcs, gcs_server
 from nbkit import format as fmt
 from nbkit.transfer.remote import url_to_fs
 from nbkit.stores import mirror

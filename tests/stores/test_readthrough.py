@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from fixtures_gcs import gcs, gcs_server  # noqa: F401  (pytest fixtures)
+from fixtures_gcs import gcs, gcs_server
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import nbkit

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import nbkit
-from fixtures_redis import (fake_server, namespace, redis_factory, redis_server, redis_trio, redis_url,  # noqa: F401
+from fixtures_redis import (fake_server, namespace, redis_factory, redis_server, redis_trio, redis_url,
                             sharded_url)
 from sources import (CountingSource, DictSource, IrregularSource, TupleSource, VarShapeSource, assert_equal,
                      computed_counts)

@@ -10,7 +10,7 @@ import torch
 
 from nbkit import tpu
 from nbkit.tpu import runtime
-from tpu_fakes import COLAB, KAGGLE_TPU, fake_root, metadata_server, run_script  # noqa: F401 - metadata_server is a fixture
+from tpu_fakes import COLAB, KAGGLE_TPU, fake_root, metadata_server, run_script
 
 
 def test_describe_this_machine():

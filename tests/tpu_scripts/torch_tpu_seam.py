@@ -16,7 +16,7 @@ out["torch_tpu_imported_by_describe"] = "torch_tpu" in sys.modules
 out["describe_torch_tpu"] = info.torch_tpu
 out["notes"] = list(info.notes)
 
-import torch_tpu  # noqa: E402 - registers the "tpu" device, as the real package would
+import torch_tpu
 
 src = torch.utils.data.TensorDataset(torch.arange(40.0).reshape(10, 4), torch.arange(10))
 ds = nbkit.CachedDataset(src, tempfile.mkdtemp() + "/c")

@@ -10,8 +10,8 @@ import sys
 
 sys.modules["torch_xla"] = None  # any "import torch_xla" now raises ImportError
 
-import nbkit  # noqa: E402
-from nbkit import tpu  # noqa: E402
+import nbkit
+from nbkit import tpu
 
 out = {"kind": tpu.describe().kind}
 try:

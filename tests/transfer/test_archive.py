@@ -9,7 +9,7 @@ import tarfile
 import pytest
 
 import nbkit
-from fixtures_gcs import gcs, gcs_server  # noqa: F401 - pytest fixtures
+from fixtures_gcs import gcs, gcs_server
 from nbkit import format as fmt
 from nbkit.transfer.archive import open_decompressed
 from nbkit.errors import CorruptCacheError, UnsafeArchiveError
@@ -260,14 +260,14 @@ def test_stale_tar_reason_of_a_plain_tar_and_of_a_damaged_one(tmp_path, cache):
 
 # -- issue 17: a tar is untrusted input -------------------------------------------------------------
 
-import errno  # noqa: E402
-import gzip  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import shutil  # noqa: E402
+import errno
+import gzip
+import hashlib
+import json
+import pathlib
+import shutil
 
-from nbkit.transfer.manifest import MANIFEST, manifest_bytes, new_manifest  # noqa: E402
+from nbkit.transfer.manifest import MANIFEST, manifest_bytes, new_manifest
 
 
 def tree_digest(path):
@@ -516,8 +516,8 @@ def test_stale_tar_reason_reads_only_the_head(tmp_path, cache):
 # -- fuzzing: mutated tar bytes and manifest values --------------------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given
+from hypothesis import strategies as st
 
 FUZZ_SOURCE = TupleSource(n=6, shape=(2, 3))
 
@@ -672,7 +672,7 @@ def mutate_json(manifest: dict, data) -> dict:
             for k in path[:-1]:
                 node = node[k]
             key = path[-1]
-            node[key]  # noqa: B018 - a previous change may have removed it
+            node[key]
         except (KeyError, TypeError):
             continue
         how = data.draw(st.sampled_from(["value", "delete", "rename", "same"]), "how")

@@ -51,10 +51,10 @@ def test_remote_manifest(cache):
 
 # -- the manifest is untrusted: spec, names, bounds ---------------------------------------------------
 
-import json  # noqa: E402
+import json
 
-from nbkit.errors import UnsafeArchiveError  # noqa: E402
-from nbkit.transfer.manifest import check_listing, new_manifest  # noqa: E402
+from nbkit.errors import UnsafeArchiveError
+from nbkit.transfer.manifest import check_listing, new_manifest
 
 
 def test_the_spec_names_the_field_and_the_fix(cache):
@@ -84,8 +84,8 @@ def test_listing_sizes_must_match_the_manifest(cache):
 
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given
+from hypothesis import strategies as st
 
 GOOD = manifest_bytes(new_manifest({"index.bin": {"size": 24, "sha256": "a" * 64},
                                     "nbkit.json": {"size": 300, "sha256": "b" * 64}}, 1, 1))

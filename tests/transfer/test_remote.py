@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from fixtures_gcs import (BlackHole, black_hole, gcs, gcs_server, refused_port, silent_metadata,  # noqa: F401 - fixtures
+from fixtures_gcs import (BlackHole, black_hole, gcs, gcs_server, refused_port, silent_metadata,
                           status_server)
 from nbkit.transfer import remote
 from nbkit.transfer.remote import (Stopped, check_bucket, classify, connect, connection_errors, endpoint_of, is_connection_error,

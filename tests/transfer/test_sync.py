@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nbkit
-from fixtures_gcs import (black_hole, gcs, gcs_emulator, gcs_server, refused_port, short_gcsfs_retries,  # noqa: F401 - fixtures
+from fixtures_gcs import (black_hole, gcs, gcs_emulator, gcs_server, refused_port, short_gcsfs_retries,
                           silent_metadata)
 from nbkit import format as fmt
 from nbkit.transfer import manifest
@@ -406,9 +406,9 @@ def test_a_plain_fsspec_callback_works(tmp_path):
 
 # -- issue 17: a bucket prefix is untrusted input ---------------------------------------------------
 
-import hashlib  # noqa: E402
+import hashlib
 
-from nbkit.errors import UnsafeArchiveError  # noqa: E402
+from nbkit.errors import UnsafeArchiveError
 
 
 def tree_digest(path):
@@ -520,10 +520,10 @@ def test_push_refuses_a_symlinked_file(tmp_path):
 # -- fuzzing: mutated manifest values under a memory:// prefix ---------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given
+from hypothesis import strategies as st
 
-from test_archive import FUZZ_SOURCE, Arena, mutate_json  # noqa: E402
+from test_archive import FUZZ_SOURCE, Arena, mutate_json
 
 
 class PushedPrefix:

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from nbkit.widgets.bar import ProgressBar  # noqa: E402
+from nbkit.widgets.bar import ProgressBar
 
 
 def _in_notebook(label, **kwargs):

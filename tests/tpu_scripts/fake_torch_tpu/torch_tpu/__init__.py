@@ -42,7 +42,9 @@ class FakeTPUTensor(torch.Tensor):
         if func is torch.ops.aten._to_copy.default and device is not None and torch.device(device).type == "cpu":
             return args[0].elem.to(dtype=kwargs.get("dtype") or args[0].dtype, copy=True)
         kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
-        unwrap = lambda t: t.elem if isinstance(t, FakeTPUTensor) else t  # noqa: E731
+        def unwrap(t):
+            return t.elem if isinstance(t, FakeTPUTensor) else t
+
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
         return tree_map(lambda t: FakeTPUTensor(t) if type(t) is torch.Tensor else t, out)
 
