@@ -151,15 +151,6 @@ def _local_cache(path: str, doing: str) -> None:
         raise NotADirectoryError(why)
 
 
-def _dtype_name(dtype: str) -> str | None:
-    """A leaf's dtype as people write it: torch names stay, numpy codes (``<i8``) become ``int64``."""
-    if dtype[:1] in ("<", ">", "|", "="):
-        import numpy as np
-
-        return np.dtype(dtype).name
-    return dtype or None
-
-
 def _leaf_names(node, prefix: str = "") -> list[str]:
     """How to reach each leaf of a sample of structure ``node``: ``[0]``, ``['image']``, ``label``."""
     if node == "*":
@@ -178,19 +169,6 @@ _CONTAINERS = {"T": ("tuple", "()"), "L": ("list", "[]"), "D": ("dict", "{}")}
 _SHOWN = 8
 
 
-def _leaf_text(leaf) -> str:
-    """One stored value as :func:`nbkit.transforms.describe_sample` writes a sample's: ``Tensor[1, 28, 28] float32``."""
-    if leaf.kind in ("tensor", "ndarray"):
-        shape = ", ".join(map(str, leaf.shape)) if leaf.store == "col" else "…"  # a var leaf's shape varies
-        dtype = _dtype_name(leaf.dtype)
-        return f"{'Tensor' if leaf.kind == 'tensor' else 'ndarray'}[{shape}]" + (f" {dtype}" if dtype else "")
-    if leaf.kind == "npscalar":
-        return f"numpy {_dtype_name(leaf.dtype)}"
-    if leaf.kind == "pil":
-        return f"PIL image {leaf.mode} {leaf.shape[1]}x{leaf.shape[0]}" if leaf.store == "col" else "PIL image"
-    return {"none": "None", "pickle": "pickled object"}.get(leaf.kind, leaf.kind)
-
-
 def describe_structure(structure, leaves) -> str:
     """A cache's sample as Python types, from its schema (``structure``, ``leaves``).
 
@@ -202,11 +180,14 @@ def describe_structure(structure, leaves) -> str:
         >>> describe_structure(s.structure, s.leaves)
         'tuple (Tensor[1, 28, 28] float32, int)'
     """
+    from .codec.table import kind_named
+
     it = iter(leaves)
 
     def node(n) -> str:
         if n == "*":
-            return _leaf_text(next(it))
+            leaf = next(it)
+            return kind_named(leaf.kind).describe(leaf)
         children = n[1] if n[0] in ("T", "L") else n[2]
         parts = [node(c) for c in children]  # every child: the leaves are consumed in order
         if n[0] == "D":
@@ -226,6 +207,7 @@ def _info(args) -> int:
     from . import format as fmt
     from .cachedir import cache_root
     from .codec import Schema
+    from .codec.kind import dtype_name
 
     _local_cache(args.path, "show it")
     root = cache_root(args.path)
@@ -239,7 +221,7 @@ def _info(args) -> int:
         names = [str(k) for k in range(len(schema.leaves))]
     leaves = [] if schema is None else [
         {"field": names[k], "kind": leaf.kind, "stored": {"col": "column", "var": "heap", "const": "constant"}[leaf.store],
-         "dtype": _dtype_name(leaf.dtype), "shape": list(leaf.shape) if leaf.store == "col" else None}
+         "dtype": dtype_name(leaf.dtype), "shape": list(leaf.shape) if leaf.store == "col" else None}
         for k, leaf in enumerate(schema.leaves)]
     fp = meta.get("fingerprint") or {}
     transforms = fp.get("transform") or fp.get("transforms") or None  # "transforms": what older caches may hold

@@ -358,8 +358,8 @@ def verify_store(store, *, where: str, callback=None, verified: np.ndarray | Non
 def _rows_in_place(store, idx: np.ndarray) -> list | None:
     """Views of the column rows of ``idx`` in a memory-mapped store when they are one run of
     consecutive rows (no copy), else ``None``."""
-    columns = getattr(store, "columns", None)
-    if not getattr(store, "memory_mapped", False) or columns is None or not len(idx):
+    columns = store.columns
+    if not store.memory_mapped or columns is None or not len(idx):
         return None
     rows = idx if store.slot_of is None else store.slot_of[idx]
     first, last = int(rows[0]), int(rows[-1])

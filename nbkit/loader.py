@@ -45,7 +45,7 @@ from . import devices
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads, pinned_rows
 from .samplers import STATE_VERSION, EpochSampler, check_resume_state
-from .stores.base import Store
+from .stores.base import store_of
 from .trust import MAX_PREFETCH, MAX_SAMPLES, MAX_WORKERS, check_bool, check_int
 from .stats import Consumed
 
@@ -306,7 +306,7 @@ class _Pipeline:
             cuda = {"initializer": torch.cuda.set_device, "initargs": (self.device,)} if self.kind == "cuda" else {}
             # Only a memory-mapped store is read from several threads at once (a read-through or Redis
             # store is read by this thread alone, as before).
-            store = _store_of(self.loader.dataset)
+            store = store_of(self.loader.dataset)
             mapped = store is not None and store.memory_mapped
             ahead = (ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="nbkit-read-ahead", **cuda)
                      if self.loader._columnar and mapped else None)
@@ -390,7 +390,7 @@ class _Pipeline:
                     yield batch, event, (m, m, 0)  # read_columns served every sample from the cache
                     start += m
                 return
-        store = _store_of(ds)
+        store = store_of(ds)
         is_stored = None if store is None else store.is_stored
         for idx in group:
             # What the batch will take from the cache, decided as the dataset's own read decides it.
@@ -500,9 +500,3 @@ class _Epoch:
 
     def __del__(self):
         self.close()
-
-
-def _store_of(dataset) -> Store | None:
-    """The nbkit store behind ``dataset`` (a ``CachedDataset``'s), or ``None`` for any other dataset."""
-    store = getattr(dataset, "store", None)  # the loader takes any map-style dataset: only nbkit's have a Store
-    return store if isinstance(store, Store) else None

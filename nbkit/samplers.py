@@ -40,6 +40,7 @@ from torch.utils.data import Sampler
 from .errors import ResumeStateError
 from .trust import (MAX_EPOCH, MAX_SAMPLES, MAX_SEED, MAX_WORLD_SIZE, SEED_FIX, Bool, Int, Obj, Optional, Str, check_bool,
                     check_int, check_json, check_size)
+from .stores import base
 from .stores.readthrough import store_of
 
 __all__ = ["EpochSampler", "default_rank_world", "PrefetchSampler", "plan_windows", "cache_identity",
@@ -231,8 +232,8 @@ def cache_identity(data) -> str | None:
 
 def _meta_of(data) -> dict:
     """The metadata of the cache behind ``data`` (a ``CachedDataset``'s store), else ``{}``."""
-    meta = getattr(getattr(data, "store", None), "meta", None)
-    return meta if isinstance(meta, dict) else {}
+    store = base.store_of(data)
+    return store.meta if store is not None and isinstance(store.meta, dict) else {}
 
 
 def content_identity(data) -> str | None:

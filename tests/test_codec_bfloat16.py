@@ -75,6 +75,16 @@ def test_cached_dataset_round_trip_reopened_without_source(tmp_path):
     reopened.close()
 
 
+def test_nbkit_info_names_the_kind(tmp_path):
+    ds = nbkit.CachedDataset(Source(), tmp_path / "c")
+    ds.warmup()
+    ds.close()
+    out = subprocess.run([sys.executable, "-m", "nbkit", "info", str(tmp_path / "c")], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(nbkit.__file__))})
+    assert out.returncode == 0, out.stderr
+    assert "bfloat16" in out.stdout and "ndarray[" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("collate_fn", [nbkit.collate, None])
 def test_batches_are_bfloat16_tensors(tmp_path, collate_fn):
     src = Source(12)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kind import NP_KINDS, Kind, Leaf, refuse
+from .kind import NP_KINDS, Kind, Leaf, describe_array, dtype_name, refuse
 
 
 class NdarrayKind(Kind):
     name = "ndarray"
+
+    def describe(self, leaf: Leaf) -> str:
+        return describe_array(leaf, "ndarray")
 
     def claims(self, value) -> bool:
         return isinstance(value, np.ndarray)
@@ -57,6 +60,9 @@ class NpScalarKind(Kind):
 
     name = "npscalar"
     stores = ("col",)
+
+    def describe(self, leaf: Leaf) -> str:
+        return f"numpy {dtype_name(leaf.dtype)}"
 
     def claims(self, value) -> bool:
         return isinstance(value, np.generic)

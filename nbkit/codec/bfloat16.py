@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptCacheError
-from .kind import Kind, Leaf, native
+from .kind import Kind, Leaf, describe_array, native
 
 DTYPE = "bfloat16"
 STORAGE = np.dtype("<i2")
@@ -47,6 +47,9 @@ class BFloat16Kind(Kind):
 
     name = "bfloat16"
     legacy_pickled = True  # before this kind, nbkit pickled such arrays where allowed
+
+    def describe(self, leaf: Leaf) -> str:
+        return describe_array(leaf, "ndarray")
 
     def claims(self, value) -> bool:
         # By the dtype's name: ml_dtypes is loaded already if such an array exists.

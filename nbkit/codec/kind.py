@@ -74,6 +74,26 @@ class Leaf:
                    obj.get("mode", ""))
 
 
+def dtype_name(dtype: str) -> str | None:
+    """A leaf's dtype as people write it: torch names stay, numpy codes (``<i8``) become ``int64``.
+
+    Example:
+        >>> dtype_name("<i8"), dtype_name("float32"), dtype_name("")
+        ('int64', 'float32', None)
+    """
+    if dtype[:1] in ("<", ">", "|", "="):
+        return np.dtype(dtype).name
+    return dtype or None
+
+
+def describe_array(leaf: Leaf, label: str) -> str:
+    """``label[1, 28, 28] float32``: an array-like leaf as ``nbkit info`` shows it (``…`` for a var
+    leaf's shape, which varies)."""
+    shape = ", ".join(map(str, leaf.shape)) if leaf.store == "col" else "…"
+    dtype = dtype_name(leaf.dtype)
+    return f"{label}[{shape}]" + (f" {dtype}" if dtype else "")
+
+
 def nbytes(shape, itemsize: int) -> int:
     """Bytes of an array of ``shape`` (Python integers: a shape read from a cache cannot overflow)."""
     n = itemsize
@@ -151,6 +171,10 @@ class Kind:
     def claims(self, value) -> bool:
         """Whether this kind takes ``value`` (the first kind of the table that does, does)."""
         raise NotImplementedError
+
+    def describe(self, leaf: Leaf) -> str:
+        """One stored leaf of this kind as ``nbkit info`` shows it (``Tensor[1, 28, 28] float32``)."""
+        return self.name
 
     def check(self, value, where: str, allow_pickle: bool) -> str:
         """The name of the kind that stores a claimed ``value``: this one, or ``"pickle"`` for a value

@@ -136,6 +136,9 @@ class PilKind(Kind):
     header_spec = BYTES_HEADER
     legacy_pickled = True  # nbkit before issue 17 pickled images where allowed
 
+    def describe(self, leaf: Leaf) -> str:
+        return f"PIL image {leaf.mode} {leaf.shape[1]}x{leaf.shape[0]}" if leaf.store == "col" else "PIL image"
+
     def claims(self, value) -> bool:
         return is_pil_image(value)
 

@@ -132,6 +132,9 @@ class NoneKind(Kind):
 
     name = "none"
     exact_types = (type(None),)
+
+    def describe(self, leaf: Leaf) -> str:
+        return "None"
     stores = ("const",)
     var_dtype = False
     inline = True
@@ -245,6 +248,9 @@ class PickleKind(PayloadKind):
     when ``allow_pickle`` (see :func:`nbkit.codec.table.kind_of`)."""
 
     name = "pickle"
+
+    def describe(self, leaf: Leaf) -> str:
+        return "pickled object"
 
     def claims(self, value) -> bool:
         return False

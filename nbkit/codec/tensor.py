@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import CorruptCacheError
 from ..extras import is_tensor
-from .kind import Kind, Leaf
+from .kind import Kind, Leaf, describe_array
 
 
 @lru_cache(maxsize=None)
@@ -94,6 +94,9 @@ class TensorKind(Kind):
     """A dense torch tensor (column when dtype and shape agree, else var with the dtype in the schema)."""
 
     name = "tensor"
+
+    def describe(self, leaf: Leaf) -> str:
+        return describe_array(leaf, "Tensor")
 
     def claims(self, value) -> bool:
         return is_tensor(value)

@@ -35,7 +35,7 @@ from .. import format as fmt
 from ..codec import Schema
 from ..errors import StaleCacheError
 
-__all__ = ["Store", "KeyedStore", "Location", "Generation", "new_generation"]
+__all__ = ["Store", "KeyedStore", "Location", "Generation", "new_generation", "store_of"]
 
 
 _NOUNS = {"Store": "store", "KeyedStore": "keyed store", "Location": "location"}
@@ -69,6 +69,9 @@ class Store:
     #: gathers with :meth:`gather_checked`, reads batches from several threads and serves column
     #: batches anywhere on the host. ``False`` (a server, a bucket read through): one thread reads.
     memory_mapped = False
+    #: The column arrays themselves (one per column, rows by slot) where :attr:`memory_mapped`, so a
+    #: run of consecutive rows is read in place; ``None`` for a store without them.
+    columns: list | None = None
 
     def __init__(self, meta: dict, *, writable: bool):
         self.meta = meta
@@ -403,3 +406,15 @@ class Location:
             f"writes there, so the rebuilt cache never receives samples of the old source. Open it again: "
             f"nbkit.CachedDataset(source, {self.url!r}) (or CachedDataset.open for a cache without its source)."
         )
+
+
+def store_of(dataset) -> Store | None:
+    """The nbkit store behind ``dataset`` (a ``CachedDataset``'s ``store``), or ``None`` for any other
+    dataset: the loaders and samplers take any map-style dataset, and only nbkit's have a store.
+
+    Example:
+        >>> store_of([1, 2, 3]) is None
+        True
+    """
+    store = getattr(dataset, "store", None)
+    return store if isinstance(store, Store) else None

@@ -27,6 +27,7 @@ from ... import format as fmt
 from ...errors import CorruptCacheError
 from ...commit import temp_name
 from ...transfer.remote import is_connection_error, url_to_fs
+from .. import base
 from ..base import Store
 from .area import area_lock, area_usage, piece_lock, read_generation, reserve, stamp
 from .geometry import Geometry, rounded
@@ -547,7 +548,7 @@ def store_of(dataset) -> ReadThroughStore:
         >>> with pytest.raises(TypeError):
         ...     store_of([1, 2, 3])
     """
-    store = getattr(dataset, "store", None)  # CachedDataset.store: the engine's store in this process
+    store = base.store_of(dataset)  # CachedDataset.store: the engine's store in this process
     if not isinstance(store, ReadThroughStore):
         raise TypeError(f"{dataset!r} is not a read-through cache: open it with nbkit.CachedDataset.open(url, "
                         "local_max_bytes=N) (or CachedDataset(source, url, local_max_bytes=N)).")
