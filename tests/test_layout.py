@@ -233,3 +233,16 @@ def test_a_light_package_imports_nothing(graph, package):
              and (getattr(node, "level", 0) or (getattr(node, "module", None) or "").startswith("nbkit")
                   or any(a.name.startswith("nbkit") for a in node.names))]
     assert not eager, f"{package}/__init__.py imports nbkit modules at import time (lines {eager}): make them lazy"
+
+
+#: The entries at the top of nbkit/ (modules and packages). It was 36 before the subsystems became
+#: packages (issue 28): a new module goes into the package of its subsystem (codec/, stores/,
+#: transfer/, widgets/, tpu/), and a new top-level entry raises this number with a reason.
+MAX_TOP_LEVEL = 32
+
+
+def test_the_top_level_stays_small():
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir()))
+    assert len(entries) <= MAX_TOP_LEVEL, (
+        f"nbkit/ has {len(entries)} top-level entries (at most {MAX_TOP_LEVEL}): {entries}. Put the new module "
+        "in its subsystem's package, or raise MAX_TOP_LEVEL in tests/test_layout.py and say why.")
