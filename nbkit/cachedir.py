@@ -719,6 +719,23 @@ class CacheFiles(Store):
             write_all(fd, memoryview(flat[start:stop]).cast("B"), int(indices[start]) * row_bytes,
                       path=self._column_files[k][1])
 
+    def data_fds(self) -> dict[str, int]:
+        """``{name: descriptor}`` of the data files this process has open (``index.bin``, each
+        ``col-<k>.bin``, ``heap.bin`` when it exists): what a check of their bytes reads, so that it
+        reads the very files this object maps (never a name resolved again).
+
+        Example:
+            >>> import tempfile, torch, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+            >>> sorted(ds.store.data_fds())
+            ['col-0.bin', 'index.bin']
+        """
+        fds = {fmt.INDEX: self._index_fd}
+        fds.update((fmt.column_file(k), fd) for k, fd in enumerate(self.column_fds))
+        if os.path.lexists(os.path.join(self.root, fmt.HEAP)):
+            fds[fmt.HEAP] = self._heap()
+        return fds
+
     def data_bytes(self) -> int:
         """Bytes of sample data stored so far (column rows of stored samples, plus the heap)."""
         rows = sum(int(np.prod(c.shape[1:], dtype=np.int64)) * c.itemsize for c in self.columns)

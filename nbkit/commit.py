@@ -78,6 +78,7 @@ LEFTOVER_OPS = {
     "trash": "an interrupted removal (of a cache removed, pruned or replaced)",
     "create": "an interrupted creation of a cache",
     "export": "an interrupted export (a tar being written)",
+    "build": "an interrupted build of a part (a worker of nbkit.build killed or stopped while writing it)",
 }
 _LEFTOVER = re.compile(r"\.(?P<target>.+)\.nbkit-(?P<op>[a-z]+)-(?P<tag>[0-9a-f]{8,32})\Z", re.S)
 _TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>[0-9]{1,10})\.(?P<tid>[0-9]+)\.(?P<tag>[0-9a-f]{8})\.tmp\Z", re.S)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from ..extras import lazy_names
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "ExecutorEngine", "LocalEngine", "BuildReport", "run", "read_part", "VerifiedPart", "PartRefused"]
 
-__getattr__, __dir__ = lazy_names(__name__, {"Engine": "engine"})
+__getattr__, __dir__ = lazy_names(__name__, {"Engine": "engine", "ExecutorEngine": "engine", "LocalEngine": "local",
+                                             "BuildReport": "driver", "run": "driver",
+                                             "read_part": "part", "VerifiedPart": "part", "PartRefused": "part"})

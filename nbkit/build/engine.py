@@ -42,6 +42,12 @@ class Engine:
         for f in futures:
             f.cancel()
 
+    def worker_lost(self, error: BaseException) -> bool:
+        """Whether ``error`` (a future's exception) says the call's worker was lost (killed, out of
+        memory, its machine gone) rather than that the call itself failed: the driver then submits
+        the part again instead of raising. Default: a broken executor (a pool whose process died)."""
+        return isinstance(error, concurrent.futures.BrokenExecutor)
+
     def close(self) -> None:
         """Release what the engine started (its processes, its cluster connection). Idempotent."""
 

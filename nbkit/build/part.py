@@ -1,0 +1,415 @@
+"""One part of a cache build: a contiguous index range ``[start, stop)`` written as a small nbkit
+cache of that slice, checked before anything of it is merged.
+
+A part lives at ``<parts>/part-<start>-<stop>`` (13-digit zero-padded bounds: a retried build of the
+same range is a copy of the same part). It is an ordinary cache directory (``nbkit.json``,
+``index.bin``, ``col-<k>.bin``, ``heap.bin``) of length ``stop - start`` with the cache's schema and
+columns (slot = index - start), so ``nbkit ls``, ``nbkit info``, ``nbkit verify`` and ``nbkit rm``
+work on it unchanged. Its ``nbkit.json`` carries one more field, ``part``: the cache it belongs to
+(generation, length), its range, and the size and SHA-256 of every data file (the part manifest).
+
+A worker builds a part in a claimed staging sibling (``.part-….nbkit-build-<hex>``: listed by
+``nbkit ls`` and removed by ``nbkit rm`` if the worker dies), through the cache's own compute path
+(:meth:`nbkit.CachedDataset.compute_and_store` into a :class:`PartStore`), so samples are encoded
+exactly as a warmup encodes them; ``nbkit.json`` is published last, then the directory is renamed
+into place. The first whole copy wins: a rename onto a part already there fails, and the copy is
+discarded. Everything about a part is read as untrusted input: :func:`read_part` parses its metadata
+with :data:`PART_SPEC`, checks it against the cache, hashes every file and checks every sample's CRC.
+
+Example:
+    >>> part_name(0, 4096), parse_part_name("part-0000000004096-0000000008192")
+    ('part-0000000000000-0000000004096', (4096, 8192))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import hashlib
+import os
+import pickle
+import re
+import stat
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import format as fmt
+from .. import trust
+from ..cachedir import CacheFiles
+from ..commit import CHUNK, Dir, claim, is_claimed, leftover_of, makedirs, release, staging_name
+from ..errors import CorruptCacheError
+from ..stores.base import new_generation
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; merges are still idempotent
+    fcntl = None
+
+__all__ = ["PART_SPEC", "PartRefused", "PartStore", "VerifiedPart", "build_part", "list_parts", "part_name", "parse_part_name",
+           "parts_dir", "part_lock", "read_part", "remove_part", "sweep_builds"]
+
+#: Digits of each bound in a part's name: enough for the largest cache (``format.MAX_LENGTH``, 2**40).
+DIGITS = 13
+_NAME = re.compile(r"part-(?P<start>[0-9]{%d})-(?P<stop>[0-9]{%d})\Z" % (DIGITS, DIGITS))
+#: Where a local cache's parts live: beside it, ``<cache>.parts`` (see :func:`parts_dir`).
+PARTS_SUFFIX = ".parts"
+#: Samples a worker computes and stores at a time inside one part.
+CHUNK_SAMPLES = 256
+
+_FILE_SPEC = trust.Obj({"size": trust.Int(min=0, max=fmt.MAX_CACHE_BYTES), "sha256": trust.Str(pattern="[0-9a-f]{64}", max_len=64)})
+#: The ``part`` field of a part's ``nbkit.json``: which cache, which range, and its files.
+PART_SPEC = trust.Obj({
+    "cache_generation": trust.Str(pattern="[0-9a-f]{32}", max_len=32),
+    "cache_length": trust.Int(min=1, max=fmt.MAX_LENGTH),
+    "start": trust.Int(min=0, max=fmt.MAX_LENGTH),
+    "stop": trust.Int(min=1, max=fmt.MAX_LENGTH),
+    "files": trust.Map(_FILE_SPEC, key=trust.Str(pattern=r"(?:index\.bin|heap\.bin|col-(?:0|[1-9][0-9]{0,3})\.bin)", max_len=16),
+                       max_len=trust.MAX_COLUMNS + 2),
+})
+
+
+class PartRefused(CorruptCacheError):
+    """A part that does not verify (damaged, of another cache, another schema or range): it is
+    removed and its range computed again."""
+
+
+def part_name(start: int, stop: int) -> str:
+    """The directory name of the part ``[start, stop)``."""
+    return f"part-{int(start):0{DIGITS}d}-{int(stop):0{DIGITS}d}"
+
+
+def parse_part_name(name: str) -> tuple[int, int] | None:
+    """``(start, stop)`` of a part's directory name, or ``None`` for any other name (or an empty range)."""
+    m = _NAME.match(name)
+    if m is None:
+        return None
+    start, stop = int(m["start"]), int(m["stop"])
+    return (start, stop) if start < stop else None
+
+
+def parts_dir(cache_root: str) -> str:
+    """The directory of a local cache's parts: ``<cache>.parts``, beside the cache.
+
+    Beside, not inside: the cache directory stays exactly the nbkit format (readers, tars and pushes
+    see nothing new), and ``nbkit ls`` lists each part and each interrupted build there (a search
+    never looks inside a cache).
+
+    Example:
+        >>> parts_dir("/data/mnist")
+        '/data/mnist.parts'
+    """
+    return os.path.abspath(cache_root).rstrip(os.sep) + PARTS_SUFFIX
+
+
+def list_parts(parts: str) -> list[str]:
+    """Paths of the whole parts in the directory ``parts`` (names of the part pattern), in index order."""
+    try:
+        names = os.listdir(parts)
+    except FileNotFoundError:
+        return []
+    found = sorted((parse_part_name(n), n) for n in names if parse_part_name(n) is not None)
+    return [os.path.join(parts, n) for _, n in found]
+
+
+class PartStore(CacheFiles):
+    """The files of one part, addressed by the cache's indices: ``put(idx, …)`` stores sample ``i``
+    at slot ``i - start``. The engine's own compute path writes into it as into the cache.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
+        >>> meta = part_meta(ds.store.meta, 4, 8)
+        >>> store = PartStore(tempfile.mkdtemp(), meta, 4, writable=True, create=True)
+        >>> with writing_into(ds, store):
+        ...     _ = ds.compute_and_store(np.array([5, 6]))
+        >>> store.state.tolist()
+        [0, 1, 1, 0]
+        >>> store.close()
+    """
+
+    def __init__(self, root: str, meta: dict, start: int, *, writable: bool, create: bool = False):
+        super().__init__(root, meta, writable=writable, create=create)
+        self.start = int(start)
+
+    def put(self, idx, flags, crc, cpos, stacked, bpos, blobs):
+        return super().put(np.asarray(idx, dtype=np.int64) - self.start, flags, crc, cpos, stacked, bpos, blobs)
+
+
+def part_meta(cache_meta: dict, start: int, stop: int) -> dict:
+    """The metadata of a part of the cache ``cache_meta`` (without its ``part`` field, which names its files)."""
+    meta = {k: v for k, v in cache_meta.items() if k not in ("capacity", "max_bytes", "admit_seed", "part")}
+    meta.update(length=int(stop) - int(start), generation=new_generation())
+    return meta
+
+
+@contextlib.contextmanager
+def writing_into(cached, store):
+    """Have the ``CachedDataset`` ``cached`` store what it computes into ``store`` for the block (its
+    compute path, schema and encoders unchanged; its own files untouched)."""
+    saved = cached._files_obj, cached._files_pid, cached._verified
+    cached._files_obj, cached._files_pid = store, os.getpid()
+    cached._verified = np.zeros(len(cached), dtype=bool)
+    try:
+        yield cached
+    finally:
+        cached._files_obj, cached._files_pid, cached._verified = saved
+
+
+# -- building (the worker's side) -------------------------------------------------------------------
+
+#: Sources already unpickled in this worker process, by token: a part build unpickles its source once.
+_SOURCES: dict = {}
+
+
+def _dataset(spec: dict):
+    kind, token, payload = spec["source"]
+    cached = _SOURCES.get(token)
+    if cached is None:
+        if kind == "pickled":
+            cached = pickle.loads(payload)
+        else:
+            import nbkit
+
+            made = payload()
+            cached = made if isinstance(made, nbkit.CachedDataset) else nbkit.CachedDataset(
+                made, spec["cache"], allow_pickle=bool(spec["meta"].get("allow_pickle", False)),
+                max_bytes=spec["meta"].get("max_bytes"))
+        _SOURCES.clear()  # one build's source at a time
+        _SOURCES[token] = cached
+    return cached
+
+
+def build_part(spec: dict) -> dict:
+    """Compute and write the part ``spec`` describes; run by an engine's worker.
+
+    Args:
+        spec: plain data made by the driver: ``cache`` (its path), ``parts`` (the parts directory),
+            ``start``, ``stop``, ``todo`` (the indices to compute, int64), ``meta`` (the cache's
+            metadata) and ``source`` (the pickled ``CachedDataset`` or a factory).
+
+    Returns:
+        ``{"name", "computed", "seconds", "pid", "kept"}``: ``kept`` is ``False`` when another whole copy
+        of the part was there first (this one was discarded).
+    """
+    t0 = time.perf_counter()
+    start, stop = int(spec["start"]), int(spec["stop"])
+    name = part_name(start, stop)
+    parts = spec["parts"]
+    makedirs(parts)
+    if os.path.lexists(os.path.join(parts, name, fmt.META)):
+        return {"name": name, "computed": 0, "seconds": 0.0, "pid": os.getpid(), "kept": False}
+    cached = copy.copy(_dataset(spec))  # its own handle: builds in threads of one process never share a store
+    todo = np.asarray(spec["todo"], dtype=np.int64)
+    with Dir(parts) as p:
+        stage = staging_name(name, "build")
+        p.mkdir(stage, 0o700)
+        claim(p.join(stage))
+        try:
+            kept = _write(p, stage, name, cached, spec["meta"], start, stop, todo)
+        finally:
+            release(p.join(stage))
+            p.remove_tree(stage)  # nothing once renamed; else a failed or losing copy
+    return {"name": name, "computed": int(len(todo)), "seconds": time.perf_counter() - t0, "pid": os.getpid(), "kept": kept}
+
+
+def _write(p: Dir, stage: str, name: str, cached, cache_meta: dict, start: int, stop: int, todo: np.ndarray) -> bool:
+    root = p.join(stage)
+    meta = part_meta(cache_meta, start, stop)
+    # heap.bin made now: CacheFiles only makes it once nbkit.json is published, which a part does last.
+    with Dir(root) as d:
+        os.close(d.open(fmt.HEAP, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    store = PartStore(root, meta, start, writable=True, create=True)
+    try:
+        with writing_into(cached, store):
+            for s in range(0, len(todo), CHUNK_SAMPLES):
+                cached.compute_and_store(todo[s : s + CHUNK_SAMPLES])
+        store.sync()
+        files = {n: _digest(fd) for n, fd in store.data_fds().items()}
+    finally:
+        store.close()
+    meta["part"] = {"cache_generation": cache_meta["generation"], "cache_length": int(cache_meta["length"]),
+                    "start": start, "stop": stop, "files": files}
+    fmt.publish_meta(root, meta)  # last, durably: a directory without it is no part
+    try:
+        os.rename(stage, name, src_dir_fd=p.fd, dst_dir_fd=p.fd)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False  # another whole copy was there first: it wins
+        raise
+    p.sync()
+    return True
+
+
+def _digest(fd: int) -> dict:
+    """``{"size", "sha256"}`` of the open file ``fd``."""
+    h, pos = hashlib.sha256(), 0
+    while True:
+        block = os.pread(fd, CHUNK, pos)
+        if not block:
+            break
+        h.update(block)
+        pos += len(block)
+    return {"size": pos, "sha256": h.hexdigest()}
+
+
+# -- reading (the driver's side) --------------------------------------------------------------------
+
+
+@dataclass
+class VerifiedPart:
+    """A part that passed every check of :func:`read_part`; ``files`` are its open, read-only files
+    (merge from these very descriptors, then :meth:`close`).
+
+    Attributes:
+        path: its directory.
+        start, stop: its index range in the cache.
+        meta: its parsed metadata (with the ``part`` field).
+        files: its :class:`nbkit.cachedir.CacheFiles`.
+        stored: how many samples it holds.
+    """
+
+    path: str
+    start: int
+    stop: int
+    meta: dict
+    files: CacheFiles
+    stored: int
+
+    def close(self) -> None:
+        self.files.close()
+
+
+_SAME_FIELDS = ("schema", "columns", "fingerprint", "allow_pickle", "format", "version")
+
+
+def read_part(path: str, cache_meta: dict) -> VerifiedPart:
+    """Check the part at ``path`` against the cache ``cache_meta``, once and completely: its name,
+    its metadata (:func:`nbkit.format.parse_meta`, then :data:`PART_SPEC`), the cache it belongs to
+    (generation, length, schema, columns, fingerprint), its range, the size and SHA-256 of every
+    data file, and every sample's CRC (:func:`nbkit.format.verify_store`).
+
+    Raises:
+        PartRefused: naming the part and what is wrong; the caller removes it and computes the range again.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
+        >>> spec = dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=8, todo=np.arange(8), meta=ds.store.meta,
+        ...             source=("pickled", "t", pickle.dumps(ds)))
+        >>> name = build_part(spec)["name"]
+        >>> part = read_part(os.path.join(parts_dir(ds.root), name), ds.store.meta); part.stored
+        8
+        >>> part.close()
+    """
+    where = os.path.join(path, fmt.META)
+    fix = "It is removed and its samples computed again."
+    bounds = parse_part_name(os.path.basename(path))
+    if bounds is None:
+        raise PartRefused(f"{path} is not named like a part (part-<start>-<stop>, {DIGITS} digits each). {fix}")
+    try:
+        meta = fmt.read_meta(path)
+    except (FileNotFoundError, CorruptCacheError, OSError) as e:
+        raise PartRefused(f"the part {path} has no readable metadata ({str(e).splitlines()[0]}). {fix}") from e
+    if meta.get("part") is None:
+        raise PartRefused(f"{where} has no 'part' field: it is a cache, not a part of one. {fix}")
+    try:
+        info = trust.check_json(meta["part"], PART_SPEC, where, fix)
+    except CorruptCacheError as e:
+        raise PartRefused(str(e)) from e
+
+    def refuse(what):
+        raise PartRefused(f"the part {path} is refused: {what}. {fix}")
+
+    if (info["start"], info["stop"]) != bounds:
+        refuse(f"its metadata says the range [{info['start']}, {info['stop']}), its name [{bounds[0]}, {bounds[1]})")
+    if info["cache_generation"] != cache_meta.get("generation"):
+        refuse(f"it was built for the cache generation {info['cache_generation']}, and the cache is now "
+               f"{cache_meta.get('generation')} (rebuilt since)")
+    if info["cache_length"] != int(cache_meta["length"]) or bounds[1] > int(cache_meta["length"]):
+        refuse(f"its range [{bounds[0]}, {bounds[1]}) or cache length {info['cache_length']} does not fit the cache of "
+               f"{cache_meta['length']} samples")
+    if meta["length"] != bounds[1] - bounds[0] or meta.get("capacity") is not None:
+        refuse(f"it holds {meta['length']} slots for a range of {bounds[1] - bounds[0]}")
+    for f in _SAME_FIELDS:
+        if meta.get(f) != cache_meta.get(f):
+            refuse(f"its {f!r} differs from the cache's (another source, schema or nbkit version)")
+    try:
+        files = CacheFiles(path, meta, writable=False)
+    except (CorruptCacheError, OSError) as e:
+        raise PartRefused(f"the part {path} is refused: {str(e).splitlines()[0]}. {fix}") from e
+    try:
+        fds = files.data_fds()
+        if set(fds) != set(info["files"]):
+            refuse(f"its files are {sorted(fds)}, its manifest lists {sorted(info['files'])}")
+        for n, fd in fds.items():
+            if _digest(fd) != info["files"][n]:
+                refuse(f"{n} does not match the size and SHA-256 its manifest records (damaged or modified)")
+        try:
+            stored = fmt.verify_store(files, where=path, fix="")
+        except CorruptCacheError as e:
+            refuse(str(e).rstrip(". "))
+    except BaseException:
+        files.close()
+        raise
+    return VerifiedPart(path, bounds[0], bounds[1], meta, files, stored)
+
+
+@contextlib.contextmanager
+def part_lock(path: str):
+    """Hold the part directory ``path`` exclusively (``flock`` on it) for the block; yields whether
+    the part is still there (a second driver finds it gone once the first merged it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, NotADirectoryError, OSError):
+        yield False
+        return
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        mine = os.fstat(fd)
+        yield st is not None and stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+    finally:
+        os.close(fd)
+
+
+def remove_part(path: str) -> None:
+    """Remove the part at ``path``: renamed aside first (``nbkit.json`` gone from the part name in one
+    step; a crash after leaves a leftover ``nbkit ls`` lists), then removed."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        p = Dir(parent)
+    except FileNotFoundError:
+        return
+    with p:
+        if p.lstat(name) is None:
+            return
+        trash = staging_name(name, "trash")
+        p.rename(name, trash)
+        p.sync()
+        p.remove_tree(trash)
+        p.sync()
+
+
+def sweep_builds(parts: str) -> list[str]:
+    """Remove what killed part builds and removals left in ``parts`` (no live process claims them)."""
+    swept = []
+    try:
+        with Dir(parts) as p:
+            for n in p.names():
+                left = leftover_of(n)
+                if left is None or parse_part_name(left[0]) is None or is_claimed(p.join(n)):
+                    continue
+                p.remove_tree(n)
+                swept.append(p.join(n))
+            if swept:
+                p.sync()
+    except FileNotFoundError:
+        pass
+    return swept
