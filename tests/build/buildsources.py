@@ -34,7 +34,9 @@ class Flagged(Named):
 
     def __getitem__(self, i):
         if i == self.at and not os.path.exists(self.flag + ".go"):
-            open(self.flag, "w").close()
+            with open(self.flag + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(self.flag + ".tmp", self.flag)
             while not os.path.exists(self.flag + ".go"):
                 time.sleep(0.02)
         return super().__getitem__(i)

@@ -179,8 +179,8 @@ def test_remove_part(cache):
 
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given
+from hypothesis import strategies as st
 
 _FUZZ = {}
 

@@ -1,0 +1,212 @@
+"""The build driver with real engines and real faults: killed workers, damaged parts, a killed driver, two drivers."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import multiprocessing as mp
+import numpy as np
+import pytest
+import torch
+
+import nbkit
+from nbkit import cli
+from nbkit.build import LocalEngine, run
+from nbkit.build.engine import ExecutorEngine
+from nbkit.build.part import build_part, list_parts, parts_dir
+from nbkit.progress import Callback
+
+from buildsources import Flagged, Named, Unpicklable, check_cache, make_named
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+METHODS = [m for m in ("fork", "spawn", "forkserver") if m in mp.get_all_start_methods()]
+
+
+def threads(n=2):
+    return ExecutorEngine(ThreadPoolExecutor(n), workers=n, name="threads")
+
+
+def _heap_of_a_plain_warmup(tmp_path, n):
+    ds = nbkit.CachedDataset(Named(n), str(tmp_path / "plain"))
+    ds.warmup()
+    ds.close()
+    return os.path.getsize(str(tmp_path / "plain" / "heap.bin"))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_local_engine_builds_the_cache(tmp_path, method):
+    n = 150
+    ds = nbkit.CachedDataset(Named(n), str(tmp_path / "cache"))
+    ds.compute_and_store(np.arange(10, 20))  # partly filled already
+    cb = Callback()
+    with LocalEngine(2, multiprocessing_context=method) as engine:
+        report = run(ds, engine, part_size=32, callback=cb)
+    assert (report.computed, report.skipped, report.total, report.parts, report.stopped) == (140, 10, n, 5, False)
+    assert (cb.value, cb.size, cb.description) == (n, n, "done")
+    assert not os.path.exists(parts_dir(ds.root))
+    ds.close()
+    check_cache(ds.root, Named(n))
+    assert cli.main(["info", ds.root]) == 0 and cli.main(["verify", ds.root]) == 0
+    assert os.path.getsize(os.path.join(ds.root, "heap.bin")) == _heap_of_a_plain_warmup(tmp_path, n)  # each blob once
+
+
+def test_a_killed_worker_loses_only_its_part(tmp_path):
+    n, flag = 96, str(tmp_path / "flag")
+    ds = nbkit.CachedDataset(Flagged(n, flag, at=40), str(tmp_path / "cache"))
+    killed = []
+
+    def killer():
+        while not os.path.exists(flag):
+            time.sleep(0.02)
+        with open(flag) as f:
+            pid = int(f.read())
+        assert pid > 0 and pid != os.getpid()
+        os.kill(pid, signal.SIGKILL)  # a real worker process, mid-part
+        killed.append(pid)
+        open(flag + ".go", "w").close()
+
+    t = threading.Thread(target=killer)
+    t.start()
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        report = run(ds, engine, part_size=16)
+    t.join()
+    assert killed and report.retried >= 1 and not report.stopped
+    ds.close()
+    check_cache(ds.root, Named(n))
+    assert not os.path.exists(parts_dir(ds.root))  # the killed build's staging directory was swept
+
+
+@pytest.mark.parametrize("damage", ["crc", "schema"])
+def test_a_bad_part_is_refused_and_recomputed(tmp_path, damage):
+    n = 64
+    ds = nbkit.CachedDataset(Named(n), str(tmp_path / "cache"))
+    if damage == "crc":
+        out = build_part(dict(cache=ds.root, parts=parts_dir(ds.root), start=16, stop=32, todo=np.arange(16, 32),
+                              meta=ds.store.meta, source=("pickled", "t", pickle.dumps(ds))))
+        with open(os.path.join(parts_dir(ds.root), out["name"], "col-0.bin"), "r+b") as f:
+            f.seek(7)
+            f.write(b"\x7f")
+    else:
+        other = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.zeros(n, 2)), str(tmp_path / "other"))
+        build_part(dict(cache=other.root, parts=parts_dir(ds.root), start=16, stop=32, todo=np.arange(16, 32),
+                        meta=dict(other.store.meta, generation=ds.store.meta["generation"]),
+                        source=("pickled", "t", pickle.dumps(other))))
+        other.close()
+    with threads() as engine:
+        report = run(ds, engine, part_size=16)
+    assert report.refused == 1 and report.computed == n and report.reused == 0
+    ds.close()
+    check_cache(ds.root, Named(n))
+
+
+def test_parts_left_by_a_stopped_build_are_merged_not_recomputed(tmp_path):
+    n = 64
+    ds = nbkit.CachedDataset(Named(n), str(tmp_path / "cache"))
+    cb = Callback()
+    engine = threads(1)
+    real = engine.submit
+
+    def submit(fn, spec):
+        f = real(fn, spec)
+        f.add_done_callback(lambda _: cb.request_stop())  # Stop as soon as one part is built
+        return f
+    engine.submit = submit
+    first = run(ds, engine, part_size=16, callback=cb)
+    engine.close()
+    assert first.stopped and first.computed + len(list_parts(parts_dir(ds.root))) * 16 <= n
+    with threads() as engine2:
+        second = run(ds, engine2, part_size=16)
+    assert first.computed + second.computed + second.reused == n and not second.stopped
+    ds.close()
+    check_cache(ds.root, Named(n))
+
+
+def test_a_part_left_by_another_run_is_reused(tmp_path):
+    n = 48
+    ds = nbkit.CachedDataset(Named(n), str(tmp_path / "cache"))
+    build_part(dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=16, todo=np.arange(16), meta=ds.store.meta,
+                    source=("pickled", "t", pickle.dumps(ds))))
+    with threads() as engine:
+        report = run(ds, engine, part_size=16)
+    assert (report.reused, report.computed, report.parts) == (16, 32, 3)
+    ds.close()
+    check_cache(ds.root, Named(n))
+
+
+def test_the_driver_killed_mid_merge_then_rerun(tmp_path):
+    n, path = 64, str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "driver_script.py"), path, str(n), "0", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 137, proc.stderr
+    left = list_parts(parts_dir(path))
+    assert left  # the part being merged is still there
+    with nbkit.CachedDataset.open(path) as half:  # the cache is whole: stored samples are correct, others missing
+        assert half.verify() == n - len(half.missing()) and len(half.missing()) > 0
+    ds = nbkit.CachedDataset(Named(n), path)
+    with threads() as engine:
+        report = run(ds, engine, part_size=16)
+    assert report.reused > 0 and not report.stopped
+    ds.close()
+    check_cache(path, Named(n))
+
+
+def test_two_drivers_at_once_never_merge_twice(tmp_path):
+    n, path = 96, str(tmp_path / "cache")
+    nbkit.CachedDataset(Named(n), path).close()  # created once, so both drivers open the same generation
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "driver_script.py"), path, str(n), "0.01"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, BUILD_BARRIER=str(barrier))) for _ in range(2)]
+    deadline = time.monotonic() + 120
+    while len(os.listdir(barrier)) < 2 and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.02)
+    (barrier / "go").touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    merged = [tuple(map(int, o[0].split())) for o in outs]
+    assert sum(c + r for c, r in merged) == n, merged  # each sample merged by exactly one of them
+    check_cache(path, Named(n))
+    assert os.path.getsize(os.path.join(path, "heap.bin")) == _heap_of_a_plain_warmup(tmp_path, n)
+
+
+def test_an_unpicklable_source_says_which_and_shows_the_factory(tmp_path):
+    ds = nbkit.CachedDataset(Unpicklable(20), str(tmp_path / "cache"))
+    with threads() as engine, pytest.raises(TypeError, match="Unpicklable does not pickle.*factory=make_source"):
+        run(ds, engine)
+    ds.close()
+    ds = nbkit.CachedDataset(make_named(), str(tmp_path / "f"))
+    with LocalEngine(1, multiprocessing_context="fork") as engine:
+        report = run(ds, engine, part_size=32, factory=make_named)
+    assert report.computed == 64
+    ds.close()
+    check_cache(ds.root, make_named())
+
+
+class Failing(Named):
+    def __getitem__(self, i):
+        if i == 30:
+            raise ValueError("bad sample 30")
+        return super().__getitem__(i)
+
+
+def test_a_source_error_ends_the_build_and_keeps_what_was_merged(tmp_path):
+    ds = nbkit.CachedDataset(Failing(64), str(tmp_path / "cache"))
+    with threads(1) as engine, pytest.raises(ValueError, match="bad sample 30") as e:
+        run(ds, engine, part_size=16)
+    assert "built the part [16, 32)" in "".join(getattr(e.value, "__notes__", []))
+    assert 0 not in ds.missing() and ds.verify() >= 16
+    ds.close()
+
+
+def test_a_remote_or_sourceless_cache_is_refused(tmp_path):
+    ds = nbkit.CachedDataset(Named(8), str(tmp_path / "c"))
+    ds.close()
+    with nbkit.CachedDataset.open(str(tmp_path / "c")) as opened, threads() as engine:
+        with pytest.raises(ValueError, match="without its source"):
+            run(opened, engine)
