@@ -41,7 +41,6 @@ from .. import trust
 from ..cachedir import CacheFiles
 from ..commit import CHUNK, Dir, claim, is_claimed, leftover_of, makedirs, release, staging_name
 from ..errors import CorruptCacheError
-from ..stores.base import new_generation
 
 try:
     import fcntl
@@ -141,7 +140,9 @@ class PartStore(CacheFiles):
 def part_meta(cache_meta: dict, start: int, stop: int) -> dict:
     """The metadata of a part of the cache ``cache_meta`` (without its ``part`` field, which names its files)."""
     meta = {k: v for k, v in cache_meta.items() if k not in ("capacity", "max_bytes", "admit_seed", "part")}
-    meta.update(length=int(stop) - int(start), generation=new_generation())
+    # Named by the cache's generation and the range: every copy of one part is the same build of it.
+    ident = hashlib.sha256(f"{cache_meta.get('generation')}:{int(start)}:{int(stop)}".encode()).hexdigest()[:32]
+    meta.update(length=int(stop) - int(start), generation=ident)
     return meta
 
 

@@ -326,6 +326,57 @@ def _run_set_aside(work):
     nbkit.checkpoint.set_aside(_p(work, "parent", "checkpoint.pt"), label="started-over", stamp="T")
 
 
+def _part_spec(ds, todo):
+    import pickle
+
+    import numpy as np
+    from nbkit.build.part import parts_dir
+
+    return dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=N, todo=np.asarray(todo, dtype=np.int64),
+                meta=ds.store.meta, source=("pickled", "crash", pickle.dumps(ds)))
+
+
+#: The part the build operations write: the whole range, so that it reads back as a cache of N samples.
+PART = "part-0000000000000-0000000000032"
+
+
+def _setup_part_build(work):
+    bystander(work)
+    build_cache(_p(work, "parent", "cache"), 1, stored=N // 4)
+    os.makedirs(_p(work, "parent", "cache.parts"))
+
+
+def _run_part_build(work):
+    import nbkit
+    from nbkit.build.part import build_part
+
+    # What a worker of nbkit.build does: one part written beside the cache, the cache itself untouched.
+    ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
+    build_part(_part_spec(ds, range(N)))
+    ds.close()
+
+
+def _setup_part_merge(work):
+    import nbkit
+    from nbkit.build.part import build_part
+
+    bystander(work)
+    build_cache(_p(work, "parent", "cache"), 1, stored=N // 4)
+    ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
+    build_part(_part_spec(ds, ds.missing()))
+    ds.close()
+
+
+def _run_part_merge(work):
+    import nbkit
+    from nbkit.build.merge import merge
+
+    # What the driver of nbkit.build does with each finished part: verify, merge in place, remove.
+    ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
+    merge(ds.store, _p(work, "parent", "cache.parts", PART))
+    ds.close()
+
+
 _BY = ("parent/bystander",)
 
 OPERATIONS: dict[str, Operation] = {op.name: op for op in [
@@ -353,6 +404,10 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in [
               inputs=_BY, removable=False),
     Operation("checkpoint", _setup_checkpoint, _run_checkpoint, "parent/checkpoint.pt", "file", Expect(1), Expect(2),
               inputs=_BY, power_loss=True, removable=False),
+    Operation("part_build", _setup_part_build, _run_part_build, f"parent/cache.parts/{PART}", "cache", None, Expect(1),
+              absent_ok=True, inputs=_BY + ("parent/cache",), power_loss=True),
+    Operation("part_merge", _setup_part_merge, _run_part_merge, "parent/cache", "cache", Expect(1, whole=False),
+              Expect(1), inputs=_BY, entries=("cache.parts",), power_loss=True),
     Operation("set_aside", _setup_checkpoint, _run_set_aside, "parent/checkpoint.pt", "aside", Expect(1), None,
               absent_ok=True, inputs=_BY, entries=(ASIDE,), power_loss=True, removable=False),
 ]}
