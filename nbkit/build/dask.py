@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import warnings
 
 from ..extras import require
 from .engine import Engine, not_picklable
@@ -94,14 +95,25 @@ class DaskEngine(Engine):
         return out
 
     def cancel(self, futures) -> None:
-        """Cancel queued and running calls (a running one's result is dropped when it ends)."""
+        """Cancel queued calls, and stop running ones by restarting the worker processes running them
+        (Dask cannot interrupt a running Python call; its nanny starts a fresh worker in ~1 s). A
+        worker without a nanny cannot be restarted: its call then runs to its end and is dropped."""
         futures = list(futures)
         with self._lock:
             dfuts = [self._futures[f] for f in futures if f in self._futures]
-        if dfuts and self.client is not None:
-            self.client.cancel(dfuts, force=True)
         for f in futures:
             f.cancel()
+        if not dfuts or self.client is None:
+            return
+        keys = {d.key for d in dfuts}
+        busy = [w for w, running in self.client.processing().items() if keys & set(running)]
+        self.client.cancel(dfuts, force=True)
+        if busy:
+            try:
+                self.client.restart_workers(busy, timeout=60, raise_for_error=False)
+            except (ValueError, TypeError, OSError) as e:  # no nanny (a plain `dask worker --no-nanny`), or gone
+                warnings.warn(f"DaskEngine.cancel could not restart the workers running cancelled calls ({e}): "
+                              "those calls run to their end and their results are dropped.", RuntimeWarning, stacklevel=2)
 
     def close(self) -> None:
         if self.client is None:
