@@ -106,12 +106,12 @@ class RayEngine(Engine):
         for fut in futures:
             with self._lock:
                 ref = self._refs.get(fut)
+            fut.cancel()  # first: Ray then completes its own future with TaskCancelledError, which ours ignores
             if ref is not None:
                 try:
                     self._ray.cancel(ref, force=True)
                 except (ValueError, TypeError, RuntimeError):  # already finished, or not a task of ours
                     pass
-            fut.cancel()
 
     def close(self) -> None:
         if self._ray is None:

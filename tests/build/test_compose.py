@@ -1,0 +1,233 @@
+"""nbkit.build.compose: parts pushed beside a gs:// cache (the GCS emulator) composed server-side into
+one cache that pull, verify and read-through read, with no sample byte through the driver."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import nbkit
+from fixtures_gcs import gcs, gcs_server
+from nbkit import format as fmt
+from nbkit.build import compose as composing
+from nbkit.build.compose import compose, part_name, parts_url
+from nbkit.errors import CorruptCacheError
+from sources import DictSource, assert_equal
+
+N = 40
+CUTS = [0, 5, 13, 20, 31, 40]  # 5 parts of uneven sizes; DictSource has heap leaves (str, bytes)
+
+
+@pytest.fixture(scope="module")
+def local_parts(tmp_path_factory):
+    """The parts of a DictSource(40) cache, each a small nbkit cache of its slice, built with the public
+    engine on local slices; their fingerprint is the whole source's, as a build's parts carry."""
+    base = tmp_path_factory.mktemp("parts")
+    src = DictSource(N)
+    whole = nbkit.CachedDataset(src, str(base / "whole-meta"))  # only for the source's fingerprint
+    fingerprint = fmt.read_meta(whole.root)["fingerprint"]
+    whole.close()
+    parts = {}
+    for start, stop in zip(CUTS, CUTS[1:]):
+        ds = nbkit.CachedDataset(torch.utils.data.Subset(src, range(start, stop)), str(base / part_name(start, stop)))
+        ds.warmup()
+        root = ds.root
+        ds.close()
+        meta = json.loads(open(os.path.join(root, fmt.META)).read())
+        meta["fingerprint"] = fingerprint
+        with open(os.path.join(root, fmt.META), "w") as f:
+            json.dump(meta, f)
+        parts[(start, stop)] = root
+    return src, parts
+
+
+def push_parts(local_parts, url, storage_options, skip=()):
+    _, parts = local_parts
+    for (start, stop), root in parts.items():
+        if (start, stop) not in skip:
+            nbkit.push(root, f"{parts_url(url)}/{part_name(start, stop)}", storage_options=storage_options)
+
+
+class Wire:
+    """Every gcsfs request of this process (the driver): what it named, sent and received."""
+
+    def __init__(self, monkeypatch):
+        import gcsfs
+        self.requests = []
+        original = gcsfs.GCSFileSystem._request
+        wire = self
+
+        async def counted(fs, method, path, *args, **kwargs):
+            status, headers, info, contents = await original(fs, method, path, *args, **kwargs)
+            data = kwargs.get("data")
+            sent = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
+            if data is not None and hasattr(data, "getbuffer"):
+                sent = data.getbuffer().nbytes
+            sent += len(json.dumps(kwargs["json"])) if kwargs.get("json") is not None else 0
+            wire.requests.append((method, path, args, {k: v for k, v in kwargs.items() if k not in ("data", "json")},
+                                  sent, len(contents or b"")))
+            return status, headers, info, contents
+
+        monkeypatch.setattr(gcsfs.GCSFileSystem, "_request", counted)
+
+    def objects(self):
+        """(method, object name, bytes sent, bytes received) of the requests that name an object."""
+        out = []
+        for method, path, args, kwargs, sent, got in self.requests:
+            name = kwargs.get("name") or (args[1] if len(args) > 1 else "")
+            out.append((method, path, str(name), kwargs, sent, got))
+        return out
+
+
+def test_compose_moves_no_sample_byte_and_every_reader_reads_it(gcs, local_parts, monkeypatch, tmp_path):
+    src, _ = local_parts
+    url = f"{gcs.url}/caches/dict"
+    push_parts(local_parts, url, gcs.storage_options)
+    monkeypatch.setattr(composing, "MAX_SOURCES", 2)  # 5 parts: a tree of composes, as 33+ parts would need
+    wire = Wire(monkeypatch)
+    report = compose(url, storage_options=gcs.storage_options)
+    monkeypatch.undo()  # stop counting: what follows is the test's own reading
+    assert report.length == N and report.parts == 5 and not report.already
+    assert set(report.composed) >= {"col-0.bin", fmt.HEAP}
+    assert report.compose_requests > len(report.composed)  # intermediates were needed
+
+    sample_names = set(report.composed)
+    sample_bytes = sum(gcs.fs.size(f"{url}/{n}") for n in sample_names)
+    received = sent = 0
+    for method, path, name, kwargs, out, got in wire.objects():
+        base = name.rsplit("/", 1)[-1]
+        if base in sample_names or ".compose/" in name:
+            assert kwargs.get("alt") != "media" and "upload" not in path and "uploadType" not in kwargs, (method, path, name)
+            assert got < 4096 and out < 4096  # the object's JSON description, not its bytes
+        received += got
+        sent += out
+    # What did travel: the parts' manifest, nbkit.json and index.bin; listings and compose requests (JSON);
+    # index.bin, manifest.json and nbkit.json written.
+    assert sent < report.written + 64 * 1024
+    assert report.written < sample_bytes
+    print(f"compose: {sample_bytes} sample bytes composed; through the driver: sent {sent}, received {received} "
+          f"in {len(wire.requests)} requests; wrote {report.written}")
+    assert gcs.fs.ls(f"{parts_url(url)}/{composing.SCRATCH}") == [] if gcs.fs.exists(f"{parts_url(url)}/{composing.SCRATCH}") else True
+
+    copy = str(tmp_path / "copy")
+    nbkit.pull(url, copy, storage_options=gcs.storage_options)
+    ds = nbkit.CachedDataset(src, copy)  # the source's fingerprint matches: no rebuild
+    assert ds.verify() == N
+    for i in range(N):
+        assert_equal(ds[i], src[i], f"sample {i}")
+    rt = nbkit.CachedDataset.open(url, local_max_bytes=1 << 20, storage_options=gcs.storage_options)
+    for i in (0, 4, 5, 19, 20, 39):
+        assert_equal(rt[i], src[i], f"read-through sample {i}")
+    rt.close()
+    ds.close()
+    assert compose(url, storage_options=gcs.storage_options).already  # a rerun over a published cache: nothing
+
+
+def test_a_missing_part_is_refused_naming_the_indices(gcs, local_parts):
+    url = f"{gcs.url}/caches/gap"
+    push_parts(local_parts, url, gcs.storage_options, skip={(13, 20)})
+    with pytest.raises(ValueError, match=r"no part holds the indices \[13, 20\).*a column needs every row"):
+        compose(url, storage_options=gcs.storage_options)
+    assert not gcs.fs.exists(f"{url}/{fmt.META}")
+
+
+def test_a_part_of_another_source_is_refused(gcs, local_parts, tmp_path):
+    url = f"{gcs.url}/caches/mixed"
+    push_parts(local_parts, url, gcs.storage_options, skip={(31, 40)})
+    other = nbkit.CachedDataset(torch.utils.data.Subset(DictSource(N, with_none=False), range(31, 40)), str(tmp_path / "o"))
+    other.warmup()
+    other.close()
+    nbkit.push(other.root, f"{parts_url(url)}/{part_name(31, 40)}", storage_options=gcs.storage_options)
+    with pytest.raises(CorruptCacheError, match=r"0000000000031-0000000000040: its schema differs"):
+        compose(url, storage_options=gcs.storage_options)
+
+
+def test_a_part_whose_index_points_outside_its_heap_is_refused(gcs, local_parts, tmp_path):
+    url = f"{gcs.url}/caches/bad"
+    push_parts(local_parts, url, gcs.storage_options, skip={(5, 13)})
+    bad = str(tmp_path / "bad")
+    shutil.copytree(local_parts[1][(5, 13)], bad)
+    rec = np.fromfile(os.path.join(bad, fmt.INDEX), fmt.RECORD)
+    rec["off"][3] = 1 << 40
+    rec.tofile(os.path.join(bad, fmt.INDEX))
+    nbkit.push(bad, f"{parts_url(url)}/{part_name(5, 13)}", storage_options=gcs.storage_options)
+    with pytest.raises(CorruptCacheError, match=r"index.bin points outside its \d+-byte heap"):
+        compose(url, storage_options=gcs.storage_options)
+
+
+@pytest.mark.parametrize("fail_at", ["merge:1", "merge:3", "merge:last", "write:index.bin", "write:manifest.json",
+                                     "write:nbkit.json", "check"])
+def test_a_driver_killed_mid_compose_leaves_no_cache_and_a_rerun_finishes(gcs, local_parts, monkeypatch, tmp_path, fail_at):
+    """The driver dies at each step: no reader sees a cache (no nbkit.json: pull refuses, naming why),
+    and a rerun composes the same cache."""
+    src, _ = local_parts
+    url = f"{gcs.url}/caches/killed"
+    push_parts(local_parts, url, gcs.storage_options)
+    monkeypatch.setattr(composing, "MAX_SOURCES", 2)
+
+    class Killed(BaseException):
+        pass
+
+    import gcsfs
+    kind, _, what = fail_at.partition(":")
+    calls = []
+    if kind == "merge":
+        original = gcsfs.GCSFileSystem.merge
+
+        def merge(fs, path, paths, **kw):
+            calls.append(path)
+            if what != "last" and len(calls) == int(what):
+                raise Killed()
+            if what == "last" and path.endswith(fmt.HEAP):
+                raise Killed()
+            return original(fs, path, paths, **kw)
+        monkeypatch.setattr(gcsfs.GCSFileSystem, "merge", merge)
+    elif kind == "write":
+        original_write = composing.write_bytes
+
+        def write(fs, path, data):
+            if path.endswith("/" + what):
+                raise Killed()
+            return original_write(fs, path, data)
+        monkeypatch.setattr(composing, "write_bytes", write)
+    else:
+        def check(*args):
+            raise Killed()
+        monkeypatch.setattr(composing, "engine_for", lambda *a, **k: nbkit.build.engine.ExecutorEngine(
+            _Inline(check), workers=1))
+    with pytest.raises(Killed):
+        compose(url, storage_options=gcs.storage_options)
+    monkeypatch.undo()
+    assert not gcs.fs.exists(f"{url}/{fmt.META}")
+    with pytest.raises(FileNotFoundError, match="holds no complete nbkit cache"):
+        nbkit.pull(url, str(tmp_path / "early"), storage_options=gcs.storage_options)
+    report = compose(url, storage_options=gcs.storage_options)
+    assert report.length == N and not report.already
+    copy = str(tmp_path / "copy")
+    nbkit.pull(url, copy, storage_options=gcs.storage_options)
+    ds = nbkit.CachedDataset.open(copy)
+    assert ds.verify() == N
+    for i in range(0, N, 3):
+        assert_equal(ds[i], src[i], f"sample {i}")
+    ds.close()
+
+
+class _Inline:
+    """An executor that runs nothing but ``fn`` (raising as the driver's death would)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def submit(self, *args):
+        self.fn(*args)
+
+    def shutdown(self, **kw):
+        pass
+
+
+def test_compose_needs_gs():
+    with pytest.raises(ValueError, match="needs a gs:// cache"):
+        compose("memory://b/c")
