@@ -9,8 +9,8 @@ live worker (at most ``distributed.scheduler.allowed-failures`` times, then the 
 ``KilledWorker``). On a remote cluster the workers must import nbkit and your source's code: install
 them in the workers' image, or ``client.upload_file(...)`` a module.
 
-Example:
-    >>> engine = DaskEngine(num_workers=1)     # doctest: +SKIP (starts a cluster: ~2 s)
+Example (skipped by the doctest run: it starts a local cluster, ~2 s; tests/build/ runs it for real):
+    >>> engine = DaskEngine(num_workers=1)     # doctest: +SKIP
     >>> engine.submit(pow, 2, 10).result()     # doctest: +SKIP
     1024
     >>> engine.close()                         # doctest: +SKIP
@@ -68,7 +68,7 @@ class DaskEngine(Engine):
             raise RuntimeError("this DaskEngine is closed: make a new one")
         try:
             dfut = self.client.submit(fn, *args, pure=False)
-        except Exception as e:  # noqa: BLE001 - distributed raises several types for a call it cannot serialize
+        except Exception as e:  # distributed raises several types for a call it cannot serialize
             if _is_pickling_error(e):
                 raise not_picklable(fn, args, "Dask", e) from e
             raise

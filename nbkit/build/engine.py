@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-__all__ = ["Engine", "ExecutorEngine", "ENGINES", "engine_for", "not_picklable", "chain"]
+__all__ = ["Engine", "ExecutorEngine", "ENGINES", "engine_for", "processes", "not_picklable", "chain"]
 
 
 class Engine:
@@ -129,25 +129,28 @@ def chain(source, *, value=None) -> concurrent.futures.Future:
 # -- the table of engines: engine_for("ray") -----------------------------------------------------------
 
 
-def _processes(workers=None):
+def processes(num_workers=None) -> ExecutorEngine:
+    """An engine of ``num_workers`` local processes (default: one per CPU)."""
     import os
     from concurrent.futures import ProcessPoolExecutor
-    n = workers or os.cpu_count() or 1
+    n = num_workers or os.cpu_count() or 1
     return ExecutorEngine(ProcessPoolExecutor(n), workers=n, name="local processes")
 
 
-def _ray(workers=None):
-    from .ray import RayEngine
-    return RayEngine(num_workers=workers)
+#: name -> ``"module:factory"`` of an :class:`Engine` made as ``factory(num_workers=workers)``, imported
+#: by name on first use (like the stores' registry: the optional engines load only when asked for).
+#: A new engine is one entry here.
+ENGINES = {
+    "processes": "nbkit.build.engine:processes",
+    "ray": "nbkit.build.ray:RayEngine",
+    "dask": "nbkit.build.dask:DaskEngine",
+}
 
 
-def _dask(workers=None):
-    from .dask import DaskEngine
-    return DaskEngine(num_workers=workers)
-
-
-#: name -> factory(workers) of an :class:`Engine`. A new engine is one entry here.
-ENGINES = {"processes": _processes, "ray": _ray, "dask": _dask}
+def _factory(name: str):
+    import importlib
+    module, _, attr = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def engine_for(spec="processes", *, workers: int | None = None) -> Engine:
@@ -164,14 +167,12 @@ def engine_for(spec="processes", *, workers: int | None = None) -> Engine:
     if isinstance(spec, Engine):
         return spec
     if isinstance(spec, str):
-        factory = ENGINES.get(spec)
-        if factory is None:
+        if spec not in ENGINES:
             raise ValueError(f"unknown engine {spec!r}: use one of {', '.join(map(repr, ENGINES))}, an Engine, or an executor "
                              "(an object with submit(fn, *args) returning futures)")
-        return factory(workers)
+        return _factory(spec)(num_workers=workers)
     if type(spec).__module__.split(".")[0] == "distributed":  # a dask Client: its futures are not concurrent ones
-        from .dask import DaskEngine
-        return DaskEngine(spec)
+        return _factory("dask")(spec)
     if callable(getattr(spec, "submit", None)):
         n = workers or getattr(spec, "_max_workers", None) or 1
         return ExecutorEngine(spec, workers=n, name=type(spec).__name__, owned=False)

@@ -15,8 +15,8 @@ every node (the image), or let Ray ship them::
 (``{"pip": ["nbkit-cache[gcs]"]}`` once published; ``working_dir`` ships a project directory).
 A local instance shares this machine's environment, so nothing needs shipping.
 
-Example:
-    >>> engine = RayEngine(num_workers=1)      # doctest: +SKIP (starts Ray: ~15 s)
+Example (skipped by the doctest run: it starts a local Ray instance, ~15 s; tests/build/ runs it for real):
+    >>> engine = RayEngine(num_workers=1)      # doctest: +SKIP
     >>> engine.submit(pow, 2, 10).result()     # doctest: +SKIP
     1024
     >>> engine.close()                         # doctest: +SKIP
