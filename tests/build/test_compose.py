@@ -231,3 +231,70 @@ class _Inline:
 def test_compose_needs_gs():
     with pytest.raises(ValueError, match="needs a gs:// cache"):
         compose("memory://b/c")
+
+
+@pytest.mark.slow
+def test_a_driver_killed_at_each_request_leaves_no_half_cache_and_a_rerun_finishes(gcs, local_parts, tmp_path):
+    """A real process runs compose and is killed (os._exit(137)) before its k-th request to the endpoint,
+    for every request that changes the bucket and some reads: the prefix is no cache until nbkit.json is
+    written, and a rerun composes it whole."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(here)), here]))
+    options = json.dumps(gcs.storage_options)
+    src, _ = local_parts
+    template = f"{gcs.url}/template"
+    push_parts(local_parts, template, gcs.storage_options)
+
+    def run(url, k):
+        log = str(tmp_path / f"requests-{k}.jsonl")
+        proc = subprocess.run([sys.executable, os.path.join(here, "compose_killed.py"), url, options, str(k), log],
+                              env=env, capture_output=True, text=True, timeout=120)
+        with open(log) as f:
+            return proc.returncode, [json.loads(line) for line in f]
+
+    def fresh(name):
+        url = f"{gcs.url}/{name}"
+        gcs.fs.copy(f"{parts_url(template)}/", f"{parts_url(url)}/", recursive=True)  # server-side copies
+        gcs.fs.invalidate_cache()
+        return url
+
+    rc, requests = run(fresh("whole"), 0)
+    assert rc == 0, requests
+    from urllib.parse import unquote
+    # The request that makes nbkit.json visible: the last of its upload (a resumable upload's final POST).
+    publish = max(i for i, (m, p, name) in enumerate(requests) if m == "POST" and unquote(p + name).endswith("/" + fmt.META)
+                  or f"/{fmt.META}&" in unquote(p)) + 1
+    changing = [i + 1 for i, (m, p, name) in enumerate(requests) if m != "GET"]
+    assert publish == max(changing)  # nbkit.json is the last thing written
+    if os.environ.get("NBKIT_CRASH") == "all":  # make crash: every request
+        points = list(range(1, len(requests) + 1))
+    else:  # the CI budget: every upload (index.bin, manifest.json, nbkit.json), the first, a middle and the
+        # last compose, just after publishing, and 3 reads (checking the parts)
+        uploads = [k for k in changing if "upload" in requests[k - 1][1]]
+        composes = [k for k in changing if requests[k - 1][1].endswith("/compose")]
+        reads = [k for k in range(1, len(requests) + 1) if k not in changing]
+        points = sorted({*uploads, composes[0], composes[len(composes) // 2], composes[-1], publish + 1,
+                         *reads[:: max(1, len(reads) // 3)][:3]} - {len(requests) + 1})
+    for k in points:
+        url = fresh(f"killed-{k}")
+        rc, _ = run(url, k)
+        assert rc == 137 or (rc == 0 and k > publish), (k, rc)  # after publishing, a run may make a request less
+        gcs.fs.invalidate_cache()
+        published = gcs.fs.exists(f"{url}/{fmt.META}")
+        assert published == (k > publish), (k, publish)
+        if not published:
+            with pytest.raises(FileNotFoundError, match="holds no complete nbkit cache"):
+                nbkit.pull(url, str(tmp_path / f"early-{k}"), storage_options=gcs.storage_options)
+        with ThreadPoolExecutor(2) as pool:
+            report = compose(url, storage_options=gcs.storage_options, engine=pool)
+        assert report.already == published
+        copy = str(tmp_path / f"copy-{k}")
+        nbkit.pull(url, copy, storage_options=gcs.storage_options)  # checks every sha256 and every sample's CRC
+        ds = nbkit.CachedDataset.open(copy)
+        assert len(ds) == N and ds.verify() == N
+        assert_equal(ds[N - 1], src[N - 1])
+        ds.close()
+    print(f"compose: {len(requests)} requests, {len(points)} kill points")
