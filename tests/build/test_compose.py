@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+import engine_calls
 import nbkit
+from fixtures_clusters import dask_engine, ray_engine
 from fixtures_gcs import gcs, gcs_server
 from nbkit import format as fmt
 from nbkit.build import compose as composing
@@ -30,17 +32,8 @@ def local_parts(tmp_path_factory):
     whole = nbkit.CachedDataset(src, str(base / "whole-meta"))  # only for the source's fingerprint
     fingerprint = fmt.read_meta(whole.root)["fingerprint"]
     whole.close()
-    parts = {}
-    for start, stop in zip(CUTS, CUTS[1:]):
-        ds = nbkit.CachedDataset(torch.utils.data.Subset(src, range(start, stop)), str(base / part_name(start, stop)))
-        ds.warmup()
-        root = ds.root
-        ds.close()
-        meta = json.loads(open(os.path.join(root, fmt.META)).read())
-        meta["fingerprint"] = fingerprint
-        with open(os.path.join(root, fmt.META), "w") as f:
-            json.dump(meta, f)
-        parts[(start, stop)] = root
+    parts = {(start, stop): engine_calls.make_part(src, start, stop, str(base / part_name(start, stop)), fingerprint)
+             for start, stop in zip(CUTS, CUTS[1:])}
     return src, parts
 
 
@@ -298,3 +291,25 @@ def test_a_driver_killed_at_each_request_leaves_no_half_cache_and_a_rerun_finish
         assert_equal(ds[N - 1], src[N - 1])
         ds.close()
     print(f"compose: {len(requests)} requests, {len(points)} kill points")
+
+
+@pytest.mark.parametrize("cluster", ["dask_engine", "ray_engine"])
+def test_parts_built_on_a_cluster_compose_into_the_cache(gcs, local_parts, cluster, request, tmp_path):
+    """Workers of a real local cluster (2 workers) build and push the parts; compose's checks run on them too."""
+    engine = request.getfixturevalue(cluster)
+    src, _ = local_parts
+    url = f"{gcs.url}/caches/{cluster}"
+    fingerprint = json.loads(open(os.path.join(next(iter(local_parts[1].values())), fmt.META)).read())["fingerprint"]
+    futures = [engine.submit(engine_calls.build_and_push_part, src, start, stop, url, gcs.storage_options, fingerprint)
+               for start, stop in zip(CUTS, CUTS[1:])]
+    built = [f.result(timeout=300) for f in futures]
+    assert len({pid for _, _, pid in built}) >= 1 and all(pid != os.getpid() for _, _, pid in built)
+    report = compose(url, storage_options=gcs.storage_options, engine=engine)
+    assert report.length == N
+    copy = str(tmp_path / "copy")
+    nbkit.pull(url, copy, storage_options=gcs.storage_options)
+    ds = nbkit.CachedDataset(src, copy)
+    assert ds.verify() == N
+    for i in range(N):
+        assert_equal(ds[i], src[i], f"sample {i}")
+    ds.close()
