@@ -13,7 +13,8 @@ for the cache's ``manifest.json``. The driver itself writes only ``index.bin`` (
 heap offsets rebased by each part's start in the heap), ``manifest.json`` and, last,
 ``nbkit.json``: until then no reader (``nbkit.pull``, read-through, the mirror store) sees a cache.
 A driver killed at any point reruns from the start and finishes; a rerun over a published cache
-returns at once.
+returns at once; two drivers composing the same parts at once write the same bytes (the cache's
+``generation`` is a hash of its parts), so the later one changes nothing.
 
 Example:
     >>> compose("gs://bucket/caches/mnist", storage_options=opts, engine="processes")  # doctest: +SKIP
@@ -26,7 +27,6 @@ import hashlib
 import json
 import re
 import time
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,7 +188,12 @@ def compose(url: str, *, engine="processes", storage_options: dict | None = None
         offset += heap
     index = np.concatenate(records).tobytes()
     meta = {k: v for k, v in first.meta.items() if k not in ("capacity", "max_bytes", "admit_seed")}
-    meta.update(length=length, generation=uuid.uuid4().hex)
+    # The generation names the parts composed, not the run: two drivers composing the same parts at
+    # once write byte-identical index.bin, manifest.json and nbkit.json, so neither undoes the other.
+    ident = hashlib.sha256()
+    for p in parts:
+        ident.update(f"{p.start}-{p.stop}:".encode() + manifest_bytes(p.manifest))
+    meta.update(length=length, generation=ident.hexdigest()[:32])
     meta_raw = json.dumps(meta, indent=1, sort_keys=True).encode()
     fmt.parse_meta(meta_raw, f"{url}/{fmt.META}", "")  # what we publish is what every reader accepts
     files = {name: {"size": sum(s for s, _ in segs), "sha256": shas[name]} for name, segs in segments.items()}
