@@ -51,7 +51,7 @@ class DaskEngine(Engine):
             self.client, self._owns_client = client_or_address, False
         elif client_or_address is None:
             self._cluster = distributed.LocalCluster(n_workers=num_workers or os.cpu_count() or 1, threads_per_worker=1,
-                                                     processes=True, dashboard_address=None)
+                                                     processes=True, dashboard_address=":0")  # any free port: never a clash with 8787
             self.client, self._owns_client = distributed.Client(self._cluster), True
         else:
             try:
