@@ -12,7 +12,7 @@ import torch
 import engine_calls
 import nbkit
 from fixtures_clusters import dask_engine, ray_engine
-from fixtures_gcs import gcs, gcs_server
+from fixtures_gcs import gcs, gcs_emulator, gcs_server, short_gcsfs_retries
 from nbkit import format as fmt
 from nbkit.build import compose as composing
 from nbkit.build.compose import compose, part_name, parts_url
@@ -351,3 +351,96 @@ def test_two_drivers_composing_at_once_write_the_same_cache(gcs, local_parts, tm
     with ThreadPoolExecutor(2) as pool:
         compose(other, storage_options=gcs.storage_options, engine=pool)
     assert gcs.fs.cat_file(f"{other}/{fmt.META}") == first
+
+
+@pytest.mark.slow
+def test_storage_unreachable_mid_compose_is_named_and_a_rerun_finishes(gcs_emulator, short_gcsfs_retries, local_parts,
+                                                                        monkeypatch, tmp_path):
+    """The endpoint dies after the first server-side compose: the error names the endpoint and the fix,
+    nothing is published, and once it is back a rerun finishes."""
+    import gcsfs
+    from concurrent.futures import ThreadPoolExecutor
+    src, _ = local_parts
+    bucket = gcs_emulator.make_bucket()
+    url = f"{bucket.url}/caches/unreachable"
+    push_parts(local_parts, url, gcs_emulator.storage_options)
+    original = gcsfs.GCSFileSystem.merge
+    calls = []
+
+    def merge(fs, path, paths, **kw):
+        calls.append(path)
+        if len(calls) == 2:
+            gcs_emulator.kill()
+        return original(fs, path, paths, **kw)
+
+    monkeypatch.setattr(gcsfs.GCSFileSystem, "merge", merge)
+    with pytest.raises(OSError, match=r"cannot reach the endpoint 127\.0\.0\.1:\d+") as info:
+        compose(url, storage_options=gcs_emulator.storage_options, engine="processes")
+    assert "rerun the build" in str(info.value)
+    monkeypatch.setattr(gcsfs.GCSFileSystem, "merge", original)
+    gcs_emulator.start()
+    assert not gcs_emulator.fs().exists(f"{url}/{fmt.META}")
+    with ThreadPoolExecutor(2) as pool:
+        assert compose(url, storage_options=gcs_emulator.storage_options, engine=pool).length == N
+    copy = str(tmp_path / "copy")
+    nbkit.pull(url, copy, storage_options=gcs_emulator.storage_options)
+    ds = nbkit.CachedDataset.open(copy)
+    assert ds.verify() == N
+    ds.close()
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nbkit.errors import UnsafeArchiveError
+from nbkit.transfer.manifest import MANIFEST, manifest_bytes, parse_manifest
+
+
+@pytest.fixture(scope="module")
+def memory_part(local_parts):
+    """The part [5, 13) pushed to memory:// (the part reader is the same on any fsspec filesystem)."""
+    import fsspec
+    root = "/nbkit-fuzz-part/" + part_name(5, 13)
+    nbkit.push(local_parts[1][(5, 13)], "memory://" + root)
+    fs = fsspec.filesystem("memory")
+    files = {name: fs.cat_file(f"{root}/{name}") for name in fs.ls(root, detail=False) for name in [name.rsplit("/", 1)[-1]]}
+    return fs, root, files
+
+
+@pytest.mark.fuzz
+@given(target=st.sampled_from([fmt.INDEX, fmt.META, MANIFEST, "col-0.bin"]),
+       edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.one_of(st.none(), st.integers(0, 4096)), rehash=st.booleans())
+def test_fuzz_a_damaged_part_is_refused_or_read_correctly(memory_part, target, edits, cut, rehash):
+    """Any byte of a part's index, metadata, manifest or column changed (with its manifest entry made to
+    match, or not): the part reader raises a clean nbkit error naming the part, or returns records that
+    are all stored and point inside the heap. Never anything else."""
+    import hashlib
+    fs, root, files = memory_part
+    where = "memory:/" + root
+    raw = bytearray(files[target])
+    for at, value in edits:
+        if raw:
+            raw[at % len(raw)] = value
+    raw = bytes(raw[:cut])
+    damaged = dict(files, **{target: raw})
+    if rehash and target != MANIFEST:
+        m = parse_manifest(files[MANIFEST], "fixture")
+        m["files"][target] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+        damaged[MANIFEST] = manifest_bytes(m)
+    try:
+        for name, data in damaged.items():
+            fs.pipe_file(f"{root}/{name}", data)
+        try:
+            part = composing._read_part(fs, root, where, 5, 13)
+        except (CorruptCacheError, UnsafeArchiveError) as e:
+            assert part_name(5, 13) in str(e)
+        else:
+            heap = part.manifest["files"].get(fmt.HEAP, {"size": 0})["size"]
+            assert len(part.records) == 8 and (part.records["state"] == 1).all()
+            used = (part.records["flags"] & (fmt.FLAG_VAR | fmt.FLAG_FREEFORM)) != 0
+            assert (part.records["off"][used] + part.records["len"][used] <= heap).all()
+    finally:
+        for name, data in files.items():
+            fs.pipe_file(f"{root}/{name}", data)
