@@ -1,10 +1,12 @@
 """Merge the parts of a ``gs://`` cache into one cache without moving sample bytes through the driver.
 
-Each part is a small nbkit cache of one contiguous index slice ``[start, stop)``, pushed (its files,
-``manifest.json``, ``nbkit.json``) to ``<url>.parts/<start>-<stop>/``: a prefix *beside* the cache,
-because a cache's own prefix must stay one flat set of its files (``nbkit.pull`` refuses a
-subdirectory). :func:`compose` checks every part (through :mod:`nbkit.trust`: the listing, the
-manifest, ``nbkit.json``, the index records), then builds each ``col-<k>.bin`` and ``heap.bin`` by
+Each part is a small nbkit cache of one contiguous index slice ``[start, stop)`` under
+``<url>.parts/part-<start>-<stop>/``: a prefix *beside* the cache, because a cache's own prefix must
+stay one flat set of its files (``nbkit.pull`` refuses a subdirectory). A part's ``nbkit.json`` carries
+its part manifest (the ``part`` field :mod:`nbkit.build.part` writes: the cache's generation and
+length, the range, every file's size and sha256) and is uploaded last; a plain pushed cache of the
+slice (``manifest.json``) is accepted too. :func:`compose` checks every part (through
+:mod:`nbkit.trust`: the listing, the manifest, ``nbkit.json``, the index records), then builds each ``col-<k>.bin`` and ``heap.bin`` by
 GCS compose (gcsfs ``merge``), server-side: the parts' files concatenated in index order, in a tree
 of at most :data:`MAX_SOURCES` sources a request (GCS's limit), intermediates under
 ``<url>.parts/.compose/`` deleted after. Worker calls of an :class:`~nbkit.build.engine.Engine` read
@@ -36,15 +38,29 @@ from ..errors import CorruptCacheError
 from ..transfer.manifest import (MANIFEST, check_entry, check_file_set, check_listing, check_meta_sizes, manifest_bytes,
                                  new_manifest, read_bounded, read_remote_manifest)
 from ..transfer.remote import check_bucket, connect, remote_errors, url_to_fs, write_bytes
-from ..trust import MAX_JSON_BYTES, check_url
+from .. import trust
+from ..trust import check_url
 from .engine import engine_for
 
 __all__ = ["compose", "ComposeReport", "parts_url", "part_name", "MAX_SOURCES", "check_composed"]
 
 #: GCS composes at most 32 source objects in one request.
 MAX_SOURCES = 32
-#: A part's folder under the parts prefix: ``<start>-<stop>`` (zero-padded so listings sort by index).
-PART_NAME = re.compile(r"^([0-9]{1,13})-([0-9]{1,13})$")
+#: A part's folder under the parts prefix: ``part-<start>-<stop>``, 13 digits each (so listings sort by
+#: index): the name :func:`nbkit.build.part.part_name` gives a local part.
+PART_NAME = re.compile(r"^part-([0-9]{13})-([0-9]{13})$")
+_FILE_SPEC = trust.Obj({"size": trust.Int(min=0, max=fmt.MAX_CACHE_BYTES), "sha256": trust.Str(pattern="[0-9a-f]{64}", max_len=64)})
+#: The ``part`` field of a part's ``nbkit.json`` (the part manifest: its cache, its range, its files'
+#: sizes and sha256). The same spec as ``nbkit.build.part.PART_SPEC``: one of them goes once both
+#: halves of issue 29 are merged.
+PART_SPEC = trust.Obj({
+    "cache_generation": trust.Str(pattern="[0-9a-f]{32}", max_len=32),
+    "cache_length": trust.Int(min=1, max=fmt.MAX_LENGTH),
+    "start": trust.Int(min=0, max=fmt.MAX_LENGTH),
+    "stop": trust.Int(min=1, max=fmt.MAX_LENGTH),
+    "files": trust.Map(_FILE_SPEC, key=trust.Str(pattern=r"(?:index\.bin|heap\.bin|col-(?:0|[1-9][0-9]{0,3})\.bin)", max_len=16),
+                       max_len=trust.MAX_COLUMNS + 2),
+})
 #: Where intermediate composed objects live, under the parts prefix (never under the cache's own).
 SCRATCH = ".compose"
 #: Bytes a hashing worker reads at a time.
@@ -66,9 +82,9 @@ def part_name(start: int, stop: int) -> str:
 
     Example:
         >>> part_name(0, 1000)
-        '0000000000000-0000000001000'
+        'part-0000000000000-0000000001000'
     """
-    return f"{start:013d}-{stop:013d}"
+    return f"part-{int(start):013d}-{int(stop):013d}"
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,7 @@ class _Part:
     meta: dict
     manifest: dict
     records: np.ndarray
+    info: dict | None  # the ``part`` field (None: a plain pushed cache of the slice)
 
 
 def compose(url: str, *, engine="processes", storage_options: dict | None = None, remove_parts: bool = False,
@@ -187,13 +204,19 @@ def compose(url: str, *, engine="processes", storage_options: dict | None = None
         records.append(rec)
         offset += heap
     index = np.concatenate(records).tobytes()
-    meta = {k: v for k, v in first.meta.items() if k not in ("capacity", "max_bytes", "admit_seed")}
-    # The generation names the parts composed, not the run: two drivers composing the same parts at
-    # once write byte-identical index.bin, manifest.json and nbkit.json, so neither undoes the other.
-    ident = hashlib.sha256()
-    for p in parts:
-        ident.update(f"{p.start}-{p.stop}:".encode() + manifest_bytes(p.manifest))
-    meta.update(length=length, generation=ident.hexdigest()[:32])
+    meta = {k: v for k, v in first.meta.items() if k not in ("capacity", "max_bytes", "admit_seed", "part")}
+    if first.info is not None:
+        generation = first.info["cache_generation"]  # the cache's, chosen by the build's plan
+    else:
+        # Parts without a part manifest (pushed caches of the slices): the generation names the parts
+        # composed, not the run, so every driver composing them writes the same bytes.
+        ident = hashlib.sha256()
+        for p in parts:
+            ident.update(f"{p.start}-{p.stop}:".encode() + manifest_bytes(p.manifest))
+        generation = ident.hexdigest()[:32]
+    # Either way two drivers composing the same parts at once write byte-identical index.bin,
+    # manifest.json and nbkit.json, so neither undoes the other.
+    meta.update(length=length, generation=generation)
     meta_raw = json.dumps(meta, indent=1, sort_keys=True).encode()
     fmt.parse_meta(meta_raw, f"{url}/{fmt.META}", "")  # what we publish is what every reader accepts
     files = {name: {"size": sum(s for s, _ in segs), "sha256": shas[name]} for name, segs in segments.items()}
@@ -228,7 +251,8 @@ def _read_parts(fs, proot: str, purl: str) -> list:
             continue
         m = PART_NAME.match(name)
         if m is None:
-            raise CorruptCacheError(f"{purl} holds {name!r}, which is not a part (<start>-<stop>). Remove it, then compose again.")
+            raise CorruptCacheError(f"{purl} holds {name!r}, which is not a part (part-<start>-<stop>). Remove it, then "
+                                    "compose again.")
         start, stop = int(m.group(1)), int(m.group(2))
         if not start < stop <= fmt.MAX_LENGTH:
             raise CorruptCacheError(f"{purl}/{name}: a part's range must be start < stop <= {fmt.MAX_LENGTH}. Remove it, then compose again.")
@@ -236,6 +260,19 @@ def _read_parts(fs, proot: str, purl: str) -> list:
     if not found:
         raise ValueError(f"cannot compose: {purl} holds no parts. Build them first (nbkit.build), then compose.")
     found.sort()
+    parts = [_read_part(fs, f"{proot}/{name}", f"{purl}/{name}", start, stop) for start, stop, name in found]
+    infos = [p.info for p in parts]
+    if any(infos) and not all(infos):
+        raise CorruptCacheError(f"{purl}: some parts carry a part manifest (a 'part' field in nbkit.json) and some do not: "
+                                "they come from different builds. Remove the parts and rerun the build.")
+    length = None
+    if infos[0] is not None:
+        for p in parts:
+            for key in ("cache_generation", "cache_length"):
+                if p.info[key] != infos[0][key]:
+                    raise CorruptCacheError(f"{purl}/{part_name(p.start, p.stop)}: its {key} differs from the first part's: "
+                                            "it belongs to another build of the cache. Remove it, rerun the build, then compose.")
+        length = infos[0]["cache_length"]
     gaps, at = [], 0
     for start, stop, name in found:
         if start > at:
@@ -244,11 +281,14 @@ def _read_parts(fs, proot: str, purl: str) -> list:
             raise CorruptCacheError(f"{purl}: the parts overlap at {name} (index {start} is already in an earlier part). "
                                     "Remove the one that does not belong (a part of an older plan), then compose again.")
         at = stop
+    if length is not None and at < length:
+        gaps.append(f"[{at}, {length})")
+    elif length is not None and at > length:
+        raise CorruptCacheError(f"{purl}: a part reaches index {at}, past the cache's length {length}. Remove it, then compose again.")
     if gaps:
         raise ValueError(f"cannot compose {purl[:-len('.parts')]}: no part holds the indices {', '.join(gaps[:5])}"
                          f"{' …' if len(gaps) > 5 else ''} (a column needs every row). Build the missing parts (rerun the "
                          "build: it computes only those), then compose.")
-    parts = [_read_part(fs, f"{proot}/{name}", f"{purl}/{name}", start, stop) for start, stop, name in found]
     first = parts[0].meta
     for p in parts[1:]:
         for key in ("schema", "columns", "fingerprint", "allow_pickle"):
@@ -259,21 +299,33 @@ def _read_parts(fs, proot: str, purl: str) -> list:
 
 
 def _read_part(fs, root: str, where: str, start: int, stop: int) -> _Part:
-    """One part, checked: its objects against its manifest, its ``nbkit.json`` and ``index.bin``
-    against their sha256, its metadata against its range, and every record: stored, its heap bytes
-    inside the part's heap."""
+    """One part, checked: its ``nbkit.json`` (with its part manifest, the ``part`` field that
+    :mod:`nbkit.build.part` writes, or else a pushed ``manifest.json``), its objects against that
+    manifest, ``index.bin`` against its sha256, its metadata against its range, and every record:
+    stored, its heap bytes inside the part's heap."""
     fix = "Remove that part and rerun the build (it recomputes it), then compose again."
-    manifest = read_remote_manifest(fs, root, where)
-    if manifest is None or fmt.META not in manifest["files"] or fmt.INDEX not in manifest["files"]:
-        raise CorruptCacheError(f"{where} is not a whole part (no {MANIFEST}, or it lists no {fmt.META} and {fmt.INDEX}): "
-                                f"its build was cut short. {fix}")
-    files = manifest["files"]
-    check_listing(fs, root, where, manifest)
-    if files[fmt.META]["size"] > MAX_JSON_BYTES:
-        raise CorruptCacheError(f"{where}/{MANIFEST} says {fmt.META} is {files[fmt.META]['size']:,} bytes; a real one is a few KiB. {fix}")
-    raw = read_bounded(fs, f"{root}/{fmt.META}")
-    check_entry(where, fmt.META, files[fmt.META], hashlib.sha256(raw).hexdigest(), len(raw))
+    try:
+        raw = read_bounded(fs, f"{root}/{fmt.META}")
+    except FileNotFoundError:
+        raise CorruptCacheError(f"{where} is not a whole part (it has no {fmt.META}, which a part build writes last): "
+                                f"its build was cut short. {fix}") from None
     meta = fmt.parse_meta(raw, f"{where}/{fmt.META}", fix)
+    info = meta.get("part")
+    if info is not None:
+        info = trust.check_json(info, PART_SPEC, f"{where}/{fmt.META} (its 'part' field)", fix)
+        if (info["start"], info["stop"]) != (start, stop) or stop > info["cache_length"]:
+            raise CorruptCacheError(f"{where}/{fmt.META} says it holds [{info['start']}, {info['stop']}) of "
+                                    f"{info['cache_length']} samples, not its name's [{start}, {stop}). {fix}")
+        files = dict(info["files"], **{fmt.META: {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}})
+        manifest = new_manifest(files, stop - start, stop - start)
+    else:
+        manifest = read_remote_manifest(fs, root, where)
+        if manifest is None or fmt.META not in manifest["files"] or fmt.INDEX not in manifest["files"]:
+            raise CorruptCacheError(f"{where} is not a whole part (its {fmt.META} has no 'part' field, and there is no "
+                                    f"{MANIFEST} listing {fmt.META} and {fmt.INDEX}): its build was cut short. {fix}")
+        files = manifest["files"]
+        check_entry(where, fmt.META, files[fmt.META], hashlib.sha256(raw).hexdigest(), len(raw))
+    check_listing(fs, root, where, manifest)
     check_file_set(meta, files, where, fix)
     check_meta_sizes(meta, {n: e["size"] for n, e in files.items()}, where, fix)
     if meta["length"] != stop - start or meta.get("capacity") is not None:
@@ -293,7 +345,7 @@ def _read_part(fs, root: str, where: str, start: int, stop: int) -> _Part:
     off, n = records["off"][in_heap], records["len"][in_heap]
     if in_heap.any() and (np.any(off > heap) or np.any(n > heap - off)):
         raise CorruptCacheError(f"{where}/{fmt.INDEX} points outside its {heap}-byte heap. {fix}")
-    return _Part(start, stop, root, meta, manifest, records)
+    return _Part(start, stop, root, meta, manifest, records, info)
 
 
 def _compose_tree(fs, dest: str, sources: list, scratch: str) -> int:

@@ -115,6 +115,12 @@ class DaskEngine(Engine):
                 warnings.warn(f"DaskEngine.cancel could not restart the workers running cancelled calls ({e}): "
                               "those calls run to their end and their results are dropped.", RuntimeWarning, stacklevel=2)
 
+    def worker_lost(self, error: BaseException) -> bool:
+        """Whether ``error`` says the call's workers kept dying (``KilledWorker``: the scheduler gave up
+        after ``allowed-failures``): the driver then submits the part again."""
+        import distributed
+        return isinstance(error, distributed.KilledWorker)
+
     def close(self) -> None:
         if self.client is None:
             return

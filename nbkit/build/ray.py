@@ -113,6 +113,13 @@ class RayEngine(Engine):
                 except (ValueError, TypeError, RuntimeError):  # already finished, or not a task of ours
                     pass
 
+    def worker_lost(self, error: BaseException) -> bool:
+        """Whether ``error`` says the call's worker or node was lost after its ``max_retries`` (the
+        driver then submits the part again) rather than that the call itself failed."""
+        import ray.exceptions as rex
+        return isinstance(error, (rex.WorkerCrashedError, rex.NodeDiedError, rex.LocalRayletDiedError,
+                                  rex.ObjectLostError, rex.OwnerDiedError))
+
     def close(self) -> None:
         if self._ray is None:
             return

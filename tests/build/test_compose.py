@@ -444,3 +444,69 @@ def test_fuzz_a_damaged_part_is_refused_or_read_correctly(memory_part, target, e
     finally:
         for name, data in files.items():
             fs.pipe_file(f"{root}/{name}", data)
+
+
+def upload_part(root, url, start, stop, cache_generation, cache_length, storage_options):
+    """Upload a local part as nbkit.build.part writes one for gs://: data files first, then nbkit.json
+    carrying the part manifest (the ``part`` field), no manifest.json."""
+    import hashlib
+    from nbkit.transfer.remote import url_to_fs
+    fs, _ = url_to_fs(url, storage_options)
+    prefix = f"{parts_url(url)}/{part_name(start, stop)}".split("://", 1)[1]
+    meta = json.loads(open(os.path.join(root, fmt.META)).read())
+    files = {}
+    for name in sorted(os.listdir(root)):
+        if name in (fmt.META, fmt.LOCK):
+            continue
+        data = open(os.path.join(root, name), "rb").read()
+        files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        fs.pipe_file(f"{prefix}/{name}", data)
+    meta["part"] = {"cache_generation": cache_generation, "cache_length": cache_length, "start": start, "stop": stop,
+                    "files": files}
+    fs.pipe_file(f"{prefix}/{fmt.META}", json.dumps(meta).encode())
+    fs.invalidate_cache()
+
+
+def test_parts_with_a_part_manifest_compose_into_the_cache_of_their_generation(gcs, local_parts, tmp_path):
+    """The format nbkit.build.part writes: nbkit.json's 'part' field is the manifest; the composed cache
+    takes the build's generation and length, and a missing last part is named (its length is known)."""
+    src, parts = local_parts
+    generation = "ab" * 16
+    url = f"{gcs.url}/caches/manifested"
+    for (start, stop), root in parts.items():
+        if stop != N:
+            upload_part(root, url, start, stop, generation, N, gcs.storage_options)
+    with pytest.raises(ValueError, match=r"no part holds the indices \[31, 40\)"):
+        compose(url, storage_options=gcs.storage_options)
+    upload_part(parts[(31, 40)], url, 31, 40, generation, N, gcs.storage_options)
+    report = compose(url, storage_options=gcs.storage_options, remove_parts=True)
+    assert report.length == N
+    assert not gcs.fs.exists(parts_url(url))
+    meta = json.loads(gcs.fs.cat_file(f"{url}/{fmt.META}"))
+    assert meta["generation"] == generation and "part" not in meta and meta["length"] == N
+    copy = str(tmp_path / "copy")
+    nbkit.pull(url, copy, storage_options=gcs.storage_options)
+    ds = nbkit.CachedDataset(src, copy)
+    assert ds.verify() == N
+    for i in range(N):
+        assert_equal(ds[i], src[i], f"sample {i}")
+    ds.close()
+
+
+def test_a_part_of_another_build_generation_is_refused(gcs, local_parts):
+    _, parts = local_parts
+    url = f"{gcs.url}/caches/two-builds"
+    for (start, stop), root in parts.items():
+        upload_part(root, url, start, stop, ("cd" if start == 13 else "ab") * 16, N, gcs.storage_options)
+    with pytest.raises(CorruptCacheError, match=r"part-0000000000013-0000000000020: its cache_generation differs"):
+        compose(url, storage_options=gcs.storage_options)
+
+
+def test_a_part_whose_manifest_misstates_a_file_is_refused(gcs, local_parts):
+    _, parts = local_parts
+    url = f"{gcs.url}/caches/misstated"
+    for (start, stop), root in parts.items():
+        upload_part(root, url, start, stop, "ab" * 16, N, gcs.storage_options)
+    gcs.fs.pipe_file(f"{parts_url(url)}/{part_name(20, 31)}/index.bin".split("://", 1)[1], b"\0" * (11 * 24))
+    with pytest.raises(CorruptCacheError, match=r"part-0000000000020-0000000000031/index.bin does not match its manifest"):
+        compose(url, storage_options=gcs.storage_options)

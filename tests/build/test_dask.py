@@ -43,3 +43,9 @@ def test_engine_for_refuses_an_unknown_name():
     from nbkit.build.engine import engine_for
     with pytest.raises(ValueError, match="unknown engine 'spark'.*'processes', 'ray', 'dask'"):
         engine_for("spark")
+
+
+def test_worker_lost_tells_a_lost_worker_from_a_failed_call(dask_engine):
+    import distributed
+    assert dask_engine.worker_lost(distributed.KilledWorker("task", "tcp://127.0.0.1:1", 3))
+    assert not dask_engine.worker_lost(ValueError("the source raised"))

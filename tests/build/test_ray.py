@@ -40,3 +40,13 @@ def test_a_missing_ray_names_the_extra(monkeypatch):
     from nbkit.build.ray import RayEngine
     with pytest.raises(ImportError, match=r"'ray' extra\): pip install ray"):
         RayEngine()
+
+
+def test_worker_lost_tells_a_lost_worker_from_a_failed_call():
+    pytest.importorskip("ray")
+    import ray.exceptions as rex
+
+    from nbkit.build.ray import RayEngine
+    engine = RayEngine.__new__(RayEngine)  # the method reads no state: no instance needs starting
+    assert engine.worker_lost(rex.WorkerCrashedError())
+    assert not engine.worker_lost(ValueError("the source raised"))
