@@ -35,6 +35,8 @@ EXTRAS = {
     "redis": ("redis",),
     "zst": ("zstandard",),
     "tpu": ("torch_xla",),
+    "ray": ("ray",),
+    "dask": ("dask", "distributed"),
 }
 
 

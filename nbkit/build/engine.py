@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-__all__ = ["Engine", "ExecutorEngine"]
+__all__ = ["Engine", "ExecutorEngine", "ENGINES", "engine_for", "processes", "not_picklable", "chain"]
 
 
 class Engine:
@@ -72,3 +72,114 @@ class ExecutorEngine(Engine):
         if self.owned and self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
         self.executor = None
+
+
+# -- shared by the engines -------------------------------------------------------------------------
+
+
+def not_picklable(fn, args, engine: str, exc: BaseException) -> TypeError:
+    """The error for a call ``engine`` could not send to a worker: says what did not pickle and shows
+    the factory form (a module-level function that returns the dataset, called on the worker)."""
+    what = getattr(fn, "__qualname__", type(fn).__name__)
+    kinds = ", ".join(type(a).__name__ for a in args) or "no arguments"
+    # The engines wrap pickle's own error ("cannot pickle '_thread.lock' object") in their own: say the root.
+    root, seen = exc, set()
+    while root.__cause__ or root.__context__:
+        nxt = root.__cause__ or root.__context__
+        if id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        root = nxt
+    reason = (str(root).strip().splitlines() or [repr(root)])[0][:200]
+    return TypeError(
+        f"{engine} could not send the call {what}({kinds}) to a worker: it does not pickle "
+        f"({type(root).__name__}: {reason}).\n"
+        "A source that holds an open file, a lock, a database connection or a generator cannot travel to "
+        "another process. Give the build a factory instead: a module-level function that makes the source "
+        "where it runs, e.g.\n"
+        "    def make_source():            # in a module the workers can import\n"
+        "        return MyDataset('/data/train')\n"
+        "and pass make_source (not MyDataset(...)) as the source."
+    )
+
+
+def chain(source, *, value=None) -> concurrent.futures.Future:
+    """A new :class:`concurrent.futures.Future` completed from ``source`` (any future with
+    ``add_done_callback``): ``value(source)`` gives its result (default ``source.result()``), an
+    exception becomes the new future's, and nothing is set twice (a cancel may come first)."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(src):
+        if out.done():
+            return
+        try:
+            result = value(src) if value is not None else src.result()
+        except concurrent.futures.CancelledError:
+            out.cancel()
+            return
+        except BaseException as e:  # noqa: BLE001 - any failure of the call belongs to its future
+            try:
+                out.set_exception(e)
+            except concurrent.futures.InvalidStateError:
+                pass  # cancelled meanwhile
+            return
+        try:
+            out.set_result(result)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+    source.add_done_callback(done)
+    return out
+
+
+# -- the table of engines: engine_for("ray") -----------------------------------------------------------
+
+
+def processes(num_workers=None) -> ExecutorEngine:
+    """An engine of ``num_workers`` local processes (default: one per CPU)."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+    n = num_workers or os.cpu_count() or 1
+    return ExecutorEngine(ProcessPoolExecutor(n), workers=n, name="local processes")
+
+
+#: name -> ``"module:factory"`` of an :class:`Engine` made as ``factory(num_workers=workers)``, imported
+#: by name on first use (like the stores' registry: the optional engines load only when asked for).
+#: A new engine is one entry here.
+ENGINES = {
+    "processes": "nbkit.build.engine:processes",
+    "ray": "nbkit.build.ray:RayEngine",
+    "dask": "nbkit.build.dask:DaskEngine",
+}
+
+
+def _factory(name: str):
+    import importlib
+    module, _, attr = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def engine_for(spec="processes", *, workers: int | None = None) -> Engine:
+    """The :class:`Engine` for ``spec``: a name of :data:`ENGINES` (``"processes"``, ``"ray"``,
+    ``"dask"``), an Engine (returned as is), or an executor (anything with ``submit`` returning futures:
+    a ``ProcessPoolExecutor``, a ``dask.distributed.Client``), which stays the caller's to close.
+
+    Example:
+        >>> from concurrent.futures import ThreadPoolExecutor
+        >>> with ThreadPoolExecutor(2) as pool:
+        ...     engine_for(pool, workers=2).submit(abs, -3).result()
+        3
+    """
+    if isinstance(spec, Engine):
+        return spec
+    if isinstance(spec, str):
+        if spec not in ENGINES:
+            raise ValueError(f"unknown engine {spec!r}: use one of {', '.join(map(repr, ENGINES))}, an Engine, or an executor "
+                             "(an object with submit(fn, *args) returning futures)")
+        return _factory(spec)(num_workers=workers)
+    if type(spec).__module__.split(".")[0] == "distributed":  # a dask Client: its futures are not concurrent ones
+        return _factory("dask")(spec)
+    if callable(getattr(spec, "submit", None)):
+        n = workers or getattr(spec, "_max_workers", None) or 1
+        return ExecutorEngine(spec, workers=n, name=type(spec).__name__, owned=False)
+    raise TypeError(f"engine must be a name ({', '.join(map(repr, ENGINES))}), an Engine or an executor, not {type(spec).__name__}")

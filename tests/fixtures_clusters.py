@@ -1,0 +1,70 @@
+"""Real local clusters for the build engines' tests: one Ray instance and one Dask ``LocalCluster``
+per test session, each with 2 workers (starting Ray costs ~15-18 s and ~1 GiB here, Dask ~1.5 s and
+~200 MiB: docs/notes/issue29-engines.md), so few tests start a cluster and none starts two.
+
+Import them with ``from fixtures_clusters import ray_engine, dask_engine``. Each skips, saying so,
+when its package is not installed (``pip install 'nbkit-cache[ray]'`` / ``[dask]``).
+
+The workers import the calls the tests send from ``tests/build/engine_calls.py``: the fixtures put
+``tests/build`` and the checkout on ``PYTHONPATH`` before the cluster starts (Ray's workers inherit
+the environment; Dask's spawned workers also get this process's ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+__all__ = ["ray_engine", "dask_engine", "worker_pythonpath"]
+
+
+def worker_pythonpath():
+    """Put the checkout and tests/build on PYTHONPATH (what worker processes import from); returns the old value."""
+    old = os.environ.get("PYTHONPATH")
+    parts = [ROOT, os.path.join(HERE, "build"), HERE] + ([old] if old else [])
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+    return old
+
+
+def _needs(module: str, extra: str):
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed: pip install 'nbkit-cache[{extra}]' (make setup installs it)")
+
+
+@pytest.fixture(scope="session")
+def ray_engine():
+    """A RayEngine over a local Ray instance with 2 worker CPUs, started once per session."""
+    _needs("ray", "ray")
+    from nbkit.build.ray import RayEngine
+    old = worker_pythonpath()
+    try:
+        engine = RayEngine(num_workers=2)
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def dask_engine():
+    """A DaskEngine over a LocalCluster of 2 worker processes (1 thread each), started once per session."""
+    _needs("distributed", "dask")
+    from nbkit.build.dask import DaskEngine
+    old = worker_pythonpath()
+    try:
+        engine = DaskEngine(num_workers=2)
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+    yield engine
+    engine.close()
