@@ -12,10 +12,10 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 
+from .extras import lazy_names
 from .errors import (CorruptCacheError, MissingSampleError, NondeterministicSourceError, StaleCacheError,
                      UnsafeArchiveError)
 
@@ -58,24 +58,7 @@ _PUBLIC = {
 }
 
 
-def __getattr__(name):
-    module = _PUBLIC.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-        globals()[name] = value  # found directly from now on
-        return value
-    if not name.startswith("_"):
-        # A submodule (nbkit.tpu, nbkit.widgets, nbkit.dataset …) loads, with its dependencies, on first use.
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module 'nbkit' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)
 
 
 class _Package(types.ModuleType):

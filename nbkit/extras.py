@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-__all__ = ["require", "EXTRAS", "DISTRIBUTION", "is_tensor"]
+__all__ = ["require", "EXTRAS", "DISTRIBUTION", "is_tensor", "lazy_names"]
 
 # nbkit's distribution name (pyproject.toml's [project] name). The package index's "nbkit" is an
 # unrelated project: no message ever sends anyone to `pip install nbkit`. Until nbkit-cache is
@@ -67,3 +67,37 @@ def is_tensor(value) -> bool:
     """
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
+
+
+def lazy_names(package: str, names: dict) -> tuple:
+    """``(__getattr__, __dir__)`` for a package whose names load on first use, so importing it (or one
+    of its low modules: ``nbkit.stores.base`` runs ``nbkit/stores/__init__`` first) loads nothing.
+
+    ``names`` maps each public name to the submodule that defines it (``{"push": "sync"}``); any other
+    name that is not private is tried as a submodule (``nbkit.tpu`` after a plain ``import nbkit``).
+    A name found is set on the package, so later reads are plain attribute reads.
+
+    Example:
+        >>> getattr_, dir_ = lazy_names("email", {"Message": "message"})  # what a package's __init__ assigns
+        >>> getattr_("Message").__name__, getattr_("charset").__name__
+        ('Message', 'email.charset')
+    """
+
+    def __getattr__(name):
+        module = names.get(name)
+        if module is not None:
+            value = getattr(importlib.import_module(f"{package}.{module}"), name)
+            setattr(sys.modules[package], name, value)  # found directly from now on
+            return value
+        if not name.startswith("_"):
+            try:
+                return importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{package}.{name}":
+                    raise  # the submodule exists and lacks one of its own imports
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__():
+        return sorted({*vars(sys.modules[package]), *getattr(sys.modules[package], "__all__", ())})
+
+    return __getattr__, __dir__

@@ -14,13 +14,9 @@ Example:
 
 from __future__ import annotations
 
+from ..extras import lazy_names
+
 __all__ = ["resolve"]
 
-
-def __getattr__(name):
-    # Imports nothing up front: cachedir (below the backends) imports .base, which runs this file.
-    if name == "resolve":
-        from .registry import resolve
-
-        return resolve
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Imports nothing up front: cachedir (below the backends) imports .base, which runs this file first.
+__getattr__, __dir__ = lazy_names(__name__, {"resolve": "registry"})

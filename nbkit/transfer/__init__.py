@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+from ..extras import lazy_names
 
 __all__ = ["push", "pull", "export_tar", "import_tar", "TransferReport", "Stopped"]
 
@@ -26,19 +26,4 @@ _PUBLIC = {"push": "sync", "pull": "sync", "TransferReport": "sync", "Stopped": 
            "export_tar": "archive", "import_tar": "archive"}
 
 
-_MODULES = ("sync", "archive", "remote", "manifest")
-
-
-def __getattr__(name):
-    module = _PUBLIC.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-        globals()[name] = value  # found directly from now on
-        return value
-    if name in _MODULES:  # nbkit.transfer.remote.write_url after a plain ``import nbkit``
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)  # nbkit.transfer.remote etc. load on first use too
