@@ -17,12 +17,12 @@ Example:
     True
 """
 
-from .runtime import KINDS, RuntimeInfo, describe, drive_path
+from .runtime import KINDS as KINDS  # the runtime kinds describe() reports, kept as nbkit.tpu.KINDS
+from .runtime import RuntimeInfo, describe, drive_path
 from .run import device_loader, spawn, warmup_shared
 from .setup import SetupReport, setup  # the function shadows its module's name; import_module("nbkit.tpu.setup") gets the module
 
 __all__ = [
-    "KINDS",
     "RuntimeInfo",
     "SetupReport",
     "describe",
