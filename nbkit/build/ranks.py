@@ -41,6 +41,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -50,7 +51,7 @@ import numpy as np
 from .. import format as fmt
 from .. import trust
 from ..progress import as_callback
-from .driver import _remove_if_empty, _source
+from .driver import _remove_if_empty
 from .merge import merge
 from .part import PART_SPEC, build_part, list_parts, part_name, parts_dir, sweep_builds
 from .plan import DEFAULT_PART_SIZE, PlannedPart, plan
@@ -196,7 +197,7 @@ def current_ranks() -> Ranks:
 
 
 def run_ranks(cached, *, rank: int | None = None, world: int | None = None, barrier: Callable[[str], None] | None = None,
-              part_size: int = DEFAULT_PART_SIZE, callback=None, factory=None) -> RanksReport:
+              part_size: int = DEFAULT_PART_SIZE, callback=None) -> RanksReport:
     """Build the cache ``cached`` with every rank of this job; call it on every rank with the same cache.
 
     Args:
@@ -206,7 +207,6 @@ def run_ranks(cached, *, rank: int | None = None, world: int | None = None, barr
             :func:`current_ranks`); ``barrier(name)`` must return once every rank called it.
         part_size: samples per part; every rank must pass the same.
         callback: progress of this rank's parts (:mod:`nbkit.progress`).
-        factory: a module-level callable returning the source (see :func:`nbkit.build.run`).
 
     Returns:
         This rank's :class:`RanksReport`; read from its ``dataset``.
@@ -217,14 +217,17 @@ def run_ranks(cached, *, rank: int | None = None, world: int | None = None, barr
     """
     t0 = time.perf_counter()
     ranks = _ranks(rank, world, barrier)
-    if cached.source is None and factory is None:
+    if cached.source is None:
         raise ValueError(f"cannot build the cache at {cached.path}: it was opened without its source dataset. Open it "
-                         "with nbkit.CachedDataset(source, path) on every rank, or pass factory=.")
+                         "with nbkit.CachedDataset(source, path) on every rank.")
     part_size = trust.check_int(part_size, "part_size", min=1, max=trust.MAX_SAMPLES,
                                 fix="a part holds a few thousand samples (the default is 4096); pass the same on every rank")
     cb = as_callback(callback)
     location = cached._location
-    job = (_RemoteJob if location.is_remote else _LocalJob)(cached, ranks, part_size, _source(cached, factory), cb)
+    # Each rank builds in its own process: the source is this very dataset, never pickled (the
+    # factory form of a part spec, a callable returning it).
+    source = ("factory", uuid.uuid4().hex, lambda: cached)
+    job = (_RemoteJob if location.is_remote else _LocalJob)(cached, ranks, part_size, source, cb)
     return job.run(t0)
 
 

@@ -1,0 +1,65 @@
+"""One rank of an SPMD build (tests/build/test_ranks.py): ``python ranks_script.py RANK WORLD PORT CACHE N OUT``.
+
+Joins a torch.distributed gloo group through a TCP store on 127.0.0.1:PORT, opens ``Named(N)`` at
+CACHE (a directory, or a URL with ``$RANKS_STORAGE_OPTIONS`` as JSON), calls
+``nbkit.build.run_ranks`` and then reads every sample back: each must equal the source's, and
+``verify()`` must pass. Writes ``{"report": ..., "read": n}`` or ``{"error": type, "message": ...}``
+to OUT. ``$RANKS_DIE_AT``: this rank dies (``os._exit(137)``, as ``kill -9``) when its source is asked
+for that index (a rank lost before its parts finish).
+"""
+
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch.distributed as dist
+
+import nbkit
+from nbkit.build.ranks import run_ranks
+
+from buildsources import Named, same
+
+
+class Dying(Named):
+    def __init__(self, n, at):
+        super().__init__(n)
+        self.at = at
+
+    def __getitem__(self, i):
+        if i == self.at:
+            os._exit(137)
+        return super().__getitem__(i)
+
+
+def main():
+    rank, world, port, cache, n, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
+    options = json.loads(os.environ.get("RANKS_STORAGE_OPTIONS", "null"))
+    die_at = os.environ.get("RANKS_DIE_AT")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    src = Named(n) if die_at is None else Dying(n, int(die_at))
+    ds = nbkit.CachedDataset(src, cache, storage_options=options)
+    try:
+        report = run_ranks(ds, part_size=int(os.environ.get("RANKS_PART_SIZE", "16")))
+    except Exception as e:  # noqa: BLE001 - any error is reported to the test
+        with open(out, "w") as f:
+            json.dump({"error": type(e).__name__, "message": str(e), "missing": getattr(e, "missing", None)}, f)
+        os._exit(3)  # the group is broken: no clean teardown to wait for
+    got = report.dataset
+    assert len(got.missing()) == 0
+    assert got.verify() == n
+    plain = Named(n)
+    for i in range(n):
+        assert same(got[i], plain[i]), i
+    with open(out, "w") as f:
+        json.dump({"report": {"parts": report.parts, "built": report.built, "reused": report.reused,
+                              "computed": report.computed, "merged": report.merged, "composed": report.composed},
+                   "read": n, "root": got.root}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

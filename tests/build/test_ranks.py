@@ -1,0 +1,147 @@
+"""nbkit.build.run_ranks: the ranks of a real torch.distributed job (2 processes, gloo, a TCP store on
+127.0.0.1) build one cache in a shared directory and on gs:// (the GCS emulator); a rank lost
+before its parts finish is named, and the rerun completes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nbkit
+from buildsources import Named, check_cache
+from fixtures_gcs import gcs, gcs_server
+from nbkit.build.part import parts_dir
+from nbkit.build.ranks import RanksIncomplete, run_ranks, shared_generation, torch_ranks
+from servers import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ranks_script.py")
+N = 100  # part_size 16: 7 parts, the last one short; rank 0 builds 4, rank 1 builds 3
+
+
+def run_job(tmp_path, cache, *, world=2, options=None, env_of=lambda rank: {}, timeout=120):
+    """Start ``world`` ranks of ranks_script.py; return each one's (exit code, result)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+                   NBKIT_CACHE_DIR=str(tmp_path / f"host-{rank}"), RANKS_STORAGE_OPTIONS=json.dumps(options), **env_of(rank))
+        out = tmp_path / f"rank-{rank}.json"
+        if out.exists():
+            out.unlink()
+        procs.append((subprocess.Popen([sys.executable, SCRIPT, str(rank), str(world), str(port), cache, str(N), str(out)],
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out))
+    results = []
+    for p, out in procs:
+        log = p.communicate(timeout=timeout)[0].decode(errors="replace")
+        results.append((p.returncode, json.loads(out.read_text()) if out.exists() else None, log))
+    return results
+
+
+def assert_built(results):
+    for rank, (code, result, log) in enumerate(results):
+        assert code == 0 and result is not None and "report" in result, f"rank {rank}: {code}\n{log}"
+    return [r["report"] for _, r, _ in results]
+
+
+def test_two_ranks_build_a_shared_directory(tmp_path):
+    cache = str(tmp_path / "shared" / "named")
+    reports = assert_built(run_job(tmp_path, cache))
+    assert [r["parts"] for r in reports] == [7, 7]
+    assert [r["built"] for r in reports] == [4, 3]  # parts[rank::world]
+    assert sum(r["computed"] for r in reports) == N  # no sample computed twice
+    assert reports[0]["merged"] == N and reports[1]["merged"] == 0  # one merges
+    assert not os.path.exists(parts_dir(cache))
+    check_cache(cache, Named(N))
+    again = assert_built(run_job(tmp_path, cache))  # a complete cache: nothing planned
+    assert [r["parts"] for r in again] == [0, 0]
+
+
+def test_two_ranks_build_one_gs_cache(tmp_path, gcs):
+    url = f"{gcs.url}/caches/named"
+    results = run_job(tmp_path, url, options=gcs.storage_options)
+    reports = assert_built(results)
+    assert [r["built"] for r in reports] == [4, 3] and sum(r["computed"] for r in reports) == N
+    assert reports[0]["composed"] and not reports[1]["composed"]
+    # each "host" read the composed cache from its own working copy
+    roots = [r["root"] for _, r, _ in results]
+    assert roots[0] != roots[1] and all(str(tmp_path) in r for r in roots)
+    assert not gcs.fs.exists(f"{url}.parts")  # removed once composed
+    copy = str(tmp_path / "pulled")
+    nbkit.pull(url, copy, storage_options=gcs.storage_options)
+    check_cache(copy, Named(N))
+
+
+@pytest.mark.parametrize("where", ["shared", "gs"])
+def test_a_rank_lost_mid_build_is_named_and_the_rerun_completes(tmp_path, gcs, where):
+    cache, options = ((str(tmp_path / "shared" / "named"), None) if where == "shared"
+                      else (f"{gcs.url}/caches/lost", gcs.storage_options))
+    # rank 1 builds [16, 32), [48, 64), [80, 96): it dies inside its second part
+    results = run_job(tmp_path, cache, options=options, env_of=lambda r: {"RANKS_DIE_AT": "50"} if r == 1 else {})
+    (code0, res0, log0), (code1, res1, _) = results
+    assert code1 == 137 and res1 is None
+    assert res0 is not None and res0["error"] == "RanksIncomplete", log0
+    msg = res0["message"]
+    assert "rank 1" in msg and "[48, 64)" in msg and "[80, 96)" in msg and "Rerun the job" in msg, msg
+    assert "[16, 32)" not in msg  # its first part was finished: reused by the rerun
+    assert res0["missing"] == {"1": [[48, 64], [80, 96]]}
+    reports = assert_built(run_job(tmp_path, cache, options=options))
+    assert reports[1]["reused"] == 1 and reports[1]["built"] == 2  # [16, 32) found whole
+    assert reports[0]["reused"] == (0 if where == "shared" else 4)
+    if where == "shared":
+        assert reports[0]["merged"] == 16 + 16 + 16  # [16, 32) left from the first run, then the two rebuilt
+        check_cache(cache, Named(N))
+    else:
+        copy = str(tmp_path / "pulled")
+        nbkit.pull(cache, copy, storage_options=options)
+        check_cache(copy, Named(N))
+
+
+def test_a_rank_that_raises_releases_its_peers(tmp_path):
+    """In one process, world 2 with a barrier that returns: rank 1's part raises, and the error names
+    its parts (the peers were not left waiting: the barrier was passed)."""
+    class Bad(Named):
+        def __getitem__(self, i):
+            if i == 20:
+                raise ValueError("bad sample 20")
+            return super().__getitem__(i)
+
+    ds = nbkit.CachedDataset(Bad(N), str(tmp_path / "c"))
+    passed = []
+    with pytest.raises(RanksIncomplete, match=r"rank 1 raised ValueError: bad sample 20") as e:
+        run_ranks(ds, rank=1, world=2, barrier=passed.append, part_size=16)
+    assert passed == ["nbkit-build-plan", "nbkit-build-built", "nbkit-build-merged"]
+    assert e.value.missing == {0: [(0, 16), (32, 48), (64, 80), (96, 100)], 1: [(16, 32), (48, 64), (80, 96)]}
+
+
+def test_arguments_are_checked(tmp_path):
+    ds = nbkit.CachedDataset(Named(8), str(tmp_path / "c"))
+    with pytest.raises(TypeError, match="together"):
+        run_ranks(ds, rank=0, world=2)
+    with pytest.raises(ValueError, match="rank"):
+        run_ranks(ds, rank=2, world=2, barrier=lambda name: None)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        torch_ranks()
+    with pytest.raises(RuntimeError, match="no multi-process job"):
+        run_ranks(ds)
+
+
+def test_the_shared_generation_is_the_same_for_every_rank_and_rerun():
+    meta = {"fingerprint": "f", "length": 3, "schema": {"a": 1}, "columns": [], "allow_pickle": False}
+    assert shared_generation("gs://b/c", meta) == shared_generation("gs://b/c", dict(meta, generation="other"))
+    assert shared_generation("gs://b/c", meta) != shared_generation("gs://b/c", dict(meta, fingerprint="g"))
+
+
+def test_torch_ranks_in_a_single_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(40)), str(tmp_path / "c"))
+        report = run_ranks(ds, part_size=16)
+        assert (report.rank, report.world, report.parts, report.computed) == (0, 1, 3, 40)
+    finally:
+        dist.destroy_process_group()
