@@ -4,7 +4,7 @@ Joins a torch.distributed gloo group through a TCP store on 127.0.0.1:PORT, open
 CACHE (a directory, or a URL with ``$RANKS_STORAGE_OPTIONS`` as JSON), calls
 ``nbkit.build.run_ranks`` and then reads every sample back: each must equal the source's, and
 ``verify()`` must pass. Writes ``{"report": ..., "read": n}`` or ``{"error": type, "message": ...}``
-to OUT. ``$RANKS_DIE_AT``: this rank dies (``os._exit(137)``, as ``kill -9``) when its source is asked
+to OUT. ``$RANKS_VIA=warmup_shared``: through ``nbkit.tpu.warmup_shared``. ``$RANKS_DIE_AT``: this rank dies (``os._exit(137)``, as ``kill -9``) when its source is asked
 for that index (a rank lost before its parts finish).
 """
 
@@ -36,6 +36,17 @@ def die_at(index):
     Named.__getitem__ = getitem
 
 
+def warmup_shared_on_torch(ds, part_size):
+    """``nbkit.tpu.warmup_shared`` as on a pod slice of ``world`` hosts with one replica each: only
+    torch_xla's runtime queries are answered by torch.distributed (XLA:CPU has no collectives)."""
+    from nbkit.build.ranks import torch_ranks
+    from nbkit.tpu import run as tpu_run
+
+    tpu_run._local_shard = lambda: (0, 1)  # this host runs one replica
+    tpu_run.xla_ranks = torch_ranks  # global ordinal, world size, barrier
+    return tpu_run.warmup_shared(ds, part_size=part_size)
+
+
 def main():
     rank, world, port, cache, n, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
     options = json.loads(os.environ.get("RANKS_STORAGE_OPTIONS", "null"))
@@ -45,7 +56,11 @@ def main():
         die_at(int(os.environ["RANKS_DIE_AT"]))
     ds = nbkit.CachedDataset(Named(n), cache, storage_options=options)
     try:
-        report = run_ranks(ds, part_size=int(os.environ.get("RANKS_PART_SIZE", "16")))
+        part_size = int(os.environ.get("RANKS_PART_SIZE", "16"))
+        if os.environ.get("RANKS_VIA") == "warmup_shared":
+            report = warmup_shared_on_torch(ds, part_size)
+        else:
+            report = run_ranks(ds, part_size=part_size)
     except Exception as e:  # noqa: BLE001 - any error is reported to the test
         with open(out, "w") as f:
             json.dump({"error": type(e).__name__, "message": str(e), "missing": getattr(e, "missing", None)}, f)

@@ -150,3 +150,12 @@ def test_torch_ranks_in_a_single_process_group(tmp_path):
         assert (report.rank, report.world, report.parts, report.computed) == (0, 1, 3, 40)
     finally:
         dist.destroy_process_group()
+
+
+def test_warmup_shared_on_several_hosts_builds_with_the_ranks(tmp_path, gcs):
+    """nbkit.tpu.warmup_shared where the job's world is larger than this host's replicas (a pod slice
+    of two one-chip hosts): the ranks build the gs:// cache; only torch_xla's runtime queries are
+    answered by torch.distributed here."""
+    url = f"{gcs.url}/caches/pod"
+    reports = assert_built(run_job(tmp_path, url, options=gcs.storage_options, env_of=lambda r: {"RANKS_VIA": "warmup_shared"}))
+    assert [r["built"] for r in reports] == [4, 3] and reports[0]["composed"]
