@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -51,7 +52,7 @@ import numpy as np
 from .. import format as fmt
 from .. import trust
 from ..progress import as_callback
-from .driver import _remove_if_empty
+from ..transfer.manifest import read_bounded
 from .merge import merge
 from .part import PART_SPEC, build_part, list_parts, part_name, parts_dir, sweep_builds
 from .plan import DEFAULT_PART_SIZE, PlannedPart, plan
@@ -270,15 +271,25 @@ class _Job:
         except BaseException as e:  # noqa: BLE001 - raised below, once the peers no longer wait on this rank
             failure = e
         lost = self._pass(1, todo)
+        merge_error = None
         if rank == 0 and todo:
             self.cb.set_description(f"rank 0: merging {len(todo)} parts")
-            self._merge(complete=lost is None)
+            try:
+                self._merge(complete=lost is None)
+            except Exception as e:  # noqa: BLE001 - raised below, once the peers passed the last barrier
+                merge_error = e
         if lost is None:
             lost = self._pass(2, todo)
+        if merge_error is not None:
+            raise merge_error
         dataset = self._finish()
         self._check(todo, dataset, lost, failure)
         if failure is not None:
             raise failure
+        if len(dataset.missing()):
+            raise RuntimeError(f"rank {rank} of {world}: every part of {self.cached.path} was built, but the cache is "
+                               f"still missing {len(dataset.missing())} samples: rank 0 failed to merge them (see its "
+                               "traceback). Rerun the job: the parts are merged, not computed again")
         self.cb.set_description("done")
         return RanksReport(rank=rank, world=world, parts=len(todo), built=self.built, reused=self.reused,
                            computed=self.computed, merged=self.merged, composed=self.composed,
@@ -348,7 +359,8 @@ class _LocalJob(_Job):
         for path in list_parts(self.parts):
             self.merged += merge(self.store, path).merged
         if complete:
-            _remove_if_empty(self.parts)
+            with contextlib.suppress(OSError):  # parts left (of another part_size, refused twice…): kept
+                os.rmdir(self.parts)
 
     def _finish(self):
         self.cached.check_generation()
@@ -395,12 +407,12 @@ class _RemoteJob(_Job):
         """The part is there, whole (its ``nbkit.json`` uploaded last), and of this build."""
         path = f"{self.proot}/{part_name(p.start, p.stop)}/{fmt.META}"
         try:
-            raw = self.fs.cat_file(path)
+            raw = read_bounded(self.fs, path)
         except FileNotFoundError:
             return False
         try:
             info = trust.check_json(fmt.parse_meta(raw, path, "")["part"], PART_SPEC, path, "")
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError):  # CorruptCacheError is a ValueError; KeyError: no 'part' field
             return False  # damaged or another build's: built and pushed again
         return info["cache_generation"] == self.meta["generation"]
 
