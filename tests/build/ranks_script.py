@@ -4,7 +4,7 @@ Joins a torch.distributed gloo group through a TCP store on 127.0.0.1:PORT, open
 CACHE (a directory, or a URL with ``$RANKS_STORAGE_OPTIONS`` as JSON), calls
 ``nbkit.build.run_ranks`` and then reads every sample back: each must equal the source's, and
 ``verify()`` must pass. Writes ``{"report": ..., "read": n}`` or ``{"error": type, "message": ...}``
-to OUT. ``$RANKS_VIA=warmup_shared``: through ``nbkit.tpu.warmup_shared``. ``$RANKS_DIE_AT``: this rank dies (``os._exit(137)``, as ``kill -9``) when its source is asked
+to OUT. ``$RANKS_DELAY``: seconds of source work a sample. ``$RANKS_VIA=warmup_shared``: through ``nbkit.tpu.warmup_shared``. ``$RANKS_DIE_AT``: this rank dies (``os._exit(137)``, as ``kill -9``) when its source is asked
 for that index (a rank lost before its parts finish).
 """
 
@@ -54,7 +54,7 @@ def main():
                             timeout=datetime.timedelta(seconds=60))
     if os.environ.get("RANKS_DIE_AT"):
         die_at(int(os.environ["RANKS_DIE_AT"]))
-    ds = nbkit.CachedDataset(Named(n), cache, storage_options=options)
+    ds = nbkit.CachedDataset(Named(n, delay=float(os.environ.get("RANKS_DELAY", "0"))), cache, storage_options=options)
     try:
         part_size = int(os.environ.get("RANKS_PART_SIZE", "16"))
         if os.environ.get("RANKS_VIA") == "warmup_shared":
@@ -73,7 +73,8 @@ def main():
         assert same(got[i], plain[i]), i
     with open(out, "w") as f:
         json.dump({"report": {"parts": report.parts, "built": report.built, "reused": report.reused,
-                              "computed": report.computed, "merged": report.merged, "composed": report.composed},
+                              "computed": report.computed, "merged": report.merged, "composed": report.composed,
+                              "seconds": report.seconds},
                    "read": n, "root": got.root}, f)
     dist.destroy_process_group()
 
