@@ -159,3 +159,18 @@ def test_warmup_shared_on_several_hosts_builds_with_the_ranks(tmp_path, gcs):
     url = f"{gcs.url}/caches/pod"
     reports = assert_built(run_job(tmp_path, url, options=gcs.storage_options, env_of=lambda r: {"RANKS_VIA": "warmup_shared"}))
     assert [r["built"] for r in reports] == [4, 3] and reports[0]["composed"]
+
+
+def test_a_damaged_or_foreign_part_on_gs_is_built_again(tmp_path, gcs, monkeypatch):
+    """A part whose nbkit.json does not parse, or names another build's generation, is never
+    reused: its rank builds and pushes it again (one process, world 1)."""
+    monkeypatch.setenv("NBKIT_CACHE_DIR", str(tmp_path / "host"))
+    url = f"{gcs.url}/caches/stale"
+    gcs.fs.pipe(f"{url}.parts/part-0000000000000-0000000000016/nbkit.json", b"{not json")
+    foreign = {"part": {"cache_generation": "0" * 32, "cache_length": 40, "start": 16, "stop": 32, "files": {}}}
+    gcs.fs.pipe(f"{url}.parts/part-0000000000016-0000000000032/nbkit.json", json.dumps(foreign).encode())
+    ds = nbkit.CachedDataset(Named(40), url, storage_options=gcs.storage_options)
+    report = run_ranks(ds, rank=0, world=1, barrier=lambda name: None, part_size=16)
+    assert (report.built, report.reused, report.composed) == (3, 0, True)
+    check_cache(report.dataset.root, Named(40))
+    assert report.dataset.root == ds.root  # the same working copy, now the composed cache
