@@ -174,3 +174,35 @@ def test_a_damaged_or_foreign_part_on_gs_is_built_again(tmp_path, gcs, monkeypat
     assert (report.built, report.reused, report.composed) == (3, 0, True)
     check_cache(report.dataset.root, Named(40))
     assert report.dataset.root == ds.root  # the same working copy, now the composed cache
+
+
+def test_a_stopped_rank_keeps_its_finished_parts_and_names_the_rest(tmp_path):
+    from nbkit.progress import Callback
+
+    class StopAfterOne(Callback):
+        def relative_update(self, inc=1):
+            super().relative_update(inc)
+            self.request_stop()  # after the first part
+
+    ds = nbkit.CachedDataset(Named(N), str(tmp_path / "c"))
+    with pytest.raises(RanksIncomplete, match=r"rank 0: \[16, 32\), \[32, 48\)") as e:
+        run_ranks(ds, rank=0, world=1, barrier=lambda name: None, part_size=16, callback=StopAfterOne())
+    assert e.value.missing == {0: [(16, 32), (32, 48), (48, 64), (64, 80), (80, 96), (96, 100)]}
+    assert ds.missing().tolist() == list(range(16, N))  # the finished part was merged
+    report = run_ranks(ds, rank=0, world=1, barrier=lambda name: None, part_size=16)
+    assert (report.parts, report.computed) == (6, N - 16)
+    check_cache(ds.root, Named(N))
+
+
+def test_a_merge_error_on_rank_0_is_raised_after_the_last_barrier(tmp_path, monkeypatch):
+    import nbkit.build.ranks as ranks
+
+    def broken(store, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ranks, "merge", broken)
+    ds = nbkit.CachedDataset(Named(40), str(tmp_path / "c"))
+    passed = []
+    with pytest.raises(OSError, match="No space left"):
+        run_ranks(ds, rank=0, world=2, barrier=passed.append, part_size=16)
+    assert len(passed) == 3  # the peers were released before it raised
