@@ -546,15 +546,28 @@ def test_build_with_worker_processes_shows_each_worker_and_fills_the_cache(tmp_p
     assert (again["computed"], again["skipped"], again["engine"]) == (0, 100, "local processes")
 
 
-def test_build_refuses_a_source_that_names_no_callable(tmp_path, env):
+def test_build_refuses_a_source_that_names_no_callable(tmp_path, monkeypatch, capsys):
+    from nbkit.cli import main
+
     (tmp_path / "mine.py").write_text("NOT_A_FUNCTION = 3\n\ndef never_called():\n    raise AssertionError\n")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "nbkit", *map(str, a)], capture_output=True, text=True,  # noqa: E731
-                                    env=env, cwd=tmp_path, timeout=120)
-    assert run("build", "mine", tmp_path / "c").returncode == 2  # not MODULE:CALLABLE: a usage error
-    failed(run("build", "mine:make", tmp_path / "c"), "mine has no 'make'")
-    failed(run("build", "mine:NOT_A_FUNCTION", tmp_path / "c"), "mine:NOT_A_FUNCTION is not callable (it is 3)")
-    failed(run("build", "absent_module:make", tmp_path / "c"), "no module 'absent_module'", "PYTHONPATH")
-    failed(run("build", "mine:never_called", tmp_path / "c", "--address", "tcp://x:1"), "joins no cluster")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])  # as the console script has it
+    monkeypatch.setitem(sys.modules, "mine", None)
+    del sys.modules["mine"]  # imported fresh from this directory, and forgotten after the test
+
+    def error(*args):
+        assert main(["build", *args, str(tmp_path / "c")]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("nbkit build: error: ")
+        return lines[0]
+
+    assert main(["build", "mine", str(tmp_path / "c")]) == 2  # not MODULE:CALLABLE: a usage error
+    assert "'mine' is not MODULE:CALLABLE" in capsys.readouterr().err
+    assert "mine has no 'make'" in error("mine:make")
+    assert "mine:NOT_A_FUNCTION is not callable (it is 3)" in error("mine:NOT_A_FUNCTION")
+    assert "no module 'absent_module'" in error("absent_module:make")
+    assert "joins no cluster" in error("mine:never_called", "--address", "tcp://x:1")  # refused before the source runs
+    assert not os.path.exists(tmp_path / "c")
 
 
 def test_ctrl_c_stops_the_build_keeps_finished_parts_and_the_same_command_resumes(tmp_path, env):
