@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("-o", "--option", dest="options", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="a storage option for fsspec (repeat), e.g. -o endpoint_url=http://127.0.0.1:4443")
     parser = argparse.ArgumentParser(
-        prog="nbkit", description="See, check, copy and tidy nbkit caches.",
+        prog="nbkit", description="Build, see, check, copy and tidy nbkit caches.",
         epilog="Exit codes: 0 done, 1 the operation failed (message on stderr), 2 bad command line. "
                "Working copies of remote caches live in $NBKIT_CACHE_DIR (default ~/.cache/nbkit).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

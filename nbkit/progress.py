@@ -49,6 +49,10 @@ class WorkerRate:
         parts: parts it built that were merged.
         samples: samples in those parts.
         seconds: seconds it spent building them (its busy time, not the wall time).
+
+    Example:
+        >>> WorkerRate("host:4242", parts=2, samples=600, seconds=2.0).rate
+        300.0
     """
 
     worker: str

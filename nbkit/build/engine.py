@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-__all__ = ["Engine", "ExecutorEngine", "ENGINES", "engine_for", "processes", "not_picklable", "chain"]
+__all__ = ["Engine", "ExecutorEngine", "ENGINES", "engine_for", "not_picklable", "chain"]
 
 
 class Engine:
@@ -135,20 +135,11 @@ def chain(source, *, value=None) -> concurrent.futures.Future:
 # -- the table of engines: engine_for("ray") -----------------------------------------------------------
 
 
-def processes(num_workers=None) -> Engine:
-    """The :class:`~nbkit.build.local.LocalEngine` of ``num_workers`` local processes (default: one per
-    CPU): the one local engine, whose workers leave Ctrl-C to the driver (a Stop, not a broken pool)."""
-    import os
-
-    from .local import LocalEngine
-    return LocalEngine(num_workers or os.cpu_count() or 1)
-
-
 #: name -> ``"module:factory"`` of an :class:`Engine` made as ``factory(num_workers=workers)``, imported
 #: by name on first use (like the stores' registry: the optional engines load only when asked for).
 #: A new engine is one entry here.
 ENGINES = {
-    "processes": "nbkit.build.engine:processes",
+    "processes": "nbkit.build.local:processes",
     "ray": "nbkit.build.ray:RayEngine",
     "dask": "nbkit.build.dask:DaskEngine",
 }
