@@ -577,7 +577,8 @@ def test_ctrl_c_stops_the_build_keeps_finished_parts_and_the_same_command_resume
     (tmp_path / "gated_source.py").write_text(GATED_SOURCE.format(gate=str(gate)))
     cache = tmp_path / "c"
     command = [sys.executable, "-m", "nbkit", "build", "gated_source:make", str(cache), "--workers", "2", "--part-size", "32"]
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a shell runs a command
     try:
         deadline = time.monotonic() + 120
         while not gate.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -586,7 +587,7 @@ def test_ctrl_c_stops_the_build_keeps_finished_parts_and_the_same_command_resume
         while time.monotonic() < deadline and _stored(cache) < 96:  # the other worker builds the fourth part meanwhile
             time.sleep(0.1)
         assert _stored(cache) == 96
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends (the workers leave it to the driver)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group, workers too (they leave it to the driver)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
