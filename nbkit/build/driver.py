@@ -2,7 +2,7 @@
 
 :func:`run` is the one loop every engine shares. It first merges the parts a failed or stopped run
 left (a part that verifies is never computed again), then plans the missing samples into parts and
-keeps about ``engine.workers`` of them submitted. Each finished part is verified (:func:`nbkit.build.part.read_part`)
+keeps :data:`AHEAD` times ``engine.workers`` of them submitted. Each finished part is verified (:func:`nbkit.build.part.read_part`)
 and merged in place (:func:`nbkit.build.merge.merge`); a refused part is removed and planned again,
 a part whose worker was lost is submitted again, and a source's error ends the build (what was
 merged stays; finished parts stay for the next run). ``callback.request_stop()`` cancels the
@@ -44,6 +44,9 @@ POLL_SECONDS = 0.1
 #: How many times one part is submitted again after its worker was lost, its copy was refused or
 #: the storage failed under it (then the build stops with that error; finished parts are kept).
 RETRIES = 3
+#: Parts kept submitted per worker: one running, one queued behind it, so a worker starts its next
+#: part while the driver verifies and merges the last one (the merge overlaps the compute).
+AHEAD = 2
 #: Seconds before a part whose storage failed is submitted again (doubled each time): a dropped
 #: connection or a restarting endpoint gets a moment, a full disk fails within a second or two.
 RETRY_SECONDS = 0.2
@@ -204,7 +207,12 @@ class LocalMerge:
     name = "local"
 
     def __init__(self, cached, store, engine, cb):
+        from .local import LocalEngine
+
         self.store, self.cb = store, cb
+        # This machine's own worker processes need no SHA-256 of their parts (it guards parts that
+        # travelled); sizes and every sample's CRC are still checked. Any other engine's are hashed.
+        self.hashes = not isinstance(engine, LocalEngine)
         root = cached.root
         if "://" in root:  # no directory of its own: a stable one here, so a rerun finds its parts
             import hashlib
@@ -219,16 +227,16 @@ class LocalMerge:
         if left:
             self.cb.set_description(f"merging {len(left)} parts left by an earlier build")
         for path in left:  # built before: verified and merged, never computed again
-            state.merged(merge(self.store, path), reused=True)
+            state.merged(merge(self.store, path, hashes=self.hashes), reused=True)
 
     def plan(self, part_size: int, indices) -> list:
         return plan(self.store, part_size, indices)
 
     def spec(self) -> dict:
-        return {"parts": self.parts}
+        return {"parts": self.parts, "hashes": self.hashes}
 
     def arrived(self, result: dict) -> MergeResult:
-        return merge(self.store, os.path.join(self.parts, result["name"]))
+        return merge(self.store, os.path.join(self.parts, result["name"]), hashes=self.hashes)
 
     def missing(self, p: PlannedPart) -> np.ndarray:
         return self.store.missing(np.arange(p.start, p.stop))
@@ -236,7 +244,7 @@ class LocalMerge:
     def salvage(self, state) -> None:
         """After a stop or a failure: merge the parts that were finished (not yet merged)."""
         for path in list_parts(self.parts):
-            state.merged(merge(self.store, path))
+            state.merged(merge(self.store, path, hashes=self.hashes))
 
     def finish(self, state) -> None:
         pass
@@ -368,7 +376,7 @@ def _build(how, engine, todo, source, cached, state) -> bool:
             for item in [x for x in later if x[0] <= now]:
                 later.remove(item)
                 queue.append(item[1])
-            while queue and len(inflight) < max(1, engine.workers):
+            while queue and len(inflight) < AHEAD * max(1, engine.workers):
                 p = queue.popleft()
                 inflight[engine.submit(build_part, _spec(p, cached, meta, how.spec(), source))] = p
             if not inflight:

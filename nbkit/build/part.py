@@ -59,7 +59,9 @@ PARTS_SUFFIX = ".parts"
 #: Samples a worker computes and stores at a time inside one part.
 CHUNK_SAMPLES = 256
 
-_FILE_SPEC = trust.Obj({"size": trust.Int(min=0, max=fmt.MAX_CACHE_BYTES), "sha256": trust.Str(pattern="[0-9a-f]{64}", max_len=64)})
+# sha256 is left out by local workers (see build_part's ``hashes``); a driver that wants it refuses a part without it.
+_FILE_SPEC = trust.Obj({"size": trust.Int(min=0, max=fmt.MAX_CACHE_BYTES), "sha256": trust.Str(pattern="[0-9a-f]{64}", max_len=64)},
+                       required=("size",))
 #: The ``part`` field of a part's ``nbkit.json``: which cache, which range, and its files.
 PART_SPEC = trust.Obj({
     "cache_generation": trust.Str(pattern="[0-9a-f]{32}", max_len=32),
@@ -243,7 +245,7 @@ def _build_here(spec: dict, parts: str, name: str, start: int, stop: int) -> boo
         p.mkdir(stage, 0o700)
         claim(p.join(stage))
         try:
-            return _write(p, stage, name, cached, spec["meta"], start, stop, todo)
+            return _write(p, stage, name, cached, spec["meta"], start, stop, todo, hashes=spec.get("hashes", True))
         finally:
             release(p.join(stage))
             p.remove_tree(stage)  # nothing once renamed; else a failed or losing copy
@@ -282,7 +284,8 @@ def remote_parts(url: str, storage_options=None) -> list[tuple[int, int]]:
     return sorted(b for b in bounds if b is not None)
 
 
-def _write(p: Dir, stage: str, name: str, cached, cache_meta: dict, start: int, stop: int, todo: np.ndarray) -> bool:
+def _write(p: Dir, stage: str, name: str, cached, cache_meta: dict, start: int, stop: int, todo: np.ndarray, *,
+           hashes: bool = True) -> bool:
     root = p.join(stage)
     meta = part_meta(cache_meta, start, stop)
     # heap.bin made now: CacheFiles only makes it once nbkit.json is published, which a part does last.
@@ -299,7 +302,7 @@ def _write(p: Dir, stage: str, name: str, cached, cache_meta: dict, start: int, 
                         raise
                     raise _FromSource(e) from None  # the source's (a missing file of its own): not the part's storage
         store.sync()
-        files = {n: _digest(fd) for n, fd in store.data_fds().items()}
+        files = {n: _digest(fd) if hashes else {"size": os.fstat(fd).st_size} for n, fd in store.data_fds().items()}
     finally:
         store.close()
     meta["part"] = {"cache_generation": cache_meta["generation"], "cache_length": int(cache_meta["length"]),
@@ -357,11 +360,12 @@ class VerifiedPart:
 _SAME_FIELDS = ("schema", "columns", "fingerprint", "allow_pickle", "format", "version")
 
 
-def read_part(path: str, cache_meta: dict) -> VerifiedPart:
+def read_part(path: str, cache_meta: dict, *, hashes: bool = True) -> VerifiedPart:
     """Check the part at ``path`` against the cache ``cache_meta``, once and completely: its name,
     its metadata (:func:`nbkit.format.parse_meta`, then :data:`PART_SPEC`), the cache it belongs to
     (generation, length, schema, columns, fingerprint), its range, the size and SHA-256 of every
-    data file, and every sample's CRC (:func:`nbkit.format.verify_store`).
+    data file (``hashes=False``: the size; for the parts of this machine's own worker processes, where
+    the hash guards nothing the CRCs do not), and every sample's CRC (:func:`nbkit.format.verify_store`).
 
     Raises:
         PartRefused: naming the part and what is wrong; the caller removes it and computes the range again.
@@ -417,7 +421,13 @@ def read_part(path: str, cache_meta: dict) -> VerifiedPart:
         if set(fds) != set(info["files"]):
             refuse(f"its files are {sorted(fds)}, its manifest lists {sorted(info['files'])}")
         for n, fd in fds.items():
-            if _digest(fd) != info["files"][n]:
+            entry = info["files"][n]
+            if not hashes:  # the driver's own local workers: sizes here, every sample's CRC below
+                if os.fstat(fd).st_size != entry["size"]:
+                    refuse(f"{n} holds {os.fstat(fd).st_size} bytes, its manifest records {entry['size']} (damaged)")
+            elif "sha256" not in entry:
+                refuse(f"its manifest records no SHA-256 for {n} (a part of local workers, read here as untrusted)")
+            elif _digest(fd) != entry:
                 refuse(f"{n} does not match the size and SHA-256 its manifest records (damaged or modified)")
         try:
             stored = fmt.verify_store(files, where=path, fix="")
