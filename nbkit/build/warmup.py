@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
         all_idx = all_idx[rank::world]
     cached.check_generation()  # a handle made before a rebuild elsewhere fills nothing
     files = cached.store
+    _merge_left_parts(cached, files)
     missing = files.missing(all_idx)
     all_idx = all_idx[files.admitted(all_idx)]  # beyond a byte budget: nothing to fill
     skipped = len(all_idx) - len(missing)
@@ -127,6 +129,23 @@ def run_warmup(cached, *, num_workers=0, callback=None, shard=None, chunk_size=2
     seconds = time.perf_counter() - start
     cb.set_description("stopped" if stopped else "done")
     return WarmupReport(computed=done, skipped=skipped, total=len(all_idx), seconds=seconds, stopped=stopped)
+
+
+def _merge_left_parts(cached, files) -> None:
+    """Merge the parts a stopped or failed warmup with workers left beside a local cache (verified by
+    size and every CRC): computed once, never again, and no directory left behind."""
+    if "://" in cached.root:
+        return
+    from .merge import merge
+    from .part import list_parts, parts_dir
+
+    parts = parts_dir(cached.root)
+    left = list_parts(parts)
+    for path in left:
+        merge(files, path, hashes=False)
+    if left:
+        with contextlib.suppress(OSError):  # something else still in it (a live build's staging): it stays
+            os.rmdir(parts)
 
 
 def _with_workers(cached, num_workers: int, callback, shard, chunk_size: int, multiprocessing_context) -> WarmupReport:

@@ -14,20 +14,9 @@ import tempfile
 
 CHILD = r"""
 import os, sys, time, tempfile, shutil
-import torch
 import nbkit
-
-class Costly(torch.utils.data.Dataset):
-    def __init__(self, n, cost_us):
-        self.n, self.cost = n, cost_us / 1e6
-    def __len__(self):
-        return self.n
-    def __getitem__(self, i):
-        end = time.perf_counter() + self.cost
-        while time.perf_counter() < end:
-            pass
-        g = torch.Generator().manual_seed(i)
-        return torch.rand(1, 28, 28, generator=g), i % 10
+sys.path.insert(0, sys.argv[6])  # tests/build of this checkout: the same source for both trees
+from buildsources import Costly
 
 n, cost, workers, chunk = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 path = os.path.join(tempfile.mkdtemp(dir=sys.argv[5]), "c")
@@ -45,7 +34,8 @@ print(dt, cpu)
 
 def once(tree: str, n: int, cost: float, workers: int, chunk: int, scratch: str) -> tuple:
     env = dict(os.environ, PYTHONPATH=tree)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(n), str(cost), str(workers), str(chunk), scratch], env=env,
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", CHILD, str(n), str(cost), str(workers), str(chunk), scratch, here], env=env,
                          capture_output=True, text=True, timeout=600, cwd=tree)
     if out.returncode != 0:
         raise RuntimeError(out.stderr)

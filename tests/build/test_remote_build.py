@@ -14,7 +14,7 @@ from nbkit.build.driver import RETRIES, STRATEGIES, strategy_for
 from nbkit.build.part import parts_dir
 
 from buildsources import Flagged, Named, same
-from fixtures_gcs import gcs, gcs_emulator, gcs_server, short_gcsfs_retries  # noqa: F401 - fixtures
+from fixtures_gcs import gcs, gcs_emulator, gcs_server, short_gcsfs_retries
 from test_compose import Wire
 
 
