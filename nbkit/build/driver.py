@@ -295,6 +295,7 @@ class ComposeParts:
         part_size = trust.check_int(part_size, "part_size", min=1, max=trust.MAX_SAMPLES,
                                     fix="a part holds a few thousand samples (the default is 4096)")
         n = self.store.length
+        self.part_size, self.sharded = part_size, indices is not None
         keys = np.arange(0, n, part_size) if indices is None else np.unique(np.asarray(indices) // part_size) * part_size
         out = []
         for a in keys.tolist():
@@ -321,7 +322,13 @@ class ComposeParts:
 
     def finish(self, state) -> None:
         from .compose import compose
+        from .part import remote_parts
 
+        every = -(-self.store.length // self.part_size)
+        if self.sharded and len(remote_parts(self.parts, self.storage_options)) < every:
+            # Other shards' parts are still missing: the driver that uploads the last one composes.
+            self.cb.set_description("this shard's parts are uploaded; the last shard to finish composes")
+            return
         self.cb.set_description("composing the parts (server-side)")
         compose(self.url, engine=self.engine, storage_options=self.storage_options or None, remove_parts=True,
                 callback=self.cb)

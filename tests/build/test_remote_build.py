@@ -116,3 +116,15 @@ def test_a_local_part_directory_that_cannot_be_written_is_retried_then_stops_the
     assert report.retried >= 1 and report.computed == 64 and not report.stopped
     assert ds.verify() == 64 and not os.path.exists(blocker)
     ds.close()
+
+
+def test_gs_shards_each_upload_their_parts_and_the_last_composes(gcs):
+    n, url = 64, f"{gcs.url}/caches/sharded"
+    ds = nbkit.CachedDataset(Named(n), url, storage_options=gcs.storage_options)
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        first = run(ds, engine, part_size=16, shard=(0, 2))
+        assert first.computed == 32 and not gcs.fs.exists(f"{url}/nbkit.json")  # the other shard's parts are missing
+        second = run(ds, engine, part_size=16, shard=(1, 2))
+    assert second.computed == 32 and gcs.fs.exists(f"{url}/nbkit.json")
+    ds.close()
+    check_remote(url, gcs.storage_options, Named(n))
