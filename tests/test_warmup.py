@@ -1,4 +1,4 @@
-"""nbkit.warmup (``ds.warmup()``): every missing sample once, in this process or in workers; a stop
+"""nbkit.build.warmup (``ds.warmup()``): every missing sample once, in this process or in workers; a stop
 or a crash keeps what was stored, and the next warmup resumes from there."""
 
 import multiprocessing as mp
