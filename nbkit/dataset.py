@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import time
@@ -143,6 +144,7 @@ class CachedDataset(Dataset):
         self._length = int(self._meta["length"])
         self._files_obj = None
         self._files_pid = None
+        self._into = None  # a part's store while writing_into() holds it
         self._counters = SharedCounters.create()
         self._verified = None
         # A remote cache filled by reads is published once it is complete (see _publish_if_complete).
@@ -229,6 +231,7 @@ class CachedDataset(Dataset):
         state["_files_obj"] = None
         state["_files_pid"] = None
         state["_verified"] = None
+        state["_into"] = None
         return state
 
     def __setstate__(self, state):
@@ -294,6 +297,8 @@ class CachedDataset(Dataset):
     def store(self) -> Store:
         """The sample store of this process (a :class:`nbkit.stores.base.Store`), opened on first use."""
         self._check_open()
+        if self._into is not None:
+            return self._into
         pid = os.getpid()
         if self._files_obj is None or self._files_pid != pid:
             # Each process maps the files itself (after fork too: never share fds or locks), and
@@ -305,12 +310,41 @@ class CachedDataset(Dataset):
             self._verified = np.zeros(self._length, dtype=bool)
         return self._files_obj
 
+    @contextlib.contextmanager
+    def writing_into(self, store: Store):
+        """Store what this dataset computes into ``store`` for the block: its compute path, schema and
+        encoders unchanged, its own files untouched (a rebuilt cache is still refused: the generation
+        check runs as always).
+
+        Package-internal (a part build, :func:`nbkit.build.part.build_part`), not notebook API.
+
+        Example:
+            >>> import tempfile, torch, nbkit
+            >>> from nbkit.build.part import PartStore, part_meta
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
+            >>> part = PartStore(tempfile.mkdtemp(), part_meta(ds.store.meta, 4, 8), 4, writable=True, create=True)
+            >>> with ds.writing_into(part):
+            ...     _ = ds.compute_and_store(np.array([5, 6]))
+            >>> part.state.tolist(), len(ds.missing())
+            ([0, 1, 1, 0], 10)
+            >>> part.close()
+        """
+        if self._into is not None:
+            raise RuntimeError(f"this CachedDataset of {self.path} is already writing into another store")
+        saved = self._verified
+        # Its own verified flags: a sample stored into the part is not one read back from the cache.
+        self._into, self._verified = store, np.zeros(self._length, dtype=bool)
+        try:
+            yield self
+        finally:
+            self._into, self._verified = None, saved
+
     def check_generation(self, every: float = 0.0) -> None:
         """Raise :class:`StaleCacheError` if the cache was rebuilt since this handle opened it (one
         ``stat`` of ``nbkit.json``; at most every ``every`` seconds); reopen the store if its files
         were replaced by a copy of the same build.
 
-        Package-internal (the engine's reads and writes, :mod:`nbkit.warmup`), not notebook API.
+        Package-internal (the engine's reads and writes, :mod:`nbkit.build.warmup`), not notebook API.
 
         Example:
             >>> import torch, tempfile, nbkit
@@ -640,7 +674,7 @@ class CachedDataset(Dataset):
         """Compute ``indices`` from the source and store them; return ``{i: sample}`` for those the
         store refused (a full Redis server, say), which callers serve without reading them back.
 
-        Package-internal (misses, repairs, :mod:`nbkit.warmup`'s chunks), not notebook API.
+        Package-internal (misses, repairs, :mod:`nbkit.build.warmup`'s chunks and parts), not notebook API.
 
         Example:
             >>> import torch, tempfile, nbkit
@@ -738,13 +772,15 @@ class CachedDataset(Dataset):
         """Compute and store every missing sample; resumable and stoppable.
 
         Args:
-            num_workers: ``0`` fills in this process; ``k > 0`` fills in ``k`` worker processes.
+            num_workers: ``0`` fills in this process; ``k > 0`` fills in ``k`` worker processes (the
+                build protocol's local engine: each writes parts of ``chunk_size`` samples, merged here).
             callback: an :class:`nbkit.progress.Callback` (or any fsspec callback) for progress;
                 ``callback.request_stop()`` stops the warmup: after the current chunk in this process,
                 at once with workers (they are terminated, even when stuck in the source; what they
                 stored is kept). ``KeyboardInterrupt`` ends the workers too.
             shard: ``(rank, world)``: fill only the missing indices ``i`` with ``i % world == rank``
-                (several processes sharing one cache each fill their part, no sample twice).
+                (several processes sharing one cache each fill their part, no sample twice); with
+                workers, the whole chunks ``k`` (indices ``k * chunk_size`` on) with ``k % world == rank``.
             chunk_size: samples per unit of work (and per progress update).
             multiprocessing_context: start method for the workers: ``"fork"``, ``"spawn"``,
                 ``"forkserver"`` or a context (default: multiprocessing's default). With ``spawn`` and
@@ -755,7 +791,7 @@ class CachedDataset(Dataset):
                 this handle opened it.
 
         Returns:
-            A :class:`nbkit.warmup.WarmupReport`.
+            A :class:`nbkit.build.warmup.WarmupReport`.
 
         Example:
             >>> import torch, tempfile, nbkit
@@ -764,7 +800,7 @@ class CachedDataset(Dataset):
             10
         """
         from .progress import as_callback
-        from .warmup import run_warmup
+        from .build.warmup import run_warmup
 
         report = run_warmup(self, num_workers=num_workers, callback=callback, shard=shard, chunk_size=chunk_size,
                             multiprocessing_context=multiprocessing_context)

@@ -90,11 +90,14 @@ def assert_disk_full(e, name):
 
 
 def assert_all_listed(disk, *keep):
-    """Every entry on the disk is a cache or tar we made, or something ``nbkit ls`` lists (a leftover)."""
+    """Every entry on the disk is a cache or tar we made, or something ``nbkit ls`` lists (a leftover),
+    or a directory of such things (a build's ``<cache>.parts``: its finished parts are kept)."""
     listed = {c.path for c in nbkit.caches(disk, max_depth=2)}
     for name in os.listdir(disk):
         path = str(disk / name)
         if name in ("filler", *keep) or path in listed:
+            continue
+        if os.path.isdir(path) and os.listdir(path) and all(os.path.join(path, n) in listed for n in os.listdir(path)):
             continue
         raise AssertionError(f"{path} is left on the disk and nbkit ls does not list it ({sorted(listed)})")
 

@@ -1,4 +1,4 @@
-"""nbkit.warmup (``ds.warmup()``): every missing sample once, in this process or in workers; a stop
+"""nbkit.build.warmup (``ds.warmup()``): every missing sample once, in this process or in workers; a stop
 or a crash keeps what was stored, and the next warmup resumes from there."""
 
 import multiprocessing as mp
@@ -188,3 +188,18 @@ def test_a_crashed_worker_says_what_happened_and_what_to_do_and_a_rerun_resumes(
     report = fixed.warmup(num_workers=2, chunk_size=5)
     assert report.skipped == stored and report.computed == 40 - stored
     check_complete_and_equal(path, 40)
+
+
+def test_parts_a_parallel_warmup_left_are_merged_by_the_next_warmup_in_process(tmp_path):
+    from nbkit.build.part import parts_dir
+
+    n = 200
+    ds = nbkit.CachedDataset(workers.FailingSource(n, bad=150), tmp_path / "c", fingerprint_samples=0)
+    with pytest.raises(ValueError, match="bad sample 150"):
+        ds.warmup(num_workers=2, chunk_size=10)
+    stored = ds.stats.cached
+    fixed = nbkit.CachedDataset(workers.FailingSource(n, bad=-1), tmp_path / "c", fingerprint_samples=0)
+    report = fixed.warmup(num_workers=0)
+    assert report.skipped >= stored and report.computed + report.skipped == n
+    assert not os.path.exists(parts_dir(str(tmp_path / "c")))  # whatever was left is merged, nothing stays
+    check_complete_and_equal(tmp_path / "c", n)

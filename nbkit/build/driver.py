@@ -2,7 +2,7 @@
 
 :func:`run` is the one loop every engine shares. It first merges the parts a failed or stopped run
 left (a part that verifies is never computed again), then plans the missing samples into parts and
-keeps about ``engine.workers`` of them submitted. Each finished part is verified (:func:`nbkit.build.part.read_part`)
+keeps :data:`AHEAD` times ``engine.workers`` of them submitted. Each finished part is verified (:func:`nbkit.build.part.read_part`)
 and merged in place (:func:`nbkit.build.merge.merge`); a refused part is removed and planned again,
 a part whose worker was lost is submitted again, and a source's error ends the build (what was
 merged stays; finished parts stay for the next run). ``callback.request_stop()`` cancels the
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..progress import Workers, as_callback
-from .merge import merge
+from .merge import MergeResult, merge
 from .part import build_part, list_parts, parts_dir, sweep_builds
 from .plan import DEFAULT_PART_SIZE, PlannedPart, plan
 
@@ -41,8 +41,15 @@ __all__ = ["BuildReport", "run"]
 
 #: How often (seconds) the driver looks at the stop flag while it waits for parts.
 POLL_SECONDS = 0.1
-#: How many times one part is submitted again after its worker was lost or its copy was refused.
+#: How many times one part is submitted again after its worker was lost, its copy was refused or
+#: the storage failed under it (then the build stops with that error; finished parts are kept).
 RETRIES = 3
+#: Parts kept submitted per worker: one running, one queued behind it, so a worker starts its next
+#: part while the driver verifies and merges the last one (the merge overlaps the compute).
+AHEAD = 2
+#: Seconds before a part whose storage failed is submitted again (doubled each time): a dropped
+#: connection or a restarting endpoint gets a moment, a full disk fails within a second or two.
+RETRY_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ def _source(cached, factory) -> tuple:
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             raise TypeError(f"the factory {factory!r} does not pickle ({e}); define it at module level "
                             "(a def in an importable module, not a lambda or a local function)") from e
-        return ("factory", token, factory)
+        return ("factory", token, (factory, type(cached)))
     try:
         return ("pickled", token, pickle.dumps(cached))
     except (pickle.PicklingError, TypeError, AttributeError) as e:
@@ -105,11 +112,18 @@ def _source(cached, factory) -> tuple:
             "level and call nbkit.build.run(ds, engine, factory=make_source)") from e
 
 
-def run(cached, engine, *, part_size: int = DEFAULT_PART_SIZE, callback=None, factory=None) -> BuildReport:
-    """Fill every missing sample of the local cache ``cached`` with the part builds of ``engine``.
+def run(cached, engine, *, part_size: int = DEFAULT_PART_SIZE, callback=None, factory=None, shard=None,
+        strategy=None) -> BuildReport:
+    """Fill every missing sample of the cache ``cached`` with the part builds of ``engine``.
+
+    Where the parts go and how they join the cache is one entry of :data:`STRATEGIES`, chosen by
+    where the cache lives (:func:`strategy_for`): a local directory (or the working copy of a remote
+    cache being warmed) merges each part in place as it arrives; a ``gs://`` cache has its parts
+    uploaded under ``<url>.parts/`` by the workers and composed server-side at the end
+    (:func:`nbkit.build.compose.compose`: no sample byte through the driver).
 
     Args:
-        cached: a ``CachedDataset`` opened with its source, on a local directory.
+        cached: a ``CachedDataset`` opened with its source.
         engine: an :class:`nbkit.build.engine.Engine` (:class:`nbkit.build.local.LocalEngine`, a
             cluster's); the caller closes it.
         part_size: samples per part (ranges aligned to it).
@@ -117,6 +131,10 @@ def run(cached, engine, *, part_size: int = DEFAULT_PART_SIZE, callback=None, fa
             parts); ``request_stop()`` cancels outstanding parts and keeps finished ones.
         factory: a module-level callable returning the source dataset in each worker, for a source
             that does not pickle.
+        shard: ``(rank, world)``: build only the parts ``k`` (``k * part_size`` their first index)
+            with ``k % world == rank``, for several drivers sharing one cache (each merges its own).
+        strategy: a key of :data:`STRATEGIES` to use instead of :func:`strategy_for`'s choice
+            (``warmup(num_workers=N)`` fills the working copy of a remote cache: ``"local"``).
 
     Returns:
         A :class:`BuildReport`.
@@ -124,38 +142,33 @@ def run(cached, engine, *, part_size: int = DEFAULT_PART_SIZE, callback=None, fa
     if cached.source is None and factory is None:
         raise ValueError(f"cannot build the cache at {cached.path}: it was opened without its source dataset. Open it "
                          "with nbkit.CachedDataset(source, path), or pass factory= to make the source in each worker.")
-    if getattr(cached, "_location", None) is not None and cached._location.is_remote:
-        raise NotImplementedError(f"{cached.path} is a remote cache: nbkit.build.run merges into a local directory "
-                                  "(gs:// parts are merged by composition, nbkit.build.compose)")
     t0 = time.perf_counter()
     cb = as_callback(callback)
     cached.check_generation()
     store = cached.store
-    meta = store.meta
-    parts = parts_dir(cached.root)
+    how = STRATEGIES[strategy or strategy_for(cached)](cached, store, engine, cb)
     source = _source(cached, factory)
     state = _State(cb)
-    all_idx = np.arange(store.length)
-    state.total = int(store.admitted(all_idx).sum())
+    owned = np.arange(store.length)
+    if shard is not None:
+        rank, world = shard
+        owned = owned[(owned // part_size) % world == rank]
+    state.total = int(store.admitted(owned).sum())
     cb.set_size(state.total)
     try:
-        sweep_builds(parts)
-        left = list_parts(parts)
-        if left:
-            cb.set_description(f"merging {len(left)} parts left by an earlier build")
-        for path in left:  # built before: verified and merged, never computed again
-            state.merged(merge(store, path), reused=True)
-        todo = plan(store, part_size)
+        how.start(state)
+        todo = how.plan(part_size, owned if shard is not None else None)
         state.skipped = state.total - sum(len(p.todo) for p in todo) - state.reused
         cb.absolute_update(state.total - sum(len(p.todo) for p in todo))
         state.planned = len(todo)
         if todo:  # parts done of all, and who builds them: the front ends' per-worker view
             state.workers = Workers(parts_done=state.parts, parts_total=state.parts + len(todo))
             cb.set_workers(state.workers)
-        state.stopped = _build(store, meta, engine, todo, parts, source, cached, state)
+        state.stopped = _build(how, engine, todo, source, cached, state)
+        if not state.stopped:
+            how.finish(state)
     finally:
-        sweep_builds(parts)
-        _remove_if_empty(parts)
+        how.close(state)
     cb.set_description("stopped" if state.stopped else "done")
     return BuildReport(computed=state.computed, reused=state.reused, skipped=state.skipped, total=state.total,
                        parts=state.parts, refused=state.refused, retried=state.retried,
@@ -191,58 +204,241 @@ class _State:
             self.cb.set_description(f"building: {self.parts} of {self.planned} parts merged")
 
 
-def _spec(p: PlannedPart, cached, meta: dict, parts: str, source: tuple) -> dict:
-    return {"cache": cached.root, "parts": parts, "start": p.start, "stop": p.stop, "todo": p.todo, "meta": meta,
-            "source": source}
+# -- where the parts go: one strategy per kind of storage --------------------------------------------
 
 
-def _build(store, meta, engine, todo, parts, source, cached, state) -> bool:
+class LocalMerge:
+    """Parts in a local directory beside the cache (``<cache>.parts``), each verified and merged in
+    place as it arrives (:func:`nbkit.build.merge.merge`); what a stop or a failure leaves finished
+    is merged before the build returns. For a store without a directory of its own (Redis), the
+    parts live in a directory of this machine named after the cache."""
+
+    name = "local"
+
+    def __init__(self, cached, store, engine, cb):
+        from .local import LocalEngine
+
+        self.store, self.cb = store, cb
+        # This machine's own worker processes need no SHA-256 of their parts (it guards parts that
+        # travelled); sizes and every sample's CRC are still checked. Any other engine's are hashed.
+        self.hashes = not isinstance(engine, LocalEngine)
+        root = cached.root
+        if "://" in root:  # no directory of its own: a stable one here, so a rerun finds its parts
+            import hashlib
+            import tempfile
+
+            root = os.path.join(tempfile.gettempdir(), "nbkit-builds", hashlib.sha256(root.encode()).hexdigest()[:16])
+        self.parts = parts_dir(root)
+
+    def start(self, state) -> None:
+        sweep_builds(self.parts)
+        left = list_parts(self.parts)
+        if left:
+            self.cb.set_description(f"merging {len(left)} parts left by an earlier build")
+        for path in left:  # built before: verified and merged, never computed again
+            state.merged(merge(self.store, path, hashes=self.hashes), reused=True)
+
+    def plan(self, part_size: int, indices) -> list:
+        return plan(self.store, part_size, indices)
+
+    def spec(self) -> dict:
+        return {"parts": self.parts, "hashes": self.hashes}
+
+    def arrived(self, result: dict) -> MergeResult:
+        return merge(self.store, os.path.join(self.parts, result["name"]), hashes=self.hashes)
+
+    def missing(self, p: PlannedPart) -> np.ndarray:
+        return self.store.missing(np.arange(p.start, p.stop))
+
+    def salvage(self, state) -> None:
+        """After a stop or a failure: merge the parts that were finished (not yet merged)."""
+        for path in list_parts(self.parts):
+            state.merged(merge(self.store, path, hashes=self.hashes))
+
+    def finish(self, state) -> None:
+        pass
+
+    def close(self, state) -> None:
+        sweep_builds(self.parts)
+        try:
+            os.rmdir(self.parts)
+        except OSError:
+            pass  # parts left (a failure before they merged), or never made
+
+
+class ComposeParts:
+    """Parts of a ``gs://`` cache: each worker uploads its part under ``<url>.parts/`` (data files
+    first, ``nbkit.json`` last: a part exists once that does, and the first whole copy wins); once
+    every part is there, :func:`nbkit.build.compose.compose` builds the cache from them server-side.
+    A part already uploaded (an earlier run) is never computed again; a stop leaves the uploaded parts
+    for the next run. Parts are whole ranges (compose concatenates columns), so a byte-budgeted cache
+    (``max_bytes``) cannot be composed."""
+
+    name = "compose"
+
+    def __init__(self, cached, store, engine, cb):
+        from .compose import parts_url
+
+        if store.capacity is not None and store.capacity < store.length:
+            raise ValueError(f"{cached.path} has a byte budget (max_bytes): only some samples are admitted, and a "
+                             "gs:// build composes whole columns. Build it without max_bytes, or build a local "
+                             "cache and push it (nbkit.push).")
+        self.url, self.cb, self.store, self.engine = cached.path.rstrip("/"), cb, store, engine
+        self.storage_options = dict(cached._location.storage_options or {})
+        self.parts = parts_url(self.url)
+        self.present: set = set()
+
+    def start(self, state) -> None:
+        from .part import remote_parts
+
+        found = remote_parts(self.parts, self.storage_options)
+        for start, stop in found:
+            self.present.add((start, stop))
+            state.merged(MergeResult(merged=stop - start), reused=True)
+        if found:
+            self.cb.set_description(f"{len(found)} parts uploaded by an earlier build are kept")
+
+    def plan(self, part_size: int, indices) -> list:
+        from .. import trust
+
+        part_size = trust.check_int(part_size, "part_size", min=1, max=trust.MAX_SAMPLES,
+                                    fix="a part holds a few thousand samples (the default is 4096)")
+        n = self.store.length
+        self.part_size, self.sharded = part_size, indices is not None
+        keys = np.arange(0, n, part_size) if indices is None else np.unique(np.asarray(indices) // part_size) * part_size
+        out = []
+        for a in keys.tolist():
+            b = min(a + part_size, n)
+            if (a, b) not in self.present:
+                out.append(PlannedPart(a, b, np.arange(a, b, dtype=np.int64)))
+        return out
+
+    def spec(self) -> dict:
+        return {"parts": None, "upload": {"url": self.parts, "storage_options": self.storage_options}}
+
+    def arrived(self, result: dict) -> MergeResult:
+        from .part import parse_part_name
+
+        start, stop = parse_part_name(result["name"])
+        self.present.add((start, stop))
+        return MergeResult(merged=stop - start)
+
+    def missing(self, p: PlannedPart) -> np.ndarray:
+        return p.todo
+
+    def salvage(self, state) -> None:
+        pass  # uploaded parts stay under the parts prefix: the next run composes them
+
+    def finish(self, state) -> None:
+        from .compose import compose
+        from .part import remote_parts
+
+        every = -(-self.store.length // self.part_size)
+        if self.sharded and len(remote_parts(self.parts, self.storage_options)) < every:
+            # Other shards' parts are still missing: the driver that uploads the last one composes.
+            self.cb.set_description("this shard's parts are uploaded; the last shard to finish composes")
+            return
+        self.cb.set_description("composing the parts (server-side)")
+        compose(self.url, engine=self.engine, storage_options=self.storage_options or None, remove_parts=True,
+                callback=self.cb)
+
+    def close(self, state) -> None:
+        pass
+
+
+#: How parts join a cache, by where it lives (:func:`strategy_for`): one class per kind of storage.
+STRATEGIES = {"local": LocalMerge, "compose": ComposeParts}
+
+
+def strategy_for(cached) -> str:
+    """The :data:`STRATEGIES` key for ``cached``: ``"compose"`` for a cache at a ``gs://`` URL (its
+    workers cannot reach the driver's disk, and compose moves no sample byte through the driver),
+    ``"local"`` for everything else (a directory, a shared mount, a Redis server)."""
+    return "compose" if str(cached.path).startswith(("gs://", "gcs://")) else "local"
+
+
+def _spec(p: PlannedPart, cached, meta: dict, extra: dict, source: tuple) -> dict:
+    return {"cache": cached.root, "start": p.start, "stop": p.stop, "todo": p.todo, "meta": meta, "source": source,
+            **extra}
+
+
+def _build(how, engine, todo, source, cached, state) -> bool:
     """Submit, wait, merge; return whether it stopped early."""
+    meta = how.store.meta
     queue = deque(todo)
+    later: list = []  # (when, part): parts whose storage failed, submitted again after a pause
     tries: dict = {}
     inflight: dict = {}
+
+    def again(p, error) -> bool:
+        if tries.get(p.start, 0) >= RETRIES:
+            return False
+        tries[p.start] = tries.get(p.start, 0) + 1
+        state.retried += 1
+        if error is None:
+            queue.appendleft(p)
+        else:
+            later.append((time.monotonic() + RETRY_SECONDS * 2 ** (tries[p.start] - 1), p))
+        return True
+
     try:
-        while queue or inflight:
+        while queue or inflight or later:
             if state.cb.should_stop():
                 engine.cancel(list(inflight))
+                inflight.clear()
+                how.salvage(state)
                 return True
-            while queue and len(inflight) < max(1, engine.workers):
+            now = time.monotonic()
+            for item in [x for x in later if x[0] <= now]:
+                later.remove(item)
+                queue.append(item[1])
+            while queue and len(inflight) < AHEAD * max(1, engine.workers):
                 p = queue.popleft()
-                inflight[engine.submit(build_part, _spec(p, cached, meta, parts, source))] = p
+                inflight[engine.submit(build_part, _spec(p, cached, meta, how.spec(), source))] = p
+            if not inflight:
+                time.sleep(POLL_SECONDS)
+                continue
             done, _ = concurrent.futures.wait(inflight, timeout=POLL_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
             for f in done:
                 p = inflight.pop(f)
                 error = f.exception() if not f.cancelled() else concurrent.futures.CancelledError()
                 if error is not None:
-                    if engine.worker_lost(error) and tries.get(p.start, 0) < RETRIES:
-                        tries[p.start] = tries.get(p.start, 0) + 1
-                        state.retried += 1
-                        queue.appendleft(p)
+                    if engine.worker_lost(error) and again(p, None):
                         continue
-                    if hasattr(error, "add_note"):
-                        error.add_note(f"(raised while {engine.name} built the part [{p.start}, {p.stop}) of {cached.path}; "
-                                       "parts merged so far are kept: run the build again to resume)")
+                    _note(error, f"(raised while {engine.name} built the part [{p.start}, {p.stop}) of {cached.path}; "
+                                 "parts merged so far are kept: run the build again to resume)")
                     raise error
-                built = f.result()
-                result = merge(store, os.path.join(parts, built["name"]))
-                state.merged(result, built=built)
-                if result.refused:
+                result = f.result()
+                storage = result.get("storage_error")
+                if storage is not None:  # the storage failed under the part, not the source
+                    if again(p, storage):
+                        continue
+                    _note(storage, f"(the storage failed while {engine.name} wrote the part [{p.start}, {p.stop}) of "
+                                   f"{cached.path}, {RETRIES + 1} times: run the build again once it is back; finished "
+                                   "parts are kept)")
+                    raise storage
+                merged = how.arrived(result)
+                state.merged(merged, built=result)
+                if merged.refused:
                     if tries.get(p.start, 0) >= RETRIES:
                         raise RuntimeError(f"the part [{p.start}, {p.stop}) of {cached.path} was refused {RETRIES + 1} times; "
-                                           f"the last time: {result.refused}")
+                                           f"the last time: {merged.refused}")
                     tries[p.start] = tries.get(p.start, 0) + 1
-                    missing = store.missing(np.arange(p.start, p.stop))
+                    missing = how.missing(p)
                     if len(missing):
                         queue.appendleft(PlannedPart(p.start, p.stop, missing))
-    except BaseException:
+    except BaseException as e:
         if inflight:
             engine.cancel(list(inflight))
+        if isinstance(e, Exception):
+            try:
+                how.salvage(state)  # what finished before the failure joins the cache
+            except Exception as salvage_error:  # noqa: BLE001 - the first failure is the news
+                _note(e, f"(merging the finished parts after it failed too: {salvage_error})")
         raise
     return False
 
 
-def _remove_if_empty(parts: str) -> None:
-    try:
-        os.rmdir(parts)
-    except OSError:
-        pass  # parts left (a stop, a failure), or never made
+def _note(error: BaseException, text: str) -> None:
+    if hasattr(error, "add_note"):
+        error.add_note(text)

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
+import random
 import signal
 from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
 
 from ..trust import MAX_WORKERS, check_int
 from .engine import Engine
@@ -46,11 +50,15 @@ def _alive(pool) -> list:
     return [p for p in list(procs.values()) if p.is_alive()]
 
 
-def _init_worker() -> None:
+def _init_worker(seed: int) -> None:
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it ends the workers
     torch.set_num_threads(1)  # as DataLoader and warmup workers: several processes, one thread each
+    seed = (seed + os.getpid()) % 2**48  # as DataLoader workers: each its own random stream
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 class LocalEngine(Engine):
@@ -68,11 +76,14 @@ class LocalEngine(Engine):
         self.workers = check_int(workers, "workers", min=1, max=MAX_WORKERS,
                                  fix="each is a process: use about as many as the machine has cores (os.cpu_count())")
         self.context = _context(multiprocessing_context)
+        #: ``(pid, exit code)`` of each worker process that died under a part (killed, crashed).
+        self.lost: list = []
         self._pool = None
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=self.context, initializer=_init_worker)
+            self._pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=self.context, initializer=_init_worker,
+                                                                initargs=(random.getrandbits(48),))
         return self._pool
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
@@ -90,7 +101,17 @@ class LocalEngine(Engine):
             self._drop(kill=True)
 
     def worker_lost(self, error: BaseException) -> bool:
+        if isinstance(error, BrokenProcessPool):
+            self._record_lost()
         return isinstance(error, (BrokenProcessPool, concurrent.futures.CancelledError))
+
+    def _record_lost(self) -> None:
+        procs = getattr(self._pool, "_processes", None) or {}
+        for p in list(procs.values()):
+            code = p.exitcode
+            # The pool ends the other workers with SIGTERM once one died: those are not the news.
+            if code not in (None, 0, -signal.SIGTERM) and (p.pid, code) not in self.lost:
+                self.lost.append((p.pid, code))
 
     def processes(self) -> list:
         """The worker processes alive now (for tests and the panel's per-worker view)."""

@@ -53,15 +53,16 @@ class MergeResult:
     gone: bool = False
 
 
-def merge(cache, path: str) -> MergeResult:
+def merge(cache, path: str, *, hashes: bool = True) -> MergeResult:
     """Verify the part at ``path`` and merge it into ``cache`` (a writable
     :class:`nbkit.cachedir.CacheFiles`), then remove it; a part that does not verify is removed
-    and reported (``refused``), never merged."""
+    and reported (``refused``), never merged. ``hashes=False``: the part's files are checked by size
+    and every sample's CRC, not SHA-256 (parts of this machine's own workers: see :func:`read_part`)."""
     with part_lock(path) as present:
         if not present:
             return MergeResult(gone=True)
         try:
-            part = read_part(path, cache.meta)
+            part = read_part(path, cache.meta, hashes=hashes)
         except PartRefused as e:
             remove_part(path)
             return MergeResult(refused=str(e))

@@ -32,6 +32,7 @@ import pickle
 import re
 import socket
 import stat
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ except ImportError:  # Windows: no flock; merges are still idempotent
     fcntl = None
 
 __all__ = ["PART_SPEC", "PartRefused", "PartStore", "VerifiedPart", "build_part", "list_parts", "part_name", "parse_part_name",
-           "parts_dir", "part_lock", "read_part", "remove_part", "sweep_builds"]
+           "parts_dir", "part_lock", "read_part", "remote_parts", "remove_part", "sweep_builds"]
 
 #: Digits of each bound in a part's name: enough for the largest cache (``format.MAX_LENGTH``, 2**40).
 DIGITS = 13
@@ -59,7 +60,9 @@ PARTS_SUFFIX = ".parts"
 #: Samples a worker computes and stores at a time inside one part.
 CHUNK_SAMPLES = 256
 
-_FILE_SPEC = trust.Obj({"size": trust.Int(min=0, max=fmt.MAX_CACHE_BYTES), "sha256": trust.Str(pattern="[0-9a-f]{64}", max_len=64)})
+# sha256 is left out by local workers (see build_part's ``hashes``); a driver that wants it refuses a part without it.
+_FILE_SPEC = trust.Obj({"size": trust.Int(min=0, max=fmt.MAX_CACHE_BYTES), "sha256": trust.Str(pattern="[0-9a-f]{64}", max_len=64)},
+                       required=("size",))
 #: The ``part`` field of a part's ``nbkit.json``: which cache, which range, and its files.
 PART_SPEC = trust.Obj({
     "cache_generation": trust.Str(pattern="[0-9a-f]{32}", max_len=32),
@@ -108,7 +111,7 @@ def list_parts(parts: str) -> list[str]:
     """Paths of the whole parts in the directory ``parts`` (names of the part pattern), in index order."""
     try:
         names = os.listdir(parts)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none yet; something else in the way fails the builds
         return []
     found = sorted((parse_part_name(n), n) for n in names if parse_part_name(n) is not None)
     return [os.path.join(parts, n) for _, n in found]
@@ -123,7 +126,7 @@ class PartStore(CacheFiles):
         >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
         >>> meta = part_meta(ds.store.meta, 4, 8)
         >>> store = PartStore(tempfile.mkdtemp(), meta, 4, writable=True, create=True)
-        >>> with writing_into(ds, store):
+        >>> with ds.writing_into(store):
         ...     _ = ds.compute_and_store(np.array([5, 6]))
         >>> store.state.tolist()
         [0, 1, 1, 0]
@@ -134,8 +137,15 @@ class PartStore(CacheFiles):
         super().__init__(root, meta, writable=writable, create=create)
         self.start = int(start)
 
+    #: The ``OSError`` a write into the part met (the storage's, not the source's), if any.
+    failed = None
+
     def put(self, idx, flags, crc, cpos, stacked, bpos, blobs):
-        return super().put(np.asarray(idx, dtype=np.int64) - self.start, flags, crc, cpos, stacked, bpos, blobs)
+        try:
+            return super().put(np.asarray(idx, dtype=np.int64) - self.start, flags, crc, cpos, stacked, bpos, blobs)
+        except OSError as e:
+            self.failed = e
+            raise
 
 
 def part_meta(cache_meta: dict, start: int, stop: int) -> dict:
@@ -145,19 +155,6 @@ def part_meta(cache_meta: dict, start: int, stop: int) -> dict:
     ident = hashlib.sha256(f"{cache_meta.get('generation')}:{int(start)}:{int(stop)}".encode()).hexdigest()[:32]
     meta.update(length=int(stop) - int(start), generation=ident)
     return meta
-
-
-@contextlib.contextmanager
-def writing_into(cached, store):
-    """Have the ``CachedDataset`` ``cached`` store what it computes into ``store`` for the block (its
-    compute path, schema and encoders unchanged; its own files untouched)."""
-    saved = cached._files_obj, cached._files_pid, cached._verified
-    cached._files_obj, cached._files_pid = store, os.getpid()
-    cached._verified = np.zeros(len(cached), dtype=bool)
-    try:
-        yield cached
-    finally:
-        cached._files_obj, cached._files_pid, cached._verified = saved
 
 
 # -- building (the worker's side) -------------------------------------------------------------------
@@ -173,10 +170,9 @@ def _dataset(spec: dict):
         if kind == "pickled":
             cached = pickle.loads(payload)
         else:
-            import nbkit
-
-            made = payload()
-            cached = made if isinstance(made, nbkit.CachedDataset) else nbkit.CachedDataset(
+            factory, dataset_class = payload  # the class travels by reference: no import of the engine here
+            made = factory()
+            cached = made if isinstance(made, dataset_class) else dataset_class(
                 made, spec["cache"], allow_pickle=bool(spec["meta"].get("allow_pickle", False)),
                 max_bytes=spec["meta"].get("max_bytes"))
         _SOURCES.clear()  # one build's source at a time
@@ -188,21 +184,62 @@ def build_part(spec: dict) -> dict:
     """Compute and write the part ``spec`` describes; run by an engine's worker.
 
     Args:
-        spec: plain data made by the driver: ``cache`` (its path), ``parts`` (the parts directory),
-            ``start``, ``stop``, ``todo`` (the indices to compute, int64), ``meta`` (the cache's
-            metadata) and ``source`` (the pickled ``CachedDataset`` or a factory).
+        spec: plain data made by the driver: ``cache`` (its path), ``parts`` (the parts directory;
+            ``None`` with ``upload``), ``start``, ``stop``, ``todo`` (the indices to compute, int64),
+            ``meta`` (the cache's metadata), ``source`` (the pickled ``CachedDataset`` or a factory)
+            and optionally ``upload`` (``{"url", "storage_options"}``: build in a local temporary
+            directory, then upload the part under that URL, data files first, ``nbkit.json`` last).
 
     Returns:
         ``{"name", "computed", "seconds", "host", "pid", "kept"}``: ``kept`` is ``False`` when another whole copy
         of the part was there first (this one was discarded); ``host`` and ``pid`` say which worker built it.
+        When the storage failed under the part (an ``OSError`` writing or uploading it, not one of the
+        source's), ``storage_error`` holds that error and nothing of the part is kept: the driver decides
+        whether to try again.
     """
     t0 = time.perf_counter()
     start, stop = int(spec["start"]), int(spec["stop"])
     name = part_name(start, stop)
-    parts = spec["parts"]
+    upload = spec.get("upload")
+    out = {"name": name, "computed": 0, "seconds": 0.0, "host": socket.gethostname(), "pid": os.getpid(), "kept": False}
+    try:
+        if upload is not None:
+            with tempfile.TemporaryDirectory(prefix="nbkit-part-") as local:
+                out["kept"] = _build_here(spec, local, name, start, stop) and _upload(
+                    os.path.join(local, name), upload["url"], name, upload.get("storage_options"))
+        else:
+            out["kept"] = _build_here(spec, spec["parts"], name, start, stop)
+    except _FromSource as e:
+        raise e.error from None  # the source's own error, as the source raised it
+    except OSError as e:  # the storage under the part: reported, not raised (the driver retries it)
+        out["storage_error"] = _portable(e)
+        return out
+    out.update(computed=int(len(spec["todo"])) if out["kept"] else 0, seconds=time.perf_counter() - t0)
+    return out
+
+
+class _FromSource(Exception):
+    """Carries an ``OSError`` the source raised past the storage handler of :func:`build_part`."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _portable(e: OSError) -> OSError:
+    """``e`` if it survives pickling (it travels back to the driver), else an ``OSError`` with its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any failure to travel means: send the text
+        return OSError(e.errno, str(e))
+
+
+def _build_here(spec: dict, parts: str, name: str, start: int, stop: int) -> bool:
+    """Build the part into the local directory ``parts``; return whether this copy is the one kept."""
     makedirs(parts)
     if os.path.lexists(os.path.join(parts, name, fmt.META)):
-        return {"name": name, "computed": 0, "seconds": 0.0, "host": socket.gethostname(), "pid": os.getpid(), "kept": False}
+        return False
     cached = copy.copy(_dataset(spec))  # its own handle: builds in threads of one process never share a store
     todo = np.asarray(spec["todo"], dtype=np.int64)
     with Dir(parts) as p:
@@ -210,15 +247,47 @@ def build_part(spec: dict) -> dict:
         p.mkdir(stage, 0o700)
         claim(p.join(stage))
         try:
-            kept = _write(p, stage, name, cached, spec["meta"], start, stop, todo)
+            return _write(p, stage, name, cached, spec["meta"], start, stop, todo, hashes=spec.get("hashes", True))
         finally:
             release(p.join(stage))
             p.remove_tree(stage)  # nothing once renamed; else a failed or losing copy
-    return {"name": name, "computed": int(len(todo)), "seconds": time.perf_counter() - t0, "host": socket.gethostname(),
-            "pid": os.getpid(), "kept": kept}
 
 
-def _write(p: Dir, stage: str, name: str, cached, cache_meta: dict, start: int, stop: int, todo: np.ndarray) -> bool:
+def _upload(local: str, url: str, name: str, storage_options) -> bool:
+    """Upload the part directory ``local`` to ``<url>/<name>/``: data files first, ``nbkit.json`` last
+    (a part exists once that does); return ``False`` if a whole copy was there first."""
+    from ..transfer.remote import connect, remote_errors
+
+    fix = "run the build again once the storage answers: finished parts are kept"
+    doing = "uploading a part to"
+    fs, root = connect(url, storage_options, doing=doing, fix=fix, write=True)
+    dest = f"{root}/{name}"
+    with remote_errors(fs, url, doing, fix):
+        if fs.exists(f"{dest}/{fmt.META}"):
+            return False
+        names = sorted(fmt.read_meta(local)["part"]["files"])  # the part's files (not its lock files)
+        for n in names + [fmt.META]:
+            fs.put_file(os.path.join(local, n), f"{dest}/{n}")
+    return True
+
+
+def remote_parts(url: str, storage_options=None) -> list[tuple[int, int]]:
+    """``(start, stop)`` of every part uploaded whole (its ``nbkit.json`` there) under the parts URL
+    ``url``, in index order. What they hold is checked when they are composed."""
+    from ..transfer.remote import connect, remote_errors
+
+    fix = "run the build again once the storage answers"
+    doing = "listing the parts at"
+    fs, root = connect(url, storage_options, doing=doing, fix=fix)
+    with remote_errors(fs, url, doing, fix):
+        fs.invalidate_cache()
+        found = fs.glob(f"{root}/part-*/{fmt.META}")
+    bounds = (parse_part_name(f.rstrip("/").split("/")[-2]) for f in found)
+    return sorted(b for b in bounds if b is not None)
+
+
+def _write(p: Dir, stage: str, name: str, cached, cache_meta: dict, start: int, stop: int, todo: np.ndarray, *,
+           hashes: bool = True) -> bool:
     root = p.join(stage)
     meta = part_meta(cache_meta, start, stop)
     # heap.bin made now: CacheFiles only makes it once nbkit.json is published, which a part does last.
@@ -226,11 +295,16 @@ def _write(p: Dir, stage: str, name: str, cached, cache_meta: dict, start: int, 
         os.close(d.open(fmt.HEAP, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     store = PartStore(root, meta, start, writable=True, create=True)
     try:
-        with writing_into(cached, store):
+        with cached.writing_into(store):
             for s in range(0, len(todo), CHUNK_SAMPLES):
-                cached.compute_and_store(todo[s : s + CHUNK_SAMPLES])
+                try:
+                    cached.compute_and_store(todo[s : s + CHUNK_SAMPLES])
+                except OSError as e:
+                    if e is store.failed:
+                        raise
+                    raise _FromSource(e) from None  # the source's (a missing file of its own): not the part's storage
         store.sync()
-        files = {n: _digest(fd) for n, fd in store.data_fds().items()}
+        files = {n: _digest(fd) if hashes else {"size": os.fstat(fd).st_size} for n, fd in store.data_fds().items()}
     finally:
         store.close()
     meta["part"] = {"cache_generation": cache_meta["generation"], "cache_length": int(cache_meta["length"]),
@@ -288,11 +362,12 @@ class VerifiedPart:
 _SAME_FIELDS = ("schema", "columns", "fingerprint", "allow_pickle", "format", "version")
 
 
-def read_part(path: str, cache_meta: dict) -> VerifiedPart:
+def read_part(path: str, cache_meta: dict, *, hashes: bool = True) -> VerifiedPart:
     """Check the part at ``path`` against the cache ``cache_meta``, once and completely: its name,
     its metadata (:func:`nbkit.format.parse_meta`, then :data:`PART_SPEC`), the cache it belongs to
     (generation, length, schema, columns, fingerprint), its range, the size and SHA-256 of every
-    data file, and every sample's CRC (:func:`nbkit.format.verify_store`).
+    data file (``hashes=False``: the size; for the parts of this machine's own worker processes, where
+    the hash guards nothing the CRCs do not), and every sample's CRC (:func:`nbkit.format.verify_store`).
 
     Raises:
         PartRefused: naming the part and what is wrong; the caller removes it and computes the range again.
@@ -348,7 +423,13 @@ def read_part(path: str, cache_meta: dict) -> VerifiedPart:
         if set(fds) != set(info["files"]):
             refuse(f"its files are {sorted(fds)}, its manifest lists {sorted(info['files'])}")
         for n, fd in fds.items():
-            if _digest(fd) != info["files"][n]:
+            entry = info["files"][n]
+            if not hashes:  # the driver's own local workers: sizes here, every sample's CRC below
+                if os.fstat(fd).st_size != entry["size"]:
+                    refuse(f"{n} holds {os.fstat(fd).st_size} bytes, its manifest records {entry['size']} (damaged)")
+            elif "sha256" not in entry:
+                refuse(f"its manifest records no SHA-256 for {n} (a part of local workers, read here as untrusted)")
+            elif _digest(fd) != entry:
                 refuse(f"{n} does not match the size and SHA-256 its manifest records (damaged or modified)")
         try:
             stored = fmt.verify_store(files, where=path, fix="")
@@ -413,6 +494,6 @@ def sweep_builds(parts: str) -> list[str]:
                 swept.append(p.join(n))
             if swept:
                 p.sync()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         pass
     return swept

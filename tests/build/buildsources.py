@@ -65,3 +65,21 @@ def check_cache(path, src):
         assert ds.verify() == len(src)
         for i in range(len(src)):
             assert same(ds[i], src[i]), i
+
+
+class Costly(Dataset):
+    """MNIST-shaped (1x28x28 float32, a label) with ``cost_us`` microseconds of pure-Python work a
+    sample (a decode and resize stand-in): what the throughput measurements build."""
+
+    def __init__(self, n, cost_us):
+        self.n, self.cost = n, cost_us / 1e6
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        end = time.perf_counter() + self.cost
+        while time.perf_counter() < end:
+            pass
+        g = torch.Generator().manual_seed(i)
+        return torch.rand(1, 28, 28, generator=g), i % 10

@@ -18,20 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nbkit
 from nbkit.build import LocalEngine, run
 
-
-class Costly(torch.utils.data.Dataset):
-    def __init__(self, n, cost_us):
-        self.n, self.cost = n, cost_us / 1e6
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        end = time.perf_counter() + self.cost
-        while time.perf_counter() < end:
-            pass
-        g = torch.Generator().manual_seed(i)
-        return torch.rand(1, 28, 28, generator=g), i % 10
+from buildsources import Costly
 
 
 def main():

@@ -21,7 +21,7 @@ from nbkit.build.engine import ExecutorEngine
 from nbkit.build.part import build_part, list_parts, parts_dir
 from nbkit.progress import Callback
 
-from buildsources import Flagged, Named, Unpicklable, check_cache, make_named
+from buildsources import Flagged, Named, Unpicklable, check_cache, make_named, same
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 METHODS = [m for m in ("fork", "spawn", "forkserver") if m in mp.get_all_start_methods()]
@@ -210,3 +210,56 @@ def test_a_remote_or_sourceless_cache_is_refused(tmp_path):
     with nbkit.CachedDataset.open(str(tmp_path / "c")) as opened, threads() as engine:
         with pytest.raises(ValueError, match="without its source"):
             run(opened, engine)
+
+
+# -- warmup's needs: shards, unhashed local parts, writing_into ----------------------------------------
+
+
+def test_shards_build_disjoint_whole_parts_and_together_the_cache(tmp_path):
+    n = 100
+    ds = nbkit.CachedDataset(Named(n), str(tmp_path / "cache"))
+    with threads() as engine:
+        first = run(ds, engine, part_size=16, shard=(0, 2))
+        assert (first.computed, first.total, first.parts) == (52, 52, 4)  # parts 0, 2, 4, 6: [0,16) … [96,100)
+        assert set(ds.missing().tolist()) == {i for i in range(n) if (i // 16) % 2 == 1}
+        second = run(ds, engine, part_size=16, shard=(1, 2))
+    assert (second.computed, second.skipped) == (48, 0)
+    ds.close()
+    check_cache(ds.root, Named(n))
+
+
+def test_parts_of_local_workers_carry_no_sha256_and_are_still_checked(tmp_path):
+    from nbkit.build.part import PartRefused, read_part
+
+    ds = nbkit.CachedDataset(Named(32), str(tmp_path / "cache"))
+    spec = dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=16, todo=np.arange(16), meta=ds.store.meta,
+                source=("pickled", "t", pickle.dumps(ds)), hashes=False)
+    path = os.path.join(parts_dir(ds.root), build_part(spec)["name"])
+    read_part(path, ds.store.meta, hashes=False).close()
+    with pytest.raises(PartRefused, match="no SHA-256 for"):  # a driver that hashes never takes it unhashed
+        read_part(path, ds.store.meta)
+    with open(os.path.join(path, "col-0.bin"), "r+b") as f:
+        f.seek(7)
+        f.write(b"\x7f")
+    with pytest.raises(PartRefused, match="fail their checksum"):  # unhashed, a damaged byte is still found
+        read_part(path, ds.store.meta, hashes=False)
+    ds.close()
+
+
+def test_writing_into_leaves_the_cache_untouched(tmp_path):
+    from nbkit.build.part import PartStore, part_meta
+
+    ds = nbkit.CachedDataset(Named(20), str(tmp_path / "cache"))
+    ds.compute_and_store(np.array([0]))
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "heap.bin").touch()  # as a part build makes it: CacheFiles makes it only for a published cache
+    part = PartStore(str(tmp_path / "p"), part_meta(ds.store.meta, 8, 16), 8, writable=True, create=True)
+    with ds.writing_into(part):
+        ds.compute_and_store(np.arange(8, 12))
+        with pytest.raises(RuntimeError, match="already writing"):
+            with ds.writing_into(part):
+                pass
+    assert part.state.tolist()[:5] == [1, 1, 1, 1, 0]
+    assert ds.missing().tolist() == list(range(1, 20)) and same(ds[0], Named(20)[0])  # its own store again
+    part.close()
+    ds.close()
