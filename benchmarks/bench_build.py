@@ -54,6 +54,8 @@ MiB = 1 << 20
 #: The protocol may cost at most this much over today's warmup with as many workers (issue 29).
 TARGET_RATIO = 1.15
 WORKER_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: The projection's large build: ImageNet-1k's training split.
+BIG = 1_281_167
 
 
 def projected(parts: int, build: float, merge: float, workers: int) -> float:
@@ -83,6 +85,15 @@ def _builds(n_workers, engines):
     return out
 
 
+def _ready() -> int:
+    """A cluster's warm-up task (pickled by value by Dask's and Ray's cloudpickle)."""
+    import nbkit.build.part  # noqa: F401  (imports torch too)
+    import nbkit.dataset  # noqa: F401  (what unpickling the source's CachedDataset imports)
+
+    time.sleep(0.1)  # long enough that the tasks spread over every worker
+    return os.getpid()
+
+
 def start_clusters(names, n_workers) -> tuple[dict, dict]:
     """{label: engine} of the clusters asked for and installed, and {label: seconds to start}."""
     from nbkit.build.engine import engine_for
@@ -91,7 +102,10 @@ def start_clusters(names, n_workers) -> tuple[dict, dict]:
     for name in names:
         t0 = time.perf_counter()
         engines[name.capitalize()] = engine_for(name, workers=n_workers)
-        engines[name.capitalize()].submit(abs, -1).result()  # a first task: the workers are up
+        # The workers are up and have imported torch and nbkit (a spawned worker's first part would
+        # pay ~2 s of imports that a forked warmup worker inherits): part of a session's start.
+        for future in [engines[name.capitalize()].submit(_ready) for _ in range(4 * n_workers)]:
+            future.result()
         started[name.capitalize()] = time.perf_counter() - t0
     return engines, started
 
@@ -139,7 +153,8 @@ def throughput(work, n, cost, part_size, rounds, clusters) -> tuple[list[str], d
         if verdict != "reference":
             ratios[label] = ratio
         start = f"{starts[label]:.1f} s" if label in starts else "–"
-        rows.append(f"| {label} | {n_workers} | {t:.2f} s | {n / t:,.0f} | {ratio:.2f} | {verdict} | {start} |")
+        rows.append(f"| {label} | {n_workers} | {t:.2f} s | {n / t:,.0f} | {ratio:.2f} | {verdict} | {times[label][0]:.2f} s "
+                    f"| {start} |")
     return rows, ratios, medians
 
 
@@ -174,14 +189,22 @@ def part_costs(work, n, cost, part_size) -> dict:
             "part_bytes": statistics.median(sizes), "samples": part_size}
 
 
-def projection_rows(costs, measured: dict) -> list[str]:
+def projection_rows(costs, measured: dict, n: int, big: int, part_size: int) -> list[str]:
+    """Projected seconds against workers: this run's ``n`` (next to what was measured), and ``big``
+    samples with a local merge (the driver merges each part) and on gs:// (compose: no driver merge)."""
+    build, merge = costs["build"], costs["merge"]
+    parts, big_parts = math.ceil(n / part_size), math.ceil(big / part_size)
     rows = []
-    one = projected(costs["parts"], costs["build"], costs["merge"], 1)
     for w in WORKER_COUNTS:
-        t = projected(costs["parts"], costs["build"], costs["merge"], w)
         seen = f"{measured[w]:.2f} s" if w in measured else "–"
-        rows.append(f"| {w} | {t:.2f} s | {one / t:.1f}× | {seen} |")
+        local, remote = projected(big_parts, build, merge, w), projected(big_parts, build, 0.0, w)
+        rows.append(f"| {w} | {projected(parts, build, merge, w):.2f} s | {seen} | {_duration(local)} | "
+                    f"{_duration(remote)} |")
     return rows
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
 
 
 # -- 4. merge against cache size ---------------------------------------------------------------
@@ -346,11 +369,12 @@ def main(argv=None) -> int:
         f"`benchmarks/bench_build.py`: {n:,} MNIST-shaped samples (1×28×28 float32 and a label) with {args.cost:g} µs of "
         f"pure-Python work each, parts of {part_size}, fork; median of {rounds} interleaved round(s). The ratio is to "
         f"`warmup(num_workers=N)` with as many workers, measured in the same run; target ≤ {TARGET_RATIO}. A cluster's "
-        "start (paid once per session, not per build) is timed apart."
+        "start (paid once per session, not per build) is timed apart; its workers' first build also loads the source "
+        "(unpickled once per worker process): the first round shows it."
         + (f" Not run: {', '.join(skipped)}." if skipped else ""),
         "",
-        "| build | workers | time | samples/s | ratio to warmup | target | cluster start |",
-        "|---|---|---|---|---|---|---|",
+        "| build | workers | time | samples/s | ratio to warmup | target | first round | cluster start |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "### Per-part costs and a projection against worker count",
@@ -359,15 +383,16 @@ def main(argv=None) -> int:
         f"a worker in {costs['build'] * 1e3:,.0f} ms ({costs['build'] / costs['samples'] * 1e6:,.0f} µs a sample), "
         f"verified and merged by the driver in {costs['merge'] * 1e3:,.0f} ms "
         f"({costs['merge'] / costs['samples'] * 1e6:,.0f} µs a sample). With the driver merging one part at a time while "
-        f"the workers build, a build of {costs['parts']} parts takes about `max(parts / W × build, parts × merge) + "
+        f"the workers build, a build of P parts takes about `max(ceil(P / W) × build, P × merge) + "
         f"build + merge`: the local merge bounds it past W ≈ {costs['build'] / costs['merge']:.0f} workers. A gs:// "
         "cache is merged by server-side compose instead (no per-sample driver work: the table below), so there the "
         "workers and the storage bound it. Measured: `LocalEngine` with 1 and 2 workers above (2 shared cores here: "
         "more workers than cores cannot be measured on this machine).",
         "",
-        "| workers | projected | speedup | measured |",
-        "|---|---|---|---|",
-        *projection_rows(costs, measured),
+        f"| workers | {n:,} samples, projected | measured (`LocalEngine`) | {BIG:,} samples (ImageNet-1k's size), "
+        "local merge | the same on gs:// (compose: no per-part driver merge) |",
+        "|---|---|---|---|---|",
+        *projection_rows(costs, measured, n, BIG, part_size),
         "",
         "### Merge against cache size",
         "",
