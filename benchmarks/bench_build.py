@@ -87,8 +87,10 @@ def _builds(n_workers, engines):
 
 def _ready() -> int:
     """A cluster's warm-up task (pickled by value by Dask's and Ray's cloudpickle)."""
-    import nbkit.build.part  # noqa: F401  (imports torch too)
-    import nbkit.dataset  # noqa: F401  (what unpickling the source's CachedDataset imports)
+    import importlib
+
+    for module in ("nbkit.build.part", "nbkit.dataset"):  # torch, and what unpickling the source's CachedDataset imports
+        importlib.import_module(module)
 
     time.sleep(0.1)  # long enough that the tasks spread over every worker
     return os.getpid()
