@@ -454,9 +454,10 @@ def test_05_builds_the_mnist_cache_on_a_local_cluster(tmp_path, engine):
     path, out = execute("05_build_on_a_cluster", tmp_path, engine_name=engine)
     said = flat(out)
     assert "Using offline MNIST-format stand-in data (3,000 samples)" in said
-    assert f"{engine}: 2 workers ready in " in said
+    name = {"dask": "dask", "processes": "local processes"}[engine]  # the engine's own name
+    assert f"{name}: 2 workers ready in " in said
     # 3,000 samples in parts of 512: 6 parts, all built now, every sample computed once.
-    assert re.search(rf"built: 3,000 samples computed in 6 parts by 2 {engine} workers in [\d.]+ s", said), said
+    assert re.search(rf"built: 3,000 samples computed in 6 parts by 2 workers \({name}\) in [\d.]+ s", said), said
     assert "cache complete: True (3,000 of 3,000 samples" in said
     assert "verified: every one of 3,000 samples matches its checksum" in said
     assert said.count("equal to the source: True") == 3 and "equal to the source: False" not in said
