@@ -361,7 +361,8 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    skipped = [f"{c} (not installed: pip install 'nbkit-cache[{c}]')" for c in ("dask", "ray") if not have[c]]
+    install = {"dask": "pip install 'dask[distributed]'", "ray": "pip install ray"}
+    skipped = [f"{c} (not installed: {install[c]})" for c in ("dask", "ray") if not have[c]]
     if "ray" not in clusters and have["ray"]:
         skipped.append("ray (--quick or --no-ray)")
     lines = [

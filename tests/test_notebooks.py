@@ -450,7 +450,7 @@ def test_05_builds_the_mnist_cache_on_a_local_cluster(tmp_path, engine):
     cache part by part; the result verifies, equals the source, and a second run computes nothing.
     Ray's local instance (~15 s, 1 GiB) is tested in tests/build/test_ray.py, not here."""
     if engine == "dask":
-        pytest.importorskip("distributed", reason="pip install 'nbkit-cache[dask]' (make setup installs it)")
+        pytest.importorskip("distributed", reason="pip install 'dask[distributed]' (make setup installs it)")
     path, out = execute("05_build_on_a_cluster", tmp_path, engine_name=engine)
     said = flat(out)
     assert "Using offline MNIST-format stand-in data (3,000 samples)" in said
