@@ -471,3 +471,6 @@ def test_05_builds_the_mnist_cache_on_a_local_cluster(tmp_path, engine):
     lines = [ln for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("name") == "stdout"
              for ln in o["text"].splitlines()]
     assert lines and all(len(ln) <= 40 or " " not in ln for ln in lines if not ln.startswith("Using ")), lines
+    # Nothing on stderr: a cluster's log lines (Dask's nanny at close) would overflow a narrow output.
+    errors = [o["text"] for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("name") == "stderr"]
+    assert errors == [], errors
