@@ -1,14 +1,16 @@
 """The ``nbkit`` command line (also ``python -m nbkit``): the caches on this machine and the
 operations on one cache, over the same functions a notebook calls.
 
-Commands: ``ls``, ``info``, ``verify``, ``export``, ``import``, ``push``, ``pull``, ``rm``, ``prune``.
+Commands: ``ls``, ``info``, ``verify``, ``export``, ``import``, ``push``, ``pull``, ``rm``, ``prune``,
+and ``build`` (fill a cache with the workers of an engine: local processes, a Ray or Dask cluster).
 Each takes ``--json`` (one JSON document on stdout) and ``--debug`` (a traceback on failure).
 Exit codes: 0 done; 1 the operation failed or found a problem (a damaged cache, a refusal, a
-network error: one line on stderr says what and the fix); 2 the command line is wrong.
+network error: one line on stderr says what and the fix); 2 the command line is wrong; 130
+interrupted (a build stopped by Ctrl-C keeps every finished part: the same command resumes it).
 Long operations show a progress line on stderr when it is a terminal (``--progress`` forces it).
 Parsing the command line imports nothing of nbkit's engine: each command imports what it uses, and
-none imports torch (``tests/test_cli_imports.py``): a cache is listed, checked, copied and removed
-without reading a sample into a tensor.
+none but ``build`` (which computes samples) imports torch (``tests/test_cli_imports.py``): a cache is
+listed, checked, copied and removed without reading a sample into a tensor.
 
 Example:
     >>> import tempfile
@@ -29,9 +31,9 @@ import sys
 
 from .text import Table, fill, format_bytes, format_count, format_seconds, plural, printable, speaking_to
 
-__all__ = ["main", "parse_size", "parse_duration", "OK", "FAILED", "USAGE"]
+__all__ = ["main", "parse_size", "parse_duration", "parse_source", "OK", "FAILED", "USAGE", "INTERRUPTED"]
 
-OK, FAILED, USAGE = 0, 1, 2
+OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgtp]?)(i?)b?\s*\Z", re.I)
 _DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(s|m|h|d|w)?\s*\Z", re.I)
@@ -41,6 +43,8 @@ _MAX_SECONDS = 100 * 365.25 * 86400
 #: ``nbkit ls --max-depth``'s default: :data:`nbkit.disk.MAX_DEPTH`, written here so that parsing the
 #: command line imports nothing (tests/test_cli.py checks that they agree).
 LS_MAX_DEPTH = 6
+#: ``nbkit build --part-size``'s default: :data:`nbkit.build.plan.DEFAULT_PART_SIZE`, written here for the same reason.
+BUILD_PART_SIZE = 4096
 
 
 def parse_size(text: str) -> int:
@@ -75,6 +79,24 @@ def parse_duration(text: str) -> float:
     if not seconds < _MAX_SECONDS:  # also inf, from a number too long for a float
         raise argparse.ArgumentTypeError(f"{text!r} is longer than a century: write it like 7d, 12h, 30m or 45s")
     return seconds
+
+
+_SOURCE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\s*\Z")
+
+
+def parse_source(text: str) -> tuple:
+    """``"my_data:make_train"`` → ``("my_data", "make_train")``: a module and a callable in it, as
+    ``python -m``, uvicorn and gunicorn name one (``pkg.mod:Class.method`` also reads).
+
+    Example:
+        >>> parse_source("my_data:make_train"), parse_source("torchvision.datasets:MNIST")
+        (('my_data', 'make_train'), ('torchvision.datasets', 'MNIST'))
+    """
+    m = _SOURCE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:CALLABLE: name the function that returns your dataset, "
+                                         "e.g. my_data:make_train for `def make_train(): ...` in my_data.py")
+    return m.group(1), m.group(2)
 
 
 def _option(text: str) -> tuple:
@@ -315,6 +337,76 @@ def _pull(args) -> int:
     return _copy(args, "pull", args.url, args.path)
 
 
+def _load_source(spec: tuple):
+    """The callable ``module:name`` names: imported as ``python -m`` would (this directory first), so
+    the user's own module runs here (and, imported again, in every worker)."""
+    import importlib
+
+    module_name, attr = spec
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the console script lacks what `python -m` gives: modules beside you
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):
+            raise  # the user's module imports something missing: its own error says what
+        raise ModuleNotFoundError(f"no module {module_name!r} to take the source from (looked in {os.getcwd()} and "
+                                  "on PYTHONPATH): run nbkit build where the module is, or add its folder to PYTHONPATH",
+                                  name=e.name) from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise LookupError(f"{module_name} has no {attr!r}: SOURCE names a callable in the module that returns "
+                              f"your dataset, e.g. {module_name}:make_train") from e
+    if not callable(obj):
+        raise TypeError(f"{module_name}:{attr} is not callable (it is {printable(repr(obj))[:60]}): SOURCE names a function "
+                        "(or class) that returns your dataset, e.g. `def make_train(): return MyDataset(...)`")
+    return obj
+
+
+def _build(args) -> int:
+    import dataclasses
+    import signal
+
+    from .build import run
+    from .build.engine import engine_for
+    from .dataset import CachedDataset
+    from .progress import NoOpCallback
+
+    make = _load_source(args.source)
+    engine = engine_for(args.engine, workers=args.workers, address=args.address)  # before the source: a bad engine fails fast
+    try:
+        cached = CachedDataset(make(), args.cache)
+    except BaseException:
+        engine.close()
+        raise
+    cb = _progress(args, "build") or NoOpCallback()
+
+    def stop(signum, frame):
+        if cb.should_stop():
+            raise KeyboardInterrupt  # a second Ctrl-C: quit now (finished parts are still kept)
+        cb.request_stop()
+        print(("\n" if sys.stderr.isatty() else "") + "nbkit build: stopping: cancelling the parts not yet built, keeping "
+              "every finished one (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        # The callable, not the dataset, travels: each worker makes its own source (nothing to pickle).
+        report = run(cached, engine, part_size=args.part_size, callback=cb, factory=make)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        engine.close()
+        _done(cb)
+        cached.close()
+    data = {"path": args.cache, "engine": engine.name, **dataclasses.asdict(report)}
+    _emit(args, data, f"{args.cache}: {report}")
+    if report.stopped:
+        print("nbkit build: stopped; every finished part is kept: run the same command again to resume", file=sys.stderr)
+        return INTERRUPTED
+    return OK
+
+
 def _removals(args, removed: list, verb: str, why_nothing: str | None = None) -> int:
     freed = sum(r.bytes for r in removed)
     lines = [f"{'would remove' if args.dry_run else verb} {r.path} ({format_bytes(r.bytes)} on disk)"
@@ -364,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("-o", "--option", dest="options", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="a storage option for fsspec (repeat), e.g. -o endpoint_url=http://127.0.0.1:4443")
     parser = argparse.ArgumentParser(
-        prog="nbkit", description="See, check, copy and tidy nbkit caches.",
+        prog="nbkit", description="Build, see, check, copy and tidy nbkit caches.",
         epilog="Exit codes: 0 done, 1 the operation failed (message on stderr), 2 bad command line. "
                "Working copies of remote caches live in $NBKIT_CACHE_DIR (default ~/.cache/nbkit).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -399,6 +491,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("rm", _rm, "remove cache directories (never one in use, never through a link)")
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p = command("build", _build, "fill a cache with the workers of an engine (processes, ray, dask); resumable",
+                description="Fill the cache at CACHE with every sample of the dataset SOURCE returns, computed in parts by "
+                            "the workers of an engine: local processes, or a Ray or Dask cluster (--address). SOURCE is "
+                            "MODULE:CALLABLE, your own code: nbkit imports MODULE (from this directory or PYTHONPATH) and "
+                            "calls CALLABLE() here and in every worker, which must import it too. Ctrl-C stops: every "
+                            "finished part is kept, and the same command resumes.")
+    p.add_argument("source", type=parse_source, metavar="SOURCE",
+                   help="MODULE:CALLABLE returning the dataset, e.g. my_data:make_train (runs your code)")
+    p.add_argument("cache", metavar="CACHE", help="the cache directory to fill")
+    p.add_argument("--engine", choices=("processes", "ray", "dask"), default="processes",
+                   help="what runs the parts (default %(default)s; ray and dask: pip install 'nbkit-cache[ray]' / '[dask]')")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="worker processes (default: one per CPU; on a cluster: parts run at once)")
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="join this cluster instead of starting a local one (ray: auto or ray://host:10001; dask: tcp://host:8786)")
+    p.add_argument("--part-size", type=int, default=BUILD_PART_SIZE, metavar="N", help="samples per part (default %(default)s)")
     p = command("prune", _prune, "remove working copies in $NBKIT_CACHE_DIR unused for a while or beyond a size")
     p.add_argument("--older-than", type=parse_duration, metavar="AGE", help="unused for AGE (7d, 12h, 30m)")
     p.add_argument("--max-size", type=parse_size, metavar="SIZE", help="keep at most SIZE (10GB), least recently used go first")

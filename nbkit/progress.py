@@ -9,7 +9,9 @@ nbkit's long operations (warmup, verify, export, import, push, pull), which call
 callback (fill the cache in samples, then upload it in bytes) says so with
 :meth:`Callback.start_phase`. Front ends (the notebook panel, :class:`TextProgress`) only render
 what a callback holds: its size, value, phase, unit, :meth:`~Callback.rate` and
-:meth:`~Callback.eta`.
+:meth:`~Callback.eta`. An operation run by several workers (a build on an engine: processes, a Ray or
+Dask cluster, many hosts) also reports who did what through :meth:`Callback.set_workers`: a
+:class:`Workers` snapshot of parts done of all and each worker's samples and rate, naming the slowest.
 
 Example:
     >>> from nbkit.progress import Callback, Job
@@ -24,16 +26,90 @@ Example:
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from fsspec.callbacks import Callback as _FsspecCallback
 
-from .text import format_amount, format_rate, format_seconds, printable
+from .text import NARROW_COLUMNS, fill, format_amount, format_count, format_rate, format_seconds, in_kernel, plural, printable
 
-__all__ = ["Callback", "TextProgress", "NoOpCallback", "as_callback", "Job", "JobState"]
+__all__ = ["Callback", "TextProgress", "NoOpCallback", "as_callback", "Job", "JobState", "Workers", "WorkerRate"]
+
+
+@dataclass(frozen=True)
+class WorkerRate:
+    """What one worker of a build has done: parts, samples, and the seconds it spent on them.
+
+    Attributes:
+        worker: who it is: ``"host:pid"`` (a process on a machine: the same on every engine).
+        parts: parts it built that were merged.
+        samples: samples in those parts.
+        seconds: seconds it spent building them (its busy time, not the wall time).
+
+    Example:
+        >>> WorkerRate("host:4242", parts=2, samples=600, seconds=2.0).rate
+        300.0
+    """
+
+    worker: str
+    parts: int = 0
+    samples: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """Samples a second while it worked (0.0 before its first part)."""
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Workers:
+    """A snapshot of a build across its workers and hosts: parts done of all, and one
+    :class:`WorkerRate` per worker. Immutable, so a front end on another thread reads a consistent
+    one; :meth:`record` gives the next snapshot.
+
+    Example:
+        >>> w = Workers(parts_total=4).record("a:1", 100, 1.0).record("b:2", 100, 4.0).record("a:1", 100, 1.0)
+        >>> w.parts_done, w.parts_total, [(r.worker, r.rate) for r in w.rows], w.slowest.worker
+        (3, 4, [('a:1', 100.0), ('b:2', 25.0)], 'b:2')
+        >>> w.text()
+        'parts 3/4 · 2 workers · slowest: b:2 25/s'
+    """
+
+    parts_done: int = 0
+    parts_total: int = 0
+    rows: tuple = ()
+
+    def record(self, worker: str, samples: int, seconds: float) -> "Workers":
+        """The snapshot after ``worker`` finished a part of ``samples`` samples in ``seconds``."""
+        rows, found = [], False
+        for r in self.rows:
+            if r.worker == worker:
+                r, found = replace(r, parts=r.parts + 1, samples=r.samples + int(samples), seconds=r.seconds + float(seconds)), True
+            rows.append(r)
+        if not found:
+            rows.append(WorkerRate(worker, 1, int(samples), float(seconds)))
+        return replace(self, parts_done=self.parts_done + 1, rows=tuple(rows))
+
+    @property
+    def slowest(self) -> WorkerRate | None:
+        """The worker with the lowest rate, once two or more have finished a part (``None`` before)."""
+        working = [r for r in self.rows if r.seconds > 0]
+        return min(working, key=lambda r: r.rate) if len(working) >= 2 else None
+
+    def text(self) -> str:
+        """One line: ``parts 3/10 · 2 workers · slowest: host:pid 300/s``."""
+        units = [f"parts {format_count(self.parts_done)}/{format_count(self.parts_total)}"]
+        if self.rows:
+            units.append(plural(len(self.rows), "worker"))
+        slowest = self.slowest
+        if slowest is not None:
+            units.append(f"slowest: {printable(slowest.worker)} {format_count(slowest.rate)}/s")
+        return " · ".join(units)
 
 
 class Callback(_FsspecCallback):
@@ -46,6 +122,7 @@ class Callback(_FsspecCallback):
         phase: the named step of the operation, e.g. ``"warmup"`` then ``"publish"``.
         unit: what ``size`` and ``value`` count: ``"samples"`` or ``"bytes"``.
         stop_requested: set by :meth:`request_stop`; long operations stop at the next unit.
+        workers: the last :class:`Workers` snapshot of an operation run by several workers, else ``None``.
 
     Example:
         >>> cb = Callback(phase="warmup")
@@ -67,6 +144,7 @@ class Callback(_FsspecCallback):
         self.stop_requested = False
         self.phase = phase
         self.unit = unit
+        self.workers = None
         self._restart_clock()
 
     def _restart_clock(self) -> None:
@@ -131,6 +209,13 @@ class Callback(_FsspecCallback):
     def set_description(self, text: str) -> None:
         """Say what the operation does now and let the front end re-render."""
         self.description = text
+        self.call()
+
+    def set_workers(self, workers: Workers) -> None:
+        """Say who does the work (an operation run by several workers: parts done of all, each
+        worker's rate, the slowest) and let the front end re-render. Operations run in one process
+        never call it."""
+        self.workers = workers
         self.call()
 
 
@@ -303,9 +388,20 @@ class TextProgress(Callback):
         parts.append(format_rate(self.rate(), self.unit))
         eta = self.eta()
         parts.append(f"ETA {format_seconds(eta)}" if eta is not None and not self.finished else format_seconds(self.elapsed()))
-        if self.description:
+        if self.workers is not None:
+            parts.append(self.workers.text())  # parts done of all, the workers, the slowest: what the description said, and more
+        elif self.description:
             parts.append(printable(self.description))  # it may name a tar or a URL
         return "  ".join(parts)
+
+    def _fit(self, text: str) -> str:
+        """``text`` as this stream shows it: cut to one row of a terminal (a line redrawn with ``\\r``
+        must not wrap), in lines of :data:`~nbkit.text.NARROW_COLUMNS` in a notebook (as
+        :func:`nbkit.text.say`), whole into a log."""
+        if self._tty:
+            width = _columns(self.file)
+            return text if width is None or len(text) < width else text[: max(width - 2, 1)] + "…"
+        return fill(text, NARROW_COLUMNS) if in_kernel() else text
 
     def call(self, *args, **kwargs):
         if self._closed:
@@ -314,7 +410,7 @@ class TextProgress(Callback):
         if self._tty:
             if not self.finished and self._last_print is not None and now - self._last_print < self.min_interval:
                 return
-            text = self.line()
+            text = self._fit(self.line())
             if text != self._open:  # the same text again (a finished phase's last calls) is not redrawn
                 self._draw(now, text)
         elif self._log_due(now):
@@ -342,7 +438,7 @@ class TextProgress(Callback):
 
     def _print(self, now: float, text: str) -> None:
         self._last_print, self._drawn_phase, self._printed = now, True, True
-        print(text, file=self.file, flush=True)
+        print(self._fit(text), file=self.file, flush=True)
 
     def _end_line(self) -> None:
         """End this phase's line with its final state: once, whether it finished or stopped."""
@@ -350,7 +446,7 @@ class TextProgress(Callback):
             return  # a phase that did nothing (connecting, a step with no work): the next line takes its place
         if self._tty:
             if self._open:
-                text = self.line()
+                text = self._fit(self.line())
                 pad = " " * max(0, len(self._open) - len(text))
                 print("\r" + text + pad, file=self.file, flush=True)
                 self._open = ""
@@ -372,6 +468,18 @@ class TextProgress(Callback):
             else:  # a run that never reported still ends with one line: its state
                 self._print(self.clock(), self.line())
             self._closed = True
+
+
+def _columns(stream) -> int | None:
+    """The width of the terminal ``stream`` writes to (``$COLUMNS`` first), or ``None`` if unknown."""
+    try:
+        return int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        pass
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or None
+    except (AttributeError, OSError, ValueError):
+        return None  # not a real file (a StringIO that says it is a terminal), or no terminal after all
 
 
 class JobState(str, enum.Enum):

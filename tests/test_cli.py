@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixtures_clusters import dask_engine
 from fixtures_gcs import gcs, gcs_server
 from torch.utils.data import TensorDataset
 
@@ -477,3 +478,152 @@ def test_long_commands_print_one_final_line_per_phase_in_its_unit(tmp_path, env)
         assert len(lines) == len(set(lines)), (name, lines)  # no line printed twice
         percents = [float(p[:-1]) for line in lines for p in line.split() if p.endswith("%")]
         assert all(0 <= p <= 100 for p in percents), (name, lines)
+
+
+# -- nbkit build -------------------------------------------------------------------------------------
+
+GATED_SOURCE = '''
+import os, time
+import torch
+from torch.utils.data import Dataset
+
+GATE = {gate!r}
+
+
+class Gated(Dataset):
+    """128 samples; sample 70 (in the third part of 32) waits for GATE + ".go" once it exists."""
+
+    def __len__(self):
+        return 128
+
+    def __getitem__(self, i):
+        if not 0 <= i < 128:
+            raise IndexError(i)
+        if i == 70 and not os.path.exists(GATE + ".go"):
+            open(GATE, "w").close()
+            while not os.path.exists(GATE + ".go"):
+                time.sleep(0.02)
+        return torch.full((3,), float(i)), i % 10
+
+
+def make():
+    return Gated()
+'''
+
+
+def _stored(path) -> int:
+    with nbkit.CachedDataset.open(str(path)) as ds:
+        return len(ds) - len(ds.missing())
+
+
+def _same_as(path, source) -> None:
+    with nbkit.CachedDataset.open(str(path)) as ds:
+        assert len(ds.missing()) == 0 and ds.verify() == len(source)
+        for i in range(len(source)):
+            a, b = ds[i], source[i]
+            assert torch.equal(a[0], b[0]) and int(a[1]) == int(b[1]), i
+
+
+def test_build_part_size_default_is_the_drivers():
+    from nbkit.build.plan import DEFAULT_PART_SIZE
+    from nbkit.cli import BUILD_PART_SIZE
+
+    assert BUILD_PART_SIZE == DEFAULT_PART_SIZE
+
+
+def test_build_with_worker_processes_shows_each_worker_and_fills_the_cache(tmp_path, env):
+    from sources import TupleSource
+
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    cache = tmp_path / "c"
+    out = ok(nbkit_cli(env, "build", "sources:TupleSource", cache, "--workers", "2", "--part-size", "25", "--progress"))
+    assert out.stdout.startswith(f"{cache}: build done: 100 computed") and "4 parts merged" in out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("build  100/100  100.0%") and "parts 4/4 · " in lines[-1], out.stderr
+    assert any("parts 1/4 · 1 worker" in ln for ln in lines), out.stderr
+    _same_as(cache, TupleSource())
+    again = json.loads(ok(nbkit_cli(env, "build", "sources:TupleSource", cache, "--json")).stdout)
+    assert (again["computed"], again["skipped"], again["engine"]) == (0, 100, "local processes")
+
+
+def test_build_refuses_a_source_that_names_no_callable(tmp_path, monkeypatch, capsys):
+    from nbkit.cli import main
+
+    (tmp_path / "mine.py").write_text("NOT_A_FUNCTION = 3\n\ndef never_called():\n    raise AssertionError\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])  # as the console script has it
+    monkeypatch.setitem(sys.modules, "mine", None)
+    del sys.modules["mine"]  # imported fresh from this directory, and forgotten after the test
+
+    def error(*args):
+        assert main(["build", *args, str(tmp_path / "c")]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("nbkit build: error: ")
+        return lines[0]
+
+    assert main(["build", "mine", str(tmp_path / "c")]) == 2  # not MODULE:CALLABLE: a usage error
+    assert "'mine' is not MODULE:CALLABLE" in capsys.readouterr().err
+    assert "mine has no 'make'" in error("mine:make")
+    assert "mine:NOT_A_FUNCTION is not callable (it is 3)" in error("mine:NOT_A_FUNCTION")
+    assert "no module 'absent_module'" in error("absent_module:make")
+    assert "joins no cluster" in error("mine:never_called", "--address", "tcp://x:1")  # refused before the source runs
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_ctrl_c_stops_the_build_keeps_finished_parts_and_the_same_command_resumes(tmp_path, env):
+    import signal
+
+    gate = tmp_path / "gate"
+    (tmp_path / "gated_source.py").write_text(GATED_SOURCE.format(gate=str(gate)))
+    cache = tmp_path / "c"
+    command = [sys.executable, "-m", "nbkit", "build", "gated_source:make", str(cache), "--workers", "2", "--part-size", "32"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a shell runs a command
+    try:
+        deadline = time.monotonic() + 120
+        while not gate.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert gate.exists(), proc.communicate(timeout=10)
+        while time.monotonic() < deadline and _stored(cache) < 96:  # the other worker builds the fourth part meanwhile
+            time.sleep(0.1)
+        assert _stored(cache) == 96
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group, workers too (they leave it to the driver)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (stdout, stderr)
+    assert "stopping: cancelling the parts not yet built" in stderr and "run the same command again to resume" in stderr
+    assert "Traceback" not in stderr and "build stopped: 96 computed" in stdout
+    assert _stored(cache) == 96  # every finished part kept
+    assert not os.path.exists(str(cache) + ".parts")  # the killed build's staging swept; nothing half-built left
+
+    (tmp_path / "gate.go").touch()
+    out = subprocess.run(command + ["--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert (report["computed"], report["skipped"], report["stopped"]) == (32, 96, False)  # only the missing part
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gated_source", tmp_path / "gated_source.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _same_as(cache, module.make())
+
+
+def test_build_on_a_dask_cluster_the_test_started(tmp_path, env, dask_engine):
+    from sources import TupleSource
+
+    address = dask_engine.client.scheduler.address
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    cache = tmp_path / "c"
+    out = ok(nbkit_cli(env, "build", "sources:TupleSource", cache, "--engine", "dask", "--address", address,
+                       "--part-size", "20", "--progress", "--json"))
+    report = json.loads(out.stdout)
+    assert (report["engine"], report["computed"], report["parts"], report["stopped"]) == ("dask", 100, 5, False)
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("build  100/100  100.0%") and "parts 5/5 · " in last, out.stderr
+    worker_pids = set(dask_engine.client.run(os.getpid).values())
+    assert any(f":{pid}" in out.stderr for pid in worker_pids), (worker_pids, out.stderr)  # the cluster's workers did it
+    _same_as(cache, TupleSource())
+    assert dask_engine.client.status == "running"  # joined, not closed: the cluster stays the test's

@@ -57,7 +57,7 @@ def env(tmp_path):
 
 
 def test_help_loads_neither_torch_nor_numpy(env):
-    for args in (["--help"], ["ls", "--help"], ["verify", "--help"]):
+    for args in (["--help"], ["ls", "--help"], ["verify", "--help"], ["build", "--help"]):
         assert run(env, *args) == {"rc": 0, "loaded": []}, args
 
 

@@ -1,15 +1,20 @@
 """Progress callbacks: fsspec-compatible, stoppable, and a plain text line for terminals."""
 
 import io
+import os
 import re
+import socket
+import tempfile
 import threading
 import time
 
+import numpy as np
 import pytest
 from fsspec.callbacks import Callback as FsspecCallback
 
-from nbkit.progress import Callback, Job, JobState, TextProgress, as_callback
+from nbkit.progress import Callback, Job, JobState, TextProgress, Workers, as_callback
 from nbkit.text import format_seconds
+from sources import TupleSource
 
 
 def test_callback_is_an_fsspec_callback_with_a_stop_flag():
@@ -351,3 +356,118 @@ def test_text_progress_ends_each_phase_once_and_its_last_line_is_not_printed_twi
     t.set_description("pushed")
     t.close()
     assert term.getvalue().count("\n") == 1 and term.getvalue().endswith("pushed\n")
+
+
+# -- a build run by several workers: Workers, set_workers, and how TextProgress shows them ------------
+
+
+class _SlowSource(TupleSource):
+    """Each sample takes a moment, so both workers of a pool get parts."""
+
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return super().__getitem__(i)
+
+
+class _WorkersRecorder(Callback):
+    def __init__(self):
+        super().__init__()
+        self.snapshots = []
+
+    def set_workers(self, workers):
+        self.snapshots.append((workers, self.value))
+        super().set_workers(workers)
+
+
+def test_workers_aggregate_parts_samples_and_rates_and_name_the_slowest():
+    w = Workers(parts_total=5)
+    assert (w.slowest, w.text()) == (None, "parts 0/5")
+    w = w.record("h1:10", 100, 0.5).record("h1:11", 100, 2.0).record("h2:10", 50, 0.1)
+    assert w.parts_done == 3 and [r.worker for r in w.rows] == ["h1:10", "h1:11", "h2:10"]  # host+pid: two hosts, same pid
+    assert [r.rate for r in w.rows] == [200.0, 50.0, 500.0]
+    assert w.slowest.worker == "h1:11" and w.text() == "parts 3/5 · 3 workers · slowest: h1:11 50/s"
+    one = Workers(parts_total=2).record("h:1", 10, 1.0)
+    assert one.slowest is None and one.text() == "parts 1/2 · 1 worker"  # no "slowest" of one
+    assert Workers(parts_total=1).record("h:1", 0, 0.0).rows[0].rate == 0.0  # a part found already built
+
+
+def test_set_workers_is_part_of_every_callback_and_of_plain_fsspec_ones():
+    for cb in (Callback(), as_callback(None), as_callback(FsspecCallback())):
+        assert cb.workers is None
+        cb.set_workers(Workers(parts_total=3).record("h:1", 5, 1.0))
+        assert cb.workers.parts_done == 1
+
+
+def test_text_progress_shows_parts_workers_and_the_slowest():
+    out, clock = io.StringIO(), _Clock()
+    p = TextProgress("build", file=out, clock=clock)
+    p.set_size(1000)
+    p.set_description("building: 0 of 4 parts merged")
+    p.set_workers(Workers(parts_total=4))
+    clock.now = 1.0
+    p.set_workers(Workers(parts_total=4).record("hostA:7", 250, 0.5).record("hostB:9", 250, 1.0))
+    p.relative_update(500)
+    p.close()
+    last = out.getvalue().splitlines()[-1]
+    assert last.startswith("build  500/1,000   50.0%  500 samples/s")
+    assert last.endswith("parts 2/4 · 2 workers · slowest: hostB:9 250/s")  # the parts say what the description said
+    assert "building:" not in last
+
+
+def test_text_progress_fits_one_terminal_row_and_a_notebook_column(monkeypatch):
+    import nbkit.progress as progress
+
+    workers = Workers(parts_total=40).record("a-rather-long-host-name.internal:12345", 10, 1.0).record("b:1", 10, 2.0)
+    monkeypatch.setenv("COLUMNS", "50")
+    out, clock = _Terminal(), _Clock()
+    p = TextProgress("build", file=out, clock=clock)
+    p.set_size(100)
+    p.set_workers(workers)
+    clock.now = 1.0
+    p.relative_update(20)
+    p.close()
+    rows = [r for line in out.getvalue().split("\n") for r in line.split("\r") if r.strip()]
+    assert rows and all(len(r.rstrip()) <= 49 for r in rows), rows  # redrawn in place: never wraps
+    assert rows[-1].rstrip().endswith("…")
+
+    monkeypatch.setattr(progress, "in_kernel", lambda: True)
+    out = io.StringIO()
+    p = TextProgress("build", file=out, clock=clock)
+    p.set_size(100)
+    p.set_workers(workers)
+    p.relative_update(20)
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 28 for line in lines if "/" not in line or " " in line), lines
+    assert "slowest: b:1 5/s" in " ".join(out.getvalue().split())  # every word there, wrapped between words
+
+
+def test_a_build_on_two_worker_processes_reports_each_worker_and_parts_done():
+    import multiprocessing as mp
+
+    import nbkit
+    from nbkit.build import LocalEngine, run
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("needs fork (the source is defined in this test module)")
+    n, part = 240, 30
+    with tempfile.TemporaryDirectory() as d:
+        ds = nbkit.CachedDataset(_SlowSource(n), d)
+        ds.compute_and_store(np.arange(0, 30))  # the first part is cached already: planned parts are 7
+        cb = _WorkersRecorder()
+        with LocalEngine(2, multiprocessing_context="fork") as engine:
+            report = run(ds, engine, part_size=part, callback=cb)
+        ds.close()
+    assert report.computed == n - 30 and report.parts == 7
+    first, last = cb.snapshots[0][0], cb.snapshots[-1][0]
+    assert (first.parts_done, first.parts_total, first.rows) == (0, 7, ())
+    assert (last.parts_done, last.parts_total) == (7, 7)
+    assert [s.parts_done for s, _ in cb.snapshots] == list(range(8))  # one snapshot per merged part, in order
+    assert sum(r.samples for r in last.rows) == n - 30 and sum(r.parts for r in last.rows) == 7
+    host = socket.gethostname()
+    pids = {int(r.worker.rpartition(":")[2]) for r in last.rows}
+    assert all(r.worker.startswith(host + ":") for r in last.rows) and os.getpid() not in pids  # the workers, not the driver
+    assert 1 <= len(last.rows) <= 2 and all(r.rate > 0 for r in last.rows)
+    if len(last.rows) == 2:
+        assert last.slowest is min(last.rows, key=lambda r: r.rate)
+    assert cb.workers is last

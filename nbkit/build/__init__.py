@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from ..extras import lazy_names
 
-__all__ = ["Engine", "ExecutorEngine", "LocalEngine", "BuildReport", "run", "read_part", "VerifiedPart", "PartRefused"]
+__all__ = ["Engine", "ExecutorEngine", "LocalEngine", "BuildReport", "run", "read_part", "VerifiedPart", "PartRefused",
+           "run_ranks", "RanksIncomplete"]
 
 __getattr__, __dir__ = lazy_names(__name__, {"Engine": "engine", "ExecutorEngine": "engine", "LocalEngine": "local",
                                              "BuildReport": "driver", "run": "driver",
-                                             "read_part": "part", "VerifiedPart": "part", "PartRefused": "part"})
+                                             "read_part": "part", "VerifiedPart": "part", "PartRefused": "part",
+                                             "run_ranks": "ranks", "RanksIncomplete": "ranks"})

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..progress import as_callback
+from ..progress import Workers, as_callback
 from .merge import merge
 from .part import build_part, list_parts, parts_dir, sweep_builds
 from .plan import DEFAULT_PART_SIZE, PlannedPart, plan
@@ -149,6 +149,9 @@ def run(cached, engine, *, part_size: int = DEFAULT_PART_SIZE, callback=None, fa
         state.skipped = state.total - sum(len(p.todo) for p in todo) - state.reused
         cb.absolute_update(state.total - sum(len(p.todo) for p in todo))
         state.planned = len(todo)
+        if todo:  # parts done of all, and who builds them: the front ends' per-worker view
+            state.workers = Workers(parts_done=state.parts, parts_total=state.parts + len(todo))
+            cb.set_workers(state.workers)
         state.stopped = _build(store, meta, engine, todo, parts, source, cached, state)
     finally:
         sweep_builds(parts)
@@ -165,11 +168,17 @@ class _State:
         self.computed = self.reused = self.skipped = self.total = 0
         self.parts = self.refused = self.retried = self.planned = 0
         self.stopped = False
+        self.workers = None  # the Workers snapshot the callback shows, once the parts are planned
 
-    def merged(self, result, *, reused: bool = False) -> None:
+    def merged(self, result, *, reused: bool = False, built: dict | None = None) -> None:
+        """Count a merge; ``built``: what :func:`build_part` returned for it (who built it, how fast)."""
         if result.refused:
             self.refused += 1
             return
+        if built is not None and self.workers is not None:
+            worker = f"{built['host']}:{built['pid']}"  # a process on a machine: the same key on every engine
+            self.workers = self.workers.record(worker, built["computed"], built["seconds"])
+            self.cb.set_workers(self.workers)
         if result.gone:
             return
         self.parts += 1
@@ -214,8 +223,9 @@ def _build(store, meta, engine, todo, parts, source, cached, state) -> bool:
                         error.add_note(f"(raised while {engine.name} built the part [{p.start}, {p.stop}) of {cached.path}; "
                                        "parts merged so far are kept: run the build again to resume)")
                     raise error
-                result = merge(store, os.path.join(parts, f.result()["name"]))
-                state.merged(result)
+                built = f.result()
+                result = merge(store, os.path.join(parts, built["name"]))
+                state.merged(result, built=built)
                 if result.refused:
                     if tries.get(p.start, 0) >= RETRIES:
                         raise RuntimeError(f"the part [{p.start}, {p.stop}) of {cached.path} was refused {RETRIES + 1} times; "

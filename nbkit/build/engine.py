@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-__all__ = ["Engine", "ExecutorEngine", "ENGINES", "engine_for", "processes", "not_picklable", "chain"]
+__all__ = ["Engine", "ExecutorEngine", "ENGINES", "engine_for", "not_picklable", "chain"]
 
 
 class Engine:
@@ -135,19 +135,11 @@ def chain(source, *, value=None) -> concurrent.futures.Future:
 # -- the table of engines: engine_for("ray") -----------------------------------------------------------
 
 
-def processes(num_workers=None) -> ExecutorEngine:
-    """An engine of ``num_workers`` local processes (default: one per CPU)."""
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-    n = num_workers or os.cpu_count() or 1
-    return ExecutorEngine(ProcessPoolExecutor(n), workers=n, name="local processes")
-
-
 #: name -> ``"module:factory"`` of an :class:`Engine` made as ``factory(num_workers=workers)``, imported
 #: by name on first use (like the stores' registry: the optional engines load only when asked for).
 #: A new engine is one entry here.
 ENGINES = {
-    "processes": "nbkit.build.engine:processes",
+    "processes": "nbkit.build.local:processes",
     "ray": "nbkit.build.ray:RayEngine",
     "dask": "nbkit.build.dask:DaskEngine",
 }
@@ -159,10 +151,12 @@ def _factory(name: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def engine_for(spec="processes", *, workers: int | None = None) -> Engine:
+def engine_for(spec="processes", *, workers: int | None = None, address: str | None = None) -> Engine:
     """The :class:`Engine` for ``spec``: a name of :data:`ENGINES` (``"processes"``, ``"ray"``,
     ``"dask"``), an Engine (returned as is), or an executor (anything with ``submit`` returning futures:
     a ``ProcessPoolExecutor``, a ``dask.distributed.Client``), which stays the caller's to close.
+    ``address``: the running cluster a named cluster engine joins (Ray's ``"ray://host:10001"`` or
+    ``"auto"``, a Dask scheduler's ``"tcp://host:8786"``); without it, it starts a local one.
 
     Example:
         >>> from concurrent.futures import ThreadPoolExecutor
@@ -176,7 +170,12 @@ def engine_for(spec="processes", *, workers: int | None = None) -> Engine:
         if spec not in ENGINES:
             raise ValueError(f"unknown engine {spec!r}: use one of {', '.join(map(repr, ENGINES))}, an Engine, or an executor "
                              "(an object with submit(fn, *args) returning futures)")
-        return _factory(spec)(num_workers=workers)
+        if address is None:
+            return _factory(spec)(num_workers=workers)
+        if spec == "processes":
+            raise ValueError(f"the processes engine runs on this machine and joins no cluster (address={address!r}): "
+                             "leave the address out, or name a cluster engine ('ray', 'dask')")
+        return _factory(spec)(address, num_workers=workers)
     if type(spec).__module__.split(".")[0] == "distributed":  # a dask Client: its futures are not concurrent ones
         return _factory("dask")(spec)
     if callable(getattr(spec, "submit", None)):

@@ -23,7 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 from ..trust import MAX_WORKERS, check_int
 from .engine import Engine
 
-__all__ = ["LocalEngine"]
+__all__ = ["LocalEngine", "processes"]
 
 
 def _context(multiprocessing_context):
@@ -108,3 +108,16 @@ class LocalEngine(Engine):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def processes(num_workers=None) -> LocalEngine:
+    """``engine_for("processes")``: a :class:`LocalEngine` of ``num_workers`` processes (default: one per CPU).
+
+    Example:
+        >>> with processes(1) as engine:
+        ...     engine.workers, engine.name
+        (1, 'local processes')
+    """
+    import os
+
+    return LocalEngine(num_workers or os.cpu_count() or 1)

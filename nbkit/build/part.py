@@ -30,6 +30,7 @@ import hashlib
 import os
 import pickle
 import re
+import socket
 import stat
 import time
 from dataclasses import dataclass
@@ -192,8 +193,8 @@ def build_part(spec: dict) -> dict:
             metadata) and ``source`` (the pickled ``CachedDataset`` or a factory).
 
     Returns:
-        ``{"name", "computed", "seconds", "pid", "kept"}``: ``kept`` is ``False`` when another whole copy
-        of the part was there first (this one was discarded).
+        ``{"name", "computed", "seconds", "host", "pid", "kept"}``: ``kept`` is ``False`` when another whole copy
+        of the part was there first (this one was discarded); ``host`` and ``pid`` say which worker built it.
     """
     t0 = time.perf_counter()
     start, stop = int(spec["start"]), int(spec["stop"])
@@ -201,7 +202,7 @@ def build_part(spec: dict) -> dict:
     parts = spec["parts"]
     makedirs(parts)
     if os.path.lexists(os.path.join(parts, name, fmt.META)):
-        return {"name": name, "computed": 0, "seconds": 0.0, "pid": os.getpid(), "kept": False}
+        return {"name": name, "computed": 0, "seconds": 0.0, "host": socket.gethostname(), "pid": os.getpid(), "kept": False}
     cached = copy.copy(_dataset(spec))  # its own handle: builds in threads of one process never share a store
     todo = np.asarray(spec["todo"], dtype=np.int64)
     with Dir(parts) as p:
@@ -213,7 +214,8 @@ def build_part(spec: dict) -> dict:
         finally:
             release(p.join(stage))
             p.remove_tree(stage)  # nothing once renamed; else a failed or losing copy
-    return {"name": name, "computed": int(len(todo)), "seconds": time.perf_counter() - t0, "pid": os.getpid(), "kept": kept}
+    return {"name": name, "computed": int(len(todo)), "seconds": time.perf_counter() - t0, "host": socket.gethostname(),
+            "pid": os.getpid(), "kept": kept}
 
 
 def _write(p: Dir, stage: str, name: str, cached, cache_meta: dict, start: int, stop: int, todo: np.ndarray) -> bool:

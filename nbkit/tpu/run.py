@@ -1,6 +1,6 @@
 """Run a cached dataset on every TPU process of a host: :func:`spawn` starts ``fn(index, *args)``
 once per device (what each prints comes back as whole lines, prefixed with its index); inside it, :func:`warmup_shared` fills one shared cache (each process computing
-only its shard) and :func:`device_loader` feeds the process's device from its own sampler shard.
+only its shard; on a pod slice, every host's processes as the ranks of :func:`nbkit.build.run_ranks`) and :func:`device_loader` feeds the process's device from its own sampler shard.
 torch_xla is imported when one of these is called, never before.
 
 Example:
@@ -29,7 +29,7 @@ from nbkit.extras import require
 
 from .runtime import describe, pip_display, xla_requirements
 
-__all__ = ["spawn", "warmup_shared", "device_loader"]
+__all__ = ["spawn", "warmup_shared", "device_loader", "xla_ranks"]
 
 
 def _require_xla():
@@ -288,28 +288,60 @@ def _local_shard() -> tuple:
     return xr.local_ordinal(), xr.local_device_count()
 
 
-def warmup_shared(ds, *, callback=None, stall_timeout: float = 600.0, poll_interval: float = 0.05):
-    """Fill a cache shared by all replicas of this host, each computing only its shard.
+def _rendezvous(name: str) -> None:
+    _, xm, _, _, _ = _require_xla()
+    xm.rendezvous(name)
 
-    Call it inside the function given to :func:`spawn`. Replica ``r`` of ``w`` warms the indices
-    ``i % w == r`` (``ds.warmup(shard=(r, w))``), so no sample is computed twice, then waits until
-    the whole cache is stored. The barrier is the cache itself, not an XLA collective: XLA:CPU has
-    no collectives, and a peer that stops making progress is reported instead of waited on forever.
 
-    The cache is a directory on this host, so the shards are split among this host's replicas
-    (``xr.local_ordinal()`` of ``xr.local_device_count()``); on one host that is the whole world.
+def xla_ranks():
+    """This replica's place among every replica of the job, on every host: ``xr.global_ordinal()``
+    of ``xr.world_size()``, with ``xm.rendezvous`` as the barrier (an :class:`nbkit.build.ranks.Ranks`).
+
+    On a TPU pod slice the rendezvous is a collective over every chip of every host; it has no
+    timeout of its own, so a host that died makes the others wait until the job is torn down.
+    Untested on a real pod slice here (XLA:CPU has no collectives and runs one host).
+    """
+    from nbkit.build.ranks import Ranks
+
+    _, _, xr, _, _ = _require_xla()
+    return Ranks(int(xr.global_ordinal()), int(xr.world_size()), _rendezvous)
+
+
+def warmup_shared(ds, *, callback=None, stall_timeout: float = 600.0, poll_interval: float = 0.05,
+                  part_size: Optional[int] = None):
+    """Fill a cache shared by all replicas of the job, each computing only its share.
+
+    Call it inside the function given to :func:`spawn`, on every host of the job.
+
+    **One host** (every replica of the job on this machine): replica ``r`` of ``w`` warms the
+    indices ``i % w == r`` (``ds.warmup(shard=(r, w))``), so no sample is computed twice, then waits
+    until the whole cache is stored. The barrier is the cache itself, not an XLA collective: XLA:CPU
+    has no collectives, and a peer that stops making progress is reported instead of waited on forever.
+
+    **Several hosts** (a TPU pod slice: ``xr.world_size()`` replicas, more than this host's): the
+    cache must be on storage every host reaches, a ``gs://`` URL or a directory mounted at the same
+    path on every host. Every replica is one rank of :func:`nbkit.build.run_ranks`: all plan the same
+    parts at a rendezvous, replica ``g`` of ``n`` (global ordinals) builds the parts ``g::n``, replica 0
+    merges them (or composes them server-side on ``gs://``), and after a last rendezvous every
+    replica reads the complete cache. A host lost mid-build leaves its parts missing, and rerunning
+    the job computes only those (see ``docs/tpu.md``, "A pod slice").
 
     Args:
         ds: an :class:`nbkit.CachedDataset` (with its source).
-        callback: progress for this replica's shard (see :mod:`nbkit.progress`).
-        stall_timeout: seconds without any newly stored sample after which waiting fails.
-        poll_interval: first delay between checks of the other replicas' progress.
+        callback: progress for this replica's share (see :mod:`nbkit.progress`).
+        stall_timeout: one host: seconds without any newly stored sample after which waiting fails.
+        poll_interval: one host: first delay between checks of the other replicas' progress.
+        part_size: several hosts: samples per part (default
+            :data:`nbkit.build.plan.DEFAULT_PART_SIZE`); a few parts per replica balance the work.
 
     Returns:
-        This replica's ``WarmupReport``.
+        One host: this replica's ``WarmupReport``. Several hosts: its
+        :class:`nbkit.build.ranks.RanksReport`, whose ``dataset`` is the handle to read from (for a
+        ``gs://`` cache, reopened on the pulled working copy).
 
     Raises:
-        TimeoutError: other replicas stopped storing samples for ``stall_timeout`` seconds.
+        TimeoutError: one host: other replicas stopped storing samples for ``stall_timeout`` seconds.
+        nbkit.build.ranks.RanksIncomplete: several hosts: the parts of some replicas are missing.
 
     Example:
         >>> def train(index, ds):
@@ -317,6 +349,13 @@ def warmup_shared(ds, *, callback=None, stall_timeout: float = 600.0, poll_inter
         >>> spawn(train, args=(ds,))     # doctest: +SKIP
     """
     rank, world = _local_shard()
+    ranks = xla_ranks()
+    if ranks.world > world:  # replicas on more than one host
+        from nbkit.build.plan import DEFAULT_PART_SIZE
+        from nbkit.build.ranks import run_ranks
+
+        return run_ranks(ds, rank=ranks.rank, world=ranks.world, barrier=ranks.barrier, callback=callback,
+                         part_size=DEFAULT_PART_SIZE if part_size is None else part_size)
     report = ds.warmup(shard=(rank, world), callback=callback)
     if getattr(report, "stopped", False):
         return report

@@ -3,7 +3,10 @@
 A view in the sense of ``tqdm.notebook``: each button starts a :class:`nbkit.progress.Job` (the
 operation runs in a background thread and reports through a callback) and the panel only renders
 what the job and its callback hold, plus ``ds.stats``. Outside a notebook kernel the same calls
-print plain text lines instead of drawing widgets.
+print plain text lines instead of drawing widgets. A warmup built by several workers (an ``engine``:
+local processes, a Ray or Dask cluster) also shows a compact table of the workers under the bar
+(:func:`workers_html`, from the callback's :class:`~nbkit.progress.Workers`); Stop cancels the
+outstanding parts and keeps every finished one.
 
 Example:
     >>> import torch, tempfile
@@ -26,14 +29,14 @@ import sys
 import threading
 import time
 
-from nbkit.progress import Callback, Job, JobState, TextProgress
+from nbkit.progress import Callback, Job, JobState, TextProgress, Workers
 from nbkit.stores.mirror import cache_dir
-from nbkit.text import format_amount, format_bytes, format_count, format_rate, format_seconds, speaking_to
+from nbkit.text import Table, format_amount, format_bytes, format_count, format_rate, format_seconds, speaking_to
 
 from .poll import wait_until, why_not_live
 from .view import AMBER, GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html, units_html
 
-__all__ = ["WarmupPanel", "PanelState", "OPERATIONS", "disk_text"]
+__all__ = ["WarmupPanel", "PanelState", "OPERATIONS", "disk_text", "workers_html"]
 
 #: What the panel's buttons run; :meth:`WarmupPanel.run` and :meth:`WarmupPanel.error` take one of these.
 OPERATIONS = ("warmup", "export", "upload")
@@ -67,7 +70,9 @@ class _PanelProgress(Callback):
             if self.moved <= 0:
                 return  # nothing computed yet (or nothing to do): no progress line
             self._text = TextProgress(self.phase, size=self.size, value=self.value - self.moved, unit=self.unit)
+            self._text.started = self.started  # the phase's clock, not this line's: a first rate is not samples/ms
         self._text.size, self._text.value, self._text.description = self.size, self.value, self.description
+        self._text.workers = self.workers
         self._text.call()
 
     def close(self):
@@ -91,6 +96,10 @@ class WarmupPanel(View):
     Args:
         ds: the :class:`nbkit.CachedDataset` to show.
         num_workers: worker processes for warmup (0 = in this process).
+        engine: build the cache with this :class:`nbkit.build.engine.Engine` instead (local processes,
+            a Ray or Dask cluster: :func:`nbkit.build.engine.engine_for`); the panel then shows each
+            worker's rate and the slowest. The caller closes it.
+        part_size: samples per part of an ``engine`` build.
         tar_path: initial value of the Export tar field.
         upload_url: initial value of the Upload field, e.g. ``"gs://my-bucket/mnist-cache"``.
         storage_options: passed to :func:`nbkit.push` (e.g. ``{"token": "anon"}``).
@@ -111,9 +120,12 @@ class WarmupPanel(View):
         ('ValueError', None)
     """
 
-    def __init__(self, ds, *, num_workers: int = 0, tar_path: str = "", upload_url: str = "", storage_options=None):
+    def __init__(self, ds, *, num_workers: int = 0, engine=None, part_size: int | None = None, tar_path: str = "",
+                 upload_url: str = "", storage_options=None):
         self.ds = ds
         self.num_workers = num_workers
+        self.engine = engine
+        self.part_size = part_size
         self.storage_options = dict(storage_options or {})
         self.job = None
         self._jobs = {}  # operation -> its last Job
@@ -143,7 +155,9 @@ class WarmupPanel(View):
         self.percent_label = _w.Label(value="0%", layout=_w.Layout(min_width="3.5em", flex="0 0 auto"))
         # What the line under the bar says, one unit each ("512/3,000 samples", "1,200 samples/s", ...).
         self._counts = ()
+        self._shown_workers = None  # the Workers snapshot the table shows
         self.counters = _w.HTML(layout=_w.Layout(width="auto"))
+        self.workers_table = _w.HTML(layout=_w.Layout(width="auto"))  # workers_html(): a build's workers, else empty
         self.status = _w.HTML(layout=_w.Layout(width="auto"))
         self.title = _w.HTML(layout=_w.Layout(width="auto"))
         self.disk_label = _w.HTML(layout=_w.Layout(width="auto"))  # disk_text(): size on disk, where copies live
@@ -167,6 +181,7 @@ class WarmupPanel(View):
                 self.title,
                 row(self.warmup_button, self.stop_button, bar),
                 self.counters,
+                self.workers_table,
                 row(caption("Tar file"), self.tar_field, self.export_button),
                 row(caption("Upload to"), self.url_field, self.upload_button),
                 self.status,
@@ -242,8 +257,16 @@ class WarmupPanel(View):
             self._set_status(reason, GREY)
             return
         stats = self.ds.stats
-        self._start("warmup", "samples", lambda cb: self.ds.warmup(num_workers=self.num_workers, callback=cb),
-                    value=int(stats.cached))
+        self._start("warmup", "samples", self._fill, value=int(stats.cached))
+
+    def _fill(self, cb):
+        """What Warm up runs: a warmup in this process or its workers, or a build on :attr:`engine`."""
+        if self.engine is None:
+            return self.ds.warmup(num_workers=self.num_workers, callback=cb)
+        from nbkit.build import run  # imported when first used
+
+        sizes = {} if self.part_size is None else {"part_size": self.part_size}
+        return run(self.ds, self.engine, callback=cb, **sizes)
 
     def stop(self) -> None:
         """Ask the running operation to stop after its current chunk; same as clicking **Stop**."""
@@ -251,7 +274,10 @@ class WarmupPanel(View):
             if self.job is None or self.job.state is not JobState.RUNNING or not self.job.stop():
                 return
             self.stop_button.disabled = True
-            self._set_status("Stopping after the current chunk…", GREY)
+            if self.job.name == "warmup" and self.engine is not None:
+                self._set_status("Stopping: cancelling the parts not yet built; every finished part is kept…", GREY)
+            else:
+                self._set_status("Stopping after the current chunk…", GREY)
 
     def export(self, path: str | None = None) -> None:
         """Write the cache to a tar file (``tar_field``, or ``path``); same as **Export tar**."""
@@ -475,6 +501,8 @@ class WarmupPanel(View):
             self.stop_button.disabled = False
             self.stop_button.tooltip = ""
             self.progress.bar_style = "info"
+            self.workers_table.value = ""  # the last build's workers are not this operation's
+            self._shown_workers = None
             if name == "warmup":  # resume from the cached fraction, never from 0%
                 self._show_fill(stats)
                 self._show_counts(self._counts[0], f"– {unit}/s", "ETA –", self._counts[1])
@@ -496,6 +524,7 @@ class WarmupPanel(View):
     def _show_end(self, job: Job, done) -> None:
         with self._lock:
             cb, stats = job.callback, self.ds.stats
+            self._show_workers(cb.workers)  # as the build left them (a throttled last update included)
             if job.error is not None:
                 self._show_error(job.error)
                 self._show_idle(stats, ended=job)
@@ -574,6 +603,7 @@ class WarmupPanel(View):
             done = f"{format_amount(value, unit)}{suffix}"
         rate, eta = cb.rate(), cb.eta()
         live = (format_rate(rate, unit) if rate else f"0 {unit}/s", f"ETA {format_seconds(eta)}" if eta is not None else "ETA –")
+        self._show_workers(cb.workers)
         if cb.phase == "warmup":
             stats = self.ds.stats
             self._show_counts(done, *live, f"{format_bytes(stats.bytes)} of sample data")
@@ -586,6 +616,39 @@ class WarmupPanel(View):
 
     def _set_status(self, text: str, color: str = GREY, *, bold: bool = False) -> None:
         self.status.value = status_html(text, color, bold=bold)
+
+    def _show_workers(self, workers: Workers | None) -> None:
+        if workers is not None and workers is not self._shown_workers:  # a new snapshot only
+            self._shown_workers = workers
+            self.workers_table.value = workers_html(workers)
+
+
+#: The workers table shows at most this many rows, the slowest first; the rest are counted under it.
+WORKER_ROWS = 6
+
+
+def workers_html(workers: Workers, *, rows: int = WORKER_ROWS) -> str:
+    """A build's workers as a compact HTML table under the bar: parts done of all and the slowest on
+    one line, then one row a worker (slowest first, at most ``rows``; the slowest in amber) with its
+    parts, samples and rate.
+
+    Example:
+        >>> w = Workers(parts_total=4).record("a:1", 100, 1.0).record("b:2", 100, 4.0)
+        >>> table = workers_html(w)
+        >>> table.count("<tr"), table.index(">b:2<") < table.index(">a:1<")  # a header, then the slowest first
+        (3, True)
+    """
+    ranked = sorted(workers.rows, key=lambda r: (r.seconds <= 0, r.rate))  # slowest first; those yet to finish a part last
+    slowest = workers.slowest
+    shown = ranked[:rows]
+    table = Table([(r.worker, format_count(r.parts), format_count(r.samples), f"{format_count(r.rate)}/s") for r in shown],
+                  header=("worker", "parts", "samples", "rate"), align="lrrr",
+                  notes=[f"… and {len(ranked) - rows} more"] if len(ranked) > rows else ())
+    styles = [f"color:{AMBER}" if slowest is not None and r is slowest else "" for r in shown]
+    summary = status_html(workers.text())
+    body = table.html(style="border-collapse:collapse;font-size:90%", cell_style="padding:0 0.8em 0 0", row_styles=styles,
+                      note_style=f"margin:0;padding-left:1.2em;color:{GREY}") if shown else ""
+    return f"<div style='overflow-x:auto;max-width:100%'>{summary}{body}</div>"
 
 
 #: An error in the panel: at most this many lines of at most this many characters; the rest is in "details".

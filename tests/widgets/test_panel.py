@@ -8,6 +8,8 @@ from __future__ import annotations
 import html
 import os
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -603,3 +605,103 @@ def test_the_counts_line_wraps_between_whole_units(tmp_path):
     # The title: the path may break inside itself (when longer than the line), its counts may not.
     title = re.findall(r"<span style='(display:[^']*)'>", panel.title.value)
     assert len(title) == 3 and "nowrap" not in title[0] and all("nowrap" in t for t in title[1:])
+
+
+# -- a warmup built by several workers: the workers table, Stop keeps finished parts -----------------
+
+
+class _SlowTuples(TupleSource):
+    """A moment a sample, so both worker processes get parts."""
+
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return super().__getitem__(i)
+
+
+#: The gates of _NamedGate sources, by name: a source that pickles (a build sends it to its workers)
+#: and still meets the test's events when its workers are threads of this process.
+_GATES = {}
+
+
+class _NamedGate(TupleSource):
+    """GatedSource for a build: blocks at index ``at`` until the test releases it."""
+
+    def __init__(self, n, name, at):
+        super().__init__(n)
+        self.name, self.at = name, at
+        _GATES[name] = (threading.Event(), threading.Event())
+
+    def __getitem__(self, i):
+        reached, release = _GATES[self.name]
+        if self.at is not None and i == self.at:
+            reached.set()
+            release.wait(timeout=60)
+        return super().__getitem__(i)
+
+
+def _table_rows(panel):
+    """The workers table's body rows as (worker, parts, samples, rate, amber)."""
+    rows = re.findall(r"<tr( style='[^']*')?>(<td.*?)</tr>", panel.workers_table.value)
+    return [tuple(html.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", cells)) + ("#a15c00" in (style or ""),)
+            for style, cells in rows]
+
+
+def test_an_engine_build_shows_each_worker_and_the_slowest(tmp_path):
+    import multiprocessing as mp
+    import socket
+
+    from nbkit.build import LocalEngine
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("needs fork (the source is defined in this test module)")
+    n = 240
+    ds = nbkit.CachedDataset(_SlowTuples(n), str(tmp_path / "c"))
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        panel = WarmupPanel(ds, engine=engine, part_size=30)
+        assert panel.workers_table.value == ""  # nothing built yet: no table
+        report = panel.run("warmup", timeout=120)
+    assert report.computed == n and not report.stopped and ds.stats.complete
+    assert panel.state is PanelState.DONE and panel.status_text().startswith("Cache complete: 240 samples")
+    text = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", panel.workers_table.value)).split())
+    assert "parts 8/8" in text and ("2 workers" in text or "1 worker" in text)
+    rows = _table_rows(panel)
+    assert 1 <= len(rows) <= 2 and sum(int(r[1]) for r in rows) == 8 and sum(int(r[2].replace(",", "")) for r in rows) == n
+    assert all(r[0].startswith(socket.gethostname() + ":") and r[3].endswith("/s") for r in rows)
+    if len(rows) == 2:  # the slowest first, in amber, and named on the summary line
+        assert rows[0][4] and not rows[1][4] and f"slowest: {rows[0][0]}" in text
+    assert f"{rows[0][0]}" in panel.workers_table.value
+    ds.close()
+
+
+def test_stop_cancels_the_parts_not_built_and_keeps_every_finished_one(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nbkit.build.engine import ExecutorEngine
+    from nbkit.build.part import list_parts, parts_dir
+
+    source = _NamedGate(1000, str(tmp_path), at=250)  # the third part of 100 waits; the other worker builds the rest
+    reached, release = _GATES[source.name]
+    ds = nbkit.CachedDataset(source, str(tmp_path / "c"))
+    with ThreadPoolExecutor(2) as pool:
+        panel = WarmupPanel(ds, engine=ExecutorEngine(pool, workers=2, name="threads", owned=False), part_size=100)
+        panel.warmup_button.click()
+        assert reached.wait(timeout=60), panel.status_text()
+        deadline = time.monotonic() + 60
+        while ds.stats.cached < 900 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ds.stats.cached == 900
+        panel.stop_button.click()
+        assert panel.state is PanelState.STOPPING
+        assert panel.status_text() == "Stopping: cancelling the parts not yet built; every finished part is kept…"
+        assert panel.wait(timeout=60)
+        assert panel.state is PanelState.STOPPED and panel.warmup_report.stopped
+        assert "parts 9/10" in " ".join(html.unescape(re.sub(r"<[^>]+>", " ", panel.workers_table.value)).split())  # as the build left it
+        release.set()  # the part that was running finishes after the stop: kept for the next run
+    assert [os.path.basename(p) for p in list_parts(parts_dir(ds.root))] == ["part-0000000000200-0000000000300"]
+    assert panel.status_text() == "The warmup stopped at 900 of 1,000 samples. Click Warm up to resume."
+
+    with ThreadPoolExecutor(2) as pool:
+        panel.engine = ExecutorEngine(pool, workers=2, name="threads", owned=False)
+        report = panel.run("warmup", timeout=60)
+    assert (report.reused, report.computed, report.stopped) == (100, 0, False)  # merged, never computed again
+    assert ds.stats.complete and ds.verify() == 1000
