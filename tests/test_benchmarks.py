@@ -230,3 +230,22 @@ def test_bench_cli_quick_times_every_command(tmp_path):
         row = next(line for line in text.splitlines() if line.startswith(f"| `nbkit {command}` |"))
         assert row.split(" | ")[4] == "no", row  # torch not imported now
     assert "| `python -c 'import torch'` |" in text
+
+
+@pytest.mark.slow
+def test_bench_build_quick_writes_its_tables(tmp_path):
+    """benchmarks/bench_build.py --quick: throughput against warmup, per-part costs and the projection,
+    merge against cache size (local, and gs:// on the emulator when gcsfs is installed)."""
+    results = tmp_path / "results"
+    cmd = [sys.executable, str(BENCH / "bench_build.py"), "--quick", "--results", str(results)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (results / "build.md").read_text()
+    assert table.strip() in proc.stdout and "Quick mode" in table
+    for row in ("| `warmup(num_workers=1)` | 1 |", "| `LocalEngine(2)` | 2 |", "### Per-part costs",
+                "| 256 |", "### Merge against cache size", "| 4 MiB (1,024 samples) | 8 |"):
+        assert row in table, row
+    # Every build row is judged against warmup with as many workers; the references are not.
+    builds = [ln for ln in table.splitlines() if ln.startswith("| `LocalEngine") or ln.startswith("| Dask")]
+    assert builds and all(("| PASS |" in ln) or ("| MISS |" in ln) for ln in builds)
+    assert table.count("| reference |") == 2

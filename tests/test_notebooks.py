@@ -25,7 +25,7 @@ from fixtures_gcs import gcs, gcs_server
 from frontends import flat
 
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ["01_tpu_setup", "02_cache_mnist", "03_benchmark", "04_resume"]
+NOTEBOOKS = ["01_tpu_setup", "02_cache_mnist", "03_benchmark", "04_resume", "05_build_on_a_cluster"]
 
 _spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "scripts" / "run_notebooks.py")
 run_notebooks = importlib.util.module_from_spec(_spec)
@@ -442,3 +442,35 @@ def torch_load(path):
     import torch
 
     return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("engine", ["dask", "processes"])
+def test_05_builds_the_mnist_cache_on_a_local_cluster(tmp_path, engine):
+    """A real local cluster (Dask's LocalCluster of 2 worker processes, or the process pool) builds the
+    cache part by part; the result verifies, equals the source, and a second run computes nothing.
+    Ray's local instance (~15 s, 1 GiB) is tested in tests/build/test_ray.py, not here."""
+    if engine == "dask":
+        pytest.importorskip("distributed", reason="pip install 'dask[distributed]' (make setup installs it)")
+    path, out = execute("05_build_on_a_cluster", tmp_path, engine_name=engine)
+    said = flat(out)
+    assert "Using offline MNIST-format stand-in data (3,000 samples)" in said
+    name = {"dask": "dask", "processes": "local processes"}[engine]  # the engine's own name
+    assert f"{name}: 2 workers ready in " in said
+    # 3,000 samples in parts of 512: 6 parts, all built now, every sample computed once.
+    assert re.search(rf"built: 3,000 samples computed in 6 parts by 2 workers \({name}\) in [\d.]+ s", said), said
+    assert "cache complete: True (3,000 of 3,000 samples" in said
+    assert "verified: every one of 3,000 samples matches its checksum" in said
+    assert said.count("equal to the source: True") == 3 and "equal to the source: False" not in said
+    assert "second run: 0 samples computed, 0 parts merged (all 3,000 were already cached)" in said
+    cache = tmp_path / "work" / "cache" / "mnist-built"
+    assert not (tmp_path / "work" / "cache" / "mnist-built.parts").exists()  # no part left behind
+    opened = nbkit.CachedDataset.open(str(cache))
+    assert opened.stats.complete and opened.verify() == 3000
+    # Printed lines fit a narrow output (nbkit.text.say): the 400-px browser check's premise.
+    nb = nbformat.read(str(path), as_version=4)
+    lines = [ln for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("name") == "stdout"
+             for ln in o["text"].splitlines()]
+    assert lines and all(len(ln) <= 40 or " " not in ln for ln in lines if not ln.startswith("Using ")), lines
+    # Nothing on stderr: a cluster's log lines (Dask's nanny at close) would overflow a narrow output.
+    errors = [o["text"] for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("name") == "stderr"]
+    assert errors == [], errors
