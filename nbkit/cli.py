@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MODULE:CALLABLE returning the dataset, e.g. my_data:make_train (runs your code)")
     p.add_argument("cache", metavar="CACHE", help="the cache directory to fill")
     p.add_argument("--engine", choices=("processes", "ray", "dask"), default="processes",
-                   help="what runs the parts (default %(default)s; ray and dask: pip install 'nbkit-cache[ray]' / '[dask]')")
+                   help="what runs the parts (default %(default)s; ray needs: pip install ray; dask needs: pip install 'dask[distributed]')")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="worker processes (default: one per CPU; on a cluster: parts run at once)")
     p.add_argument("--address", default=None, metavar="ADDR",
