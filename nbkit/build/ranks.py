@@ -227,7 +227,7 @@ def run_ranks(cached, *, rank: int | None = None, world: int | None = None, barr
     location = cached._location
     # Each rank builds in its own process: the source is this very dataset, never pickled (the
     # factory form of a part spec, a callable returning it).
-    source = ("factory", uuid.uuid4().hex, lambda: cached)
+    source = ("factory", uuid.uuid4().hex, (lambda: cached, type(cached)))
     job = (_RemoteJob if location.is_remote else _LocalJob)(cached, ranks, part_size, source, cb)
     return job.run(t0)
 
@@ -445,12 +445,10 @@ class _RemoteJob(_Job):
         self.composed = True
 
     def _finish(self):
-        import nbkit
-
         if not self._published():
             return self.cached
         c = self.cached
-        return nbkit.CachedDataset(c.source, c.path, transform=c.transform, allow_pickle=c.allow_pickle,
+        return type(c)(c.source, c.path, transform=c.transform, allow_pickle=c.allow_pickle,
                                    storage_options=self.options)
 
     def _done(self, p: PlannedPart, dataset) -> bool:
