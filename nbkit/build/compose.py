@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass
 
@@ -41,26 +40,12 @@ from ..transfer.remote import check_bucket, connect, remote_errors, url_to_fs, w
 from .. import trust
 from ..trust import check_url
 from .engine import engine_for
+from .part import PART_SPEC, PartRefused, parse_part_name, part_name
 
-__all__ = ["compose", "ComposeReport", "parts_url", "part_name", "MAX_SOURCES", "check_composed"]
+__all__ = ["compose", "ComposeReport", "parts_url", "check_uploaded", "MAX_SOURCES", "check_composed"]
 
 #: GCS composes at most 32 source objects in one request.
 MAX_SOURCES = 32
-#: A part's folder under the parts prefix: ``part-<start>-<stop>``, 13 digits each (so listings sort by
-#: index): the name :func:`nbkit.build.part.part_name` gives a local part.
-PART_NAME = re.compile(r"^part-([0-9]{13})-([0-9]{13})$")
-_FILE_SPEC = trust.Obj({"size": trust.Int(min=0, max=fmt.MAX_CACHE_BYTES), "sha256": trust.Str(pattern="[0-9a-f]{64}", max_len=64)})
-#: The ``part`` field of a part's ``nbkit.json`` (the part manifest: its cache, its range, its files'
-#: sizes and sha256). The same spec as ``nbkit.build.part.PART_SPEC``: one of them goes once both
-#: halves of issue 29 are merged.
-PART_SPEC = trust.Obj({
-    "cache_generation": trust.Str(pattern="[0-9a-f]{32}", max_len=32),
-    "cache_length": trust.Int(min=1, max=fmt.MAX_LENGTH),
-    "start": trust.Int(min=0, max=fmt.MAX_LENGTH),
-    "stop": trust.Int(min=1, max=fmt.MAX_LENGTH),
-    "files": trust.Map(_FILE_SPEC, key=trust.Str(pattern=r"(?:index\.bin|heap\.bin|col-(?:0|[1-9][0-9]{0,3})\.bin)", max_len=16),
-                       max_len=trust.MAX_COLUMNS + 2),
-})
 #: Where intermediate composed objects live, under the parts prefix (never under the cache's own).
 SCRATCH = ".compose"
 #: Bytes a hashing worker reads at a time.
@@ -75,16 +60,6 @@ def parts_url(url: str) -> str:
         'gs://bucket/caches/mnist.parts'
     """
     return url.rstrip("/") + ".parts"
-
-
-def part_name(start: int, stop: int) -> str:
-    """The folder name of the part holding indices ``[start, stop)``.
-
-    Example:
-        >>> part_name(0, 1000)
-        'part-0000000000000-0000000001000'
-    """
-    return f"part-{int(start):013d}-{int(stop):013d}"
 
 
 @dataclass(frozen=True)
@@ -178,9 +153,9 @@ def compose(url: str, *, engine="processes", storage_options: dict | None = None
         segments = {}
         for name in columns + ([fmt.HEAP] if has_heap else []):
             cb.set_description(f"composing {name}")
-            sources = [(f"{p.root}/{name}", p.manifest["files"][name]) for p in parts if name in p.manifest["files"]]
-            requests += _compose_tree(fs, f"{rroot}/{name}", [s for s, _ in sources], f"{proot}/{SCRATCH}/{name}")
-            segments[name] = [(e["size"], e["sha256"]) for _, e in sources]
+            sources = [(f"{p.root}/{name}", p.manifest["files"][name], p) for p in parts if name in p.manifest["files"]]
+            requests += _compose_tree(fs, f"{rroot}/{name}", [s for s, _, _ in sources], f"{proot}/{SCRATCH}/{name}")
+            segments[name] = [(e["size"], e["sha256"], p.start, p.stop) for _, e, p in sources]
         _remove(fs, f"{proot}/{SCRATCH}")
 
     composed_at = time.perf_counter()
@@ -219,7 +194,7 @@ def compose(url: str, *, engine="processes", storage_options: dict | None = None
     meta.update(length=length, generation=generation)
     meta_raw = json.dumps(meta, indent=1, sort_keys=True).encode()
     fmt.parse_meta(meta_raw, f"{url}/{fmt.META}", "")  # what we publish is what every reader accepts
-    files = {name: {"size": sum(s for s, _ in segs), "sha256": shas[name]} for name, segs in segments.items()}
+    files = {name: {"size": sum(seg[0] for seg in segs), "sha256": shas[name]} for name, segs in segments.items()}
     files[fmt.INDEX] = {"size": len(index), "sha256": hashlib.sha256(index).hexdigest()}
     files[fmt.META] = {"size": len(meta_raw), "sha256": hashlib.sha256(meta_raw).hexdigest()}
     manifest = manifest_bytes(new_manifest(dict(sorted(files.items())), length, length))
@@ -249,12 +224,12 @@ def _read_parts(fs, proot: str, purl: str) -> list:
         name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
         if e.get("type") != "directory" or name == SCRATCH:
             continue
-        m = PART_NAME.match(name)
-        if m is None:
+        bounds = parse_part_name(name)
+        if bounds is None:
             raise CorruptCacheError(f"{purl} holds {name!r}, which is not a part (part-<start>-<stop>). Remove it, then "
                                     "compose again.")
-        start, stop = int(m.group(1)), int(m.group(2))
-        if not start < stop <= fmt.MAX_LENGTH:
+        start, stop = bounds
+        if stop > fmt.MAX_LENGTH:
             raise CorruptCacheError(f"{purl}/{name}: a part's range must be start < stop <= {fmt.MAX_LENGTH}. Remove it, then compose again.")
         found.append((start, stop, name))
     if not found:
@@ -299,10 +274,52 @@ def _read_parts(fs, proot: str, purl: str) -> list:
 
 
 def _read_part(fs, root: str, where: str, start: int, stop: int) -> _Part:
+    """:func:`_check_part`; what it finds wrong is a :class:`~nbkit.build.part.PartRefused` of ``(start, stop)``,
+    which the build driver removes and builds again."""
+    try:
+        return _check_part(fs, root, where, start, stop)
+    except PartRefused:
+        raise
+    except CorruptCacheError as e:
+        raise PartRefused(str(e), bounds=(start, stop)) from e
+
+
+def check_uploaded(fs, parts: str, bounds: tuple, cache_meta: dict) -> None:
+    """Check the uploaded part ``bounds`` under the parts prefix ``parts`` (on ``fs``, no scheme)
+    as :func:`compose` will, and against the cache it is built for (``cache_meta``: generation,
+    length, schema, columns, fingerprint): its metadata, listing and index, not its sample bytes
+    (those are read once, by workers, after compose).
+
+    Raises:
+        PartRefused: naming the part; the build removes it and builds it again.
+    """
+    start, stop = bounds
+    name = part_name(start, stop)
+    part = _read_part(fs, f"{parts}/{name}", f"{parts}/{name}", start, stop)
+    wrong = []
+    if part.info is None:
+        wrong.append("it carries no part manifest")
+    elif (part.info["cache_generation"], part.info["cache_length"]) != (cache_meta.get("generation"), cache_meta.get("length")):
+        wrong.append(f"it was built for the cache generation {part.info['cache_generation']} of {part.info['cache_length']} "
+                     f"samples, and the cache is {cache_meta.get('generation')} of {cache_meta.get('length')}")
+    wrong += [f"its {key} differs from the cache's" for key in ("schema", "columns", "fingerprint", "allow_pickle")
+              if part.meta.get(key) != cache_meta.get(key)]
+    if wrong:
+        raise PartRefused(f"the uploaded part {parts}/{name} is refused: {'; '.join(wrong)}. It is removed and built again.",
+                          bounds=bounds)
+
+
+def remove_part(fs, parts: str, bounds: tuple) -> None:
+    """Delete the uploaded part ``bounds`` under the parts prefix ``parts`` (on ``fs``)."""
+    _remove(fs, f"{parts}/{part_name(*bounds)}")
+
+
+def _check_part(fs, root: str, where: str, start: int, stop: int) -> _Part:
     """One part, checked: its ``nbkit.json`` (with its part manifest, the ``part`` field that
     :mod:`nbkit.build.part` writes, or else a pushed ``manifest.json``), its objects against that
     manifest, ``index.bin`` against its sha256, its metadata against its range, and every record:
-    stored, its heap bytes inside the part's heap."""
+    stored, its heap bytes inside the part's heap. Raises ``CorruptCacheError`` (:func:`_read_part`
+    makes it a :class:`~nbkit.build.part.PartRefused` naming the part)."""
     fix = "Remove that part and rerun the build (it recomputes it), then compose again."
     try:
         raw = read_bounded(fs, f"{root}/{fmt.META}")
@@ -313,6 +330,10 @@ def _read_part(fs, root: str, where: str, start: int, stop: int) -> _Part:
     info = meta.get("part")
     if info is not None:
         info = trust.check_json(info, PART_SPEC, f"{where}/{fmt.META} (its 'part' field)", fix)
+        unhashed = sorted(n for n, e in info["files"].items() if "sha256" not in e)
+        if unhashed:
+            raise CorruptCacheError(f"{where}/{fmt.META} records no sha256 for {', '.join(unhashed)}: a part uploaded for "
+                                    f"compose carries the hash of every file. {fix}")
         if (info["start"], info["stop"]) != (start, stop) or stop > info["cache_length"]:
             raise CorruptCacheError(f"{where}/{fmt.META} says it holds [{info['start']}, {info['stop']}) of "
                                     f"{info['cache_length']} samples, not its name's [{start}, {stop}). {fix}")
@@ -378,17 +399,20 @@ def _remove(fs, root: str) -> None:
 
 def check_composed(url: str, segments: list, storage_options: dict | None = None) -> str:
     """Read the composed object at ``url`` (on a worker) and return its sha256, after checking that
-    it is exactly ``segments`` (``(size, sha256)`` of each part's file, in order).
+    it is exactly ``segments`` (``(size, sha256, start, stop)`` of each part's file, in order).
 
     Raises:
-        CorruptCacheError: a segment differs from its part (the part changed after it was checked).
+        PartRefused: a segment differs from its part (the part changed after it was checked, or two
+            copies of it were uploaded at once): its ``bounds`` name the part, which the build removes
+            and builds again.
+        CorruptCacheError: the composed object is shorter or longer than its parts.
     """
     fs, path = url_to_fs(url, storage_options)
-    total = sum(size for size, _ in segments)
+    total = sum(seg[0] for seg in segments)
     whole = hashlib.sha256()
     at = 0
     with fs.open(path, "rb", block_size=READ_BLOCK, cache_type="none") as f:
-        for k, (size, sha) in enumerate(segments):
+        for k, (size, sha, start, stop) in enumerate(segments):
             seg = hashlib.sha256()
             left = size
             while left:
@@ -400,9 +424,10 @@ def check_composed(url: str, segments: list, storage_options: dict | None = None
                 whole.update(chunk)
                 left -= len(chunk)
             if seg.hexdigest() != sha:
-                raise CorruptCacheError(f"{url}: bytes {at}..{at + size} differ from part {k}'s file (sha256 "
-                                        f"{seg.hexdigest()[:12]}… vs {sha[:12]}…): the part changed after it was checked. "
-                                        "Rerun the build, then compose again.")
+                raise PartRefused(f"{url}: bytes {at}..{at + size} differ from the file of its part {part_name(start, stop)} "
+                                  f"(sha256 {seg.hexdigest()[:12]}… vs {sha[:12]}…): the part changed after it was checked. "
+                                  "Remove that part and rerun the build (it recomputes it), then compose again.",
+                                  bounds=(start, stop))
             at += size
         if f.read(1):
             raise CorruptCacheError(f"{url} is longer than its parts ({total} bytes). Compose again.")

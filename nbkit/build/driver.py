@@ -165,8 +165,12 @@ def run(cached, engine, *, part_size: int = DEFAULT_PART_SIZE, callback=None, fa
             state.workers = Workers(parts_done=state.parts, parts_total=state.parts + len(todo))
             cb.set_workers(state.workers)
         state.stopped = _build(how, engine, todo, source, cached, state)
-        if not state.stopped:
-            how.finish(state)
+        while not state.stopped:
+            again = how.finish(state)  # parts refused at the end (compose): built again, then finished again
+            if not again:
+                break
+            state.planned += len(again)
+            state.stopped = _build(how, engine, again, source, cached, state)
     finally:
         how.close(state)
     cb.set_description("stopped" if state.stopped else "done")
@@ -202,6 +206,16 @@ class _State:
         self.cb.relative_update(result.merged)
         if self.planned:
             self.cb.set_description(f"building: {self.parts} of {self.planned} parts merged")
+
+    def unmerged(self, samples: int, *, reused: bool) -> None:
+        """Take back a part counted as merged that was refused after all (it is built again)."""
+        self.refused += 1
+        self.parts -= 1
+        if reused:
+            self.reused -= samples
+        else:
+            self.computed -= samples
+        self.cb.relative_update(-samples)
 
 
 # -- where the parts go: one strategy per kind of storage --------------------------------------------
@@ -255,8 +269,8 @@ class LocalMerge:
         for path in list_parts(self.parts):
             state.merged(merge(self.store, path, hashes=self.hashes))
 
-    def finish(self, state) -> None:
-        pass
+    def finish(self, state) -> list:
+        return []  # each part was merged as it arrived
 
     def close(self, state) -> None:
         sweep_builds(self.parts)
@@ -286,17 +300,34 @@ class ComposeParts:
         self.url, self.cb, self.store, self.engine = cached.path.rstrip("/"), cb, store, engine
         self.storage_options = dict(cached._location.storage_options or {})
         self.parts = parts_url(self.url)
-        self.present: set = set()
+        self.present: dict = {}  # (start, stop) of each part uploaded: True if an earlier run left it
+        self.refusals: dict = {}  # (start, stop): times compose refused it
 
     def start(self, state) -> None:
-        from .part import remote_parts
+        from ..transfer.remote import connect, remote_errors
+        from .compose import check_uploaded, remove_part
+        from .part import PartRefused, remote_parts
 
+        fix = "run the build again once the storage answers: finished parts are kept"
+        self.fs, self.root = connect(self.parts, self.storage_options or None, doing="checking the parts at", fix=fix,
+                                     write=True)
         found = remote_parts(self.parts, self.storage_options)
-        for start, stop in found:
-            self.present.add((start, stop))
-            state.merged(MergeResult(merged=stop - start), reused=True)
         if found:
-            self.cb.set_description(f"{len(found)} parts uploaded by an earlier build are kept")
+            self.cb.set_description(f"checking {len(found)} parts uploaded by an earlier build")
+        kept = 0
+        for bounds in found:  # what compose will check (not the sample bytes): a damaged part is built again
+            with remote_errors(self.fs, self.parts, "checking the parts at", fix):
+                try:
+                    check_uploaded(self.fs, self.root, bounds, self.store.meta)
+                except PartRefused:
+                    remove_part(self.fs, self.root, bounds)
+                    state.refused += 1
+                    continue
+            self.present[bounds] = True
+            kept += 1
+            state.merged(MergeResult(merged=bounds[1] - bounds[0]), reused=True)
+        if kept:
+            self.cb.set_description(f"{kept} parts uploaded by an earlier build are kept")
 
     def plan(self, part_size: int, indices) -> list:
         from .. import trust
@@ -320,7 +351,7 @@ class ComposeParts:
         from .part import parse_part_name
 
         start, stop = parse_part_name(result["name"])
-        self.present.add((start, stop))
+        self.present[(start, stop)] = False
         return MergeResult(merged=stop - start)
 
     def missing(self, p: PlannedPart) -> np.ndarray:
@@ -329,18 +360,34 @@ class ComposeParts:
     def salvage(self, state) -> None:
         pass  # uploaded parts stay under the parts prefix: the next run composes them
 
-    def finish(self, state) -> None:
-        from .compose import compose
-        from .part import remote_parts
+    def finish(self, state) -> list:
+        from .compose import compose, remove_part
+        from .part import PartRefused, remote_parts
 
         every = -(-self.store.length // self.part_size)
         if self.sharded and len(remote_parts(self.parts, self.storage_options)) < every:
             # Other shards' parts are still missing: the driver that uploads the last one composes.
             self.cb.set_description("this shard's parts are uploaded; the last shard to finish composes")
-            return
+            return []
         self.cb.set_description("composing the parts (server-side)")
-        compose(self.url, engine=self.engine, storage_options=self.storage_options or None, remove_parts=True,
-                callback=self.cb)
+        try:
+            compose(self.url, engine=self.engine, storage_options=self.storage_options or None, remove_parts=True,
+                    callback=self.cb)
+        except PartRefused as e:
+            if e.bounds is None:
+                raise
+            # A part damaged after it was uploaded (or two copies uploaded at once): removed, built
+            # again, then composed again; a part refused every time stops the build with the reason.
+            tries = self.refusals[e.bounds] = self.refusals.get(e.bounds, 0) + 1
+            if tries > RETRIES:
+                _note(e, f"(refused {tries} times: the build stops; finished parts are kept)")
+                raise
+            remove_part(self.fs, self.root, e.bounds)
+            reused = self.present.pop(e.bounds, False)
+            state.unmerged(e.bounds[1] - e.bounds[0], reused=reused)
+            start, stop = e.bounds
+            return [PlannedPart(start, stop, np.arange(start, stop, dtype=np.int64))]
+        return []
 
     def close(self, state) -> None:
         pass

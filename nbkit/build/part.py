@@ -76,7 +76,19 @@ PART_SPEC = trust.Obj({
 
 class PartRefused(CorruptCacheError):
     """A part that does not verify (damaged, of another cache, another schema or range): it is
-    removed and its range computed again."""
+    removed and its range computed again.
+
+    Attributes:
+        bounds: ``(start, stop)`` of the part refused, when the check knew it (it travels with the
+            error from a worker to the driver).
+    """
+
+    def __init__(self, message: str, bounds: tuple | None = None):
+        super().__init__(message)
+        self.bounds = None if bounds is None else (int(bounds[0]), int(bounds[1]))
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.bounds))
 
 
 def part_name(start: int, stop: int) -> str:

@@ -56,7 +56,8 @@ def build_and_push_part(source, start, stop, url, storage_options, fingerprint):
     import tempfile
 
     import nbkit
-    from nbkit.build.compose import part_name, parts_url
+    from nbkit.build.compose import parts_url
+    from nbkit.build.part import part_name
 
     folder = tempfile.mkdtemp(prefix="nbkit-part-")
     try:

@@ -15,7 +15,8 @@ from fixtures_clusters import dask_engine, ray_engine
 from fixtures_gcs import gcs, gcs_emulator, gcs_server, short_gcsfs_retries
 from nbkit import format as fmt
 from nbkit.build import compose as composing
-from nbkit.build.compose import compose, part_name, parts_url
+from nbkit.build.compose import compose, parts_url
+from nbkit.build.part import part_name
 from nbkit.errors import CorruptCacheError
 from sources import DictSource, assert_equal
 
@@ -243,7 +244,7 @@ def test_a_driver_killed_at_each_request_leaves_no_half_cache_and_a_rerun_finish
 
     def run(url, k):
         log = str(tmp_path / f"requests-{k}.jsonl")
-        proc = subprocess.run([sys.executable, os.path.join(here, "compose_killed.py"), url, options, str(k), log],
+        proc = subprocess.run([sys.executable, os.path.join(here, "killed_at_request.py"), str(k), log, "compose", url, options],
                               env=env, capture_output=True, text=True, timeout=120)
         with open(log) as f:
             return proc.returncode, [json.loads(line) for line in f]

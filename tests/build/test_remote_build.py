@@ -1,10 +1,12 @@
 """nbkit.build.run on a gs:// cache (the GCS emulator): parts built by local workers, uploaded beside
 the cache and composed server-side; and the storage failing under a build, remote and local."""
 
+import json
 import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import nbkit
@@ -128,3 +130,108 @@ def test_gs_shards_each_upload_their_parts_and_the_last_composes(gcs):
     assert second.computed == 32 and gcs.fs.exists(f"{url}/nbkit.json")
     ds.close()
     check_remote(url, gcs.storage_options, Named(n))
+
+
+@pytest.mark.parametrize("damage", ["sample bytes", "index", "another cache"])
+def test_a_damaged_uploaded_part_is_refused_removed_and_built_again(gcs, damage):
+    n, url = 64, f"{gcs.url}/caches/damaged-{damage.replace(' ', '-')}"
+    src = Named(n)
+    ds = nbkit.CachedDataset(src, url, storage_options=gcs.storage_options)
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        first = run(ds, engine, part_size=16, shard=(0, 2))  # uploads [0, 16) and [32, 48); no compose yet
+    assert first.computed == 32 and not gcs.fs.exists(f"{url}/nbkit.json")
+    part = f"{parts_url(url)}/part-0000000000032-0000000000048"
+    if damage == "sample bytes":  # same size, other bytes: only reading them shows it (after compose)
+        raw = bytearray(gcs.fs.cat_file(f"{part}/heap.bin"))
+        raw[len(raw) // 2] ^= 0xFF
+        gcs.fs.pipe_file(f"{part}/heap.bin", bytes(raw))
+    elif damage == "index":
+        gcs.fs.pipe_file(f"{part}/index.bin", b"\0" * 10)
+    else:  # a whole part of another build of the cache (another generation)
+        meta = json.loads(gcs.fs.cat_file(f"{part}/nbkit.json"))
+        meta["part"]["cache_generation"] = "0" * 32
+        gcs.fs.pipe_file(f"{part}/nbkit.json", json.dumps(meta).encode())
+    gcs.fs.invalidate_cache()
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        again = run(ds, engine, part_size=16)
+    assert again.refused == 1 and not again.stopped
+    assert again.computed == 48 and again.reused == 16, again  # the damaged part was built again, the whole one kept
+    ds.close()
+    assert not gcs.fs.exists(parts_url(url))
+    check_remote(url, gcs.storage_options, src)
+
+
+def test_a_part_refused_every_time_stops_the_build_with_the_reason(gcs, monkeypatch):
+    from nbkit.build import compose as compose_module
+    from nbkit.build.part import PartRefused
+
+    def always_refused(url, **kwargs):
+        raise PartRefused("part-0000000000000-0000000000016 differs", bounds=(0, 16))
+
+    monkeypatch.setattr(compose_module, "compose", always_refused)
+    url = f"{gcs.url}/caches/refused"
+    ds = nbkit.CachedDataset(Named(32), url, storage_options=gcs.storage_options)
+    with LocalEngine(2, multiprocessing_context="fork") as engine, pytest.raises(PartRefused) as got:
+        run(ds, engine, part_size=16)
+    assert f"refused {RETRIES + 1} times" in "".join(got.value.__notes__)
+    ds.close()
+
+
+def test_a_worker_killed_at_each_request_of_its_upload_leaves_the_part_absent_or_whole(gcs, tmp_path):
+    """A real process builds one part of a gs:// cache and is killed (os._exit(137)) before its k-th
+    request to the endpoint, for every request of the build: the part is there whole (its nbkit.json,
+    written last) or not there at all for the build (no nbkit.json: not listed, overwritten by the
+    next copy), and a rerun of the build composes a cache equal to the source."""
+    import pickle
+    import subprocess
+    import sys
+
+    from nbkit.build.compose import check_uploaded
+    from nbkit.build.driver import ComposeParts, _source, _spec
+    from nbkit.build.part import remote_parts
+    from nbkit.build.plan import PlannedPart
+    from nbkit.progress import as_callback
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(here)), here]))
+    n = 48
+    src = Named(n)
+
+    def attempt(name, k):
+        url = f"{gcs.url}/caches/{name}"
+        ds = nbkit.CachedDataset(src, url, storage_options=gcs.storage_options)
+        how = ComposeParts(ds, ds.store, None, as_callback(None))
+        spec = _spec(PlannedPart(16, 32, np.arange(16, 32)), ds, ds.store.meta, how.spec(), _source(ds, None))
+        spec_file = str(tmp_path / f"spec-{name}.pkl")
+        with open(spec_file, "wb") as f:
+            pickle.dump(spec, f)
+        log = str(tmp_path / f"requests-{name}.jsonl")
+        proc = subprocess.run([sys.executable, os.path.join(here, "killed_at_request.py"), str(k), log, "part", spec_file],
+                              env=env, capture_output=True, text=True, timeout=120)
+        with open(log) as f:
+            requests = [json.loads(line) for line in f]
+        return ds, url, proc, requests
+
+    ds, url, proc, requests = attempt("whole", 0)
+    assert proc.returncode == 0, proc.stderr
+    ds.close()
+    changing = [i + 1 for i, (method, _, _) in enumerate(requests) if method != "GET"]
+    assert len(changing) >= 3  # index.bin, a column, nbkit.json (last: the kills below show it)
+    points = range(1, len(requests) + 1) if os.environ.get("NBKIT_CRASH") == "all" else sorted(
+        {1, *changing, len(requests)})  # the CI budget: every request that changes the bucket, the first and the last
+    for k in points:
+        ds, url, proc, _ = attempt(f"killed-{k}", k)
+        assert proc.returncode == 137, (k, proc.returncode, proc.stderr[-2000:])
+        gcs.fs.invalidate_cache()
+        found = remote_parts(parts_url(url), gcs.storage_options)
+        published = k > changing[-1]
+        assert found == ([(16, 32)] if published else []), (k, found)
+        if published:  # whole: it passes every check compose makes
+            fs, root = gcs.fs, parts_url(url).split("://", 1)[1]
+            check_uploaded(fs, root, (16, 32), ds.store.meta)
+        with LocalEngine(2, multiprocessing_context="fork") as engine:
+            report = run(ds, engine, part_size=16)
+        assert (report.reused, report.computed, report.refused) == ((16, 32, 0) if published else (0, 48, 0)), (k, report)
+        ds.close()
+        assert not gcs.fs.exists(parts_url(url))
+        check_remote(url, gcs.storage_options, src)
