@@ -40,6 +40,12 @@ from .text import NARROW_COLUMNS, fill, format_amount, format_count, format_rate
 __all__ = ["Callback", "TextProgress", "NoOpCallback", "as_callback", "Job", "JobState", "Workers", "WorkerRate"]
 
 
+#: A part out this many times longer than the longest part took so far is shown (:attr:`Workers.overdue`)…
+OVERDUE = 3.0
+#: …once it has been out at least this many seconds.
+OVERDUE_SECONDS = 30.0
+
+
 @dataclass(frozen=True)
 class WorkerRate:
     """What one worker of a build has done: parts, samples, and the seconds it spent on them.
@@ -78,11 +84,16 @@ class Workers:
         (3, 4, [('a:1', 100.0), ('b:2', 25.0)], 'b:2')
         >>> w.text()
         'parts 3/4 · 2 workers · slowest: b:2 25/s'
+        >>> w.out(1, 60.0).text()  # a part out far longer than parts take: a stuck or lost worker shows
+        'parts 3/4 · 2 workers · slowest: b:2 25/s · 1 part out, the oldest for 1m00s'
     """
 
     parts_done: int = 0
     parts_total: int = 0
     rows: tuple = ()
+    #: parts submitted and not back yet, and seconds since the oldest of them was submitted
+    outstanding: int = 0
+    oldest: float = 0.0
 
     def record(self, worker: str, samples: int, seconds: float) -> "Workers":
         """The snapshot after ``worker`` finished a part of ``samples`` samples in ``seconds``."""
@@ -94,6 +105,17 @@ class Workers:
         if not found:
             rows.append(WorkerRate(worker, 1, int(samples), float(seconds)))
         return replace(self, parts_done=self.parts_done + 1, rows=tuple(rows))
+
+    def out(self, outstanding: int, oldest: float) -> "Workers":
+        """The snapshot with ``outstanding`` parts out, the oldest submitted ``oldest`` seconds ago."""
+        return replace(self, outstanding=int(outstanding), oldest=float(oldest))
+
+    @property
+    def overdue(self) -> bool:
+        """The oldest part out has taken far longer than parts take (:data:`OVERDUE` times the
+        longest a part has taken, and at least :data:`OVERDUE_SECONDS`): a worker stuck or lost."""
+        longest = max((r.seconds / r.parts for r in self.rows if r.parts), default=0.0)
+        return self.outstanding > 0 and self.oldest >= max(OVERDUE_SECONDS, OVERDUE * longest)
 
     @property
     def slowest(self) -> WorkerRate | None:
@@ -109,6 +131,8 @@ class Workers:
         slowest = self.slowest
         if slowest is not None:
             units.append(f"slowest: {printable(slowest.worker)} {format_count(slowest.rate)}/s")
+        if self.overdue:
+            units.append(f"{plural(self.outstanding, 'part')} out, the oldest for {format_seconds(self.oldest)}")
         return " · ".join(units)
 
 

@@ -36,19 +36,35 @@ def _needs(module: str, extra: str):
         pytest.skip(f"{module} is not installed: pip install 'nbkit-cache[{extra}]' (make setup installs it)")
 
 
-@pytest.fixture(scope="session")
-def ray_engine():
-    """A RayEngine over a local Ray instance with 2 worker CPUs, started once per session."""
-    _needs("ray", "ray")
-    from nbkit.build.ray import RayEngine
+def _started(module: str, extra: str, make):
+    """The engine ``make()`` returns, started with the workers' PYTHONPATH; skips without ``module``."""
+    _needs(module, extra)
     old = worker_pythonpath()
     try:
-        engine = RayEngine(num_workers=2)
+        return make()
     finally:
         if old is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture(scope="session")
+def ray_engine():
+    """A RayEngine over a local Ray instance with 2 worker CPUs, started once per session."""
+    def make():
+        import ray
+
+        from nbkit.build.ray import RayEngine
+        for attempt in range(3):
+            try:
+                return RayEngine(num_workers=2)
+            except Exception as e:  # Ray waits a fixed 30 s for its raylet: a loaded machine can miss it
+                if "timed out during startup" not in str(e) or attempt == 2:
+                    raise
+                ray.shutdown()
+
+    engine = _started("ray", "ray", make)
     yield engine
     engine.close()
 
@@ -56,15 +72,10 @@ def ray_engine():
 @pytest.fixture(scope="session")
 def dask_engine():
     """A DaskEngine over a LocalCluster of 2 worker processes (1 thread each), started once per session."""
-    _needs("distributed", "dask")
-    from nbkit.build.dask import DaskEngine
-    old = worker_pythonpath()
-    try:
-        engine = DaskEngine(num_workers=2)
-    finally:
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    def make():
+        from nbkit.build.dask import DaskEngine
+        return DaskEngine(num_workers=2)
+
+    engine = _started("distributed", "dask", make)
     yield engine
     engine.close()

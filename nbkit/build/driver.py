@@ -29,6 +29,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from ..progress import Workers, as_callback
 from .merge import MergeResult, merge
 from .part import build_part, list_parts, parts_dir, sweep_builds
 from .plan import DEFAULT_PART_SIZE, PlannedPart, plan
+from .warmup import WarmupReport
 
 __all__ = ["BuildReport", "run"]
 
@@ -47,46 +49,34 @@ RETRIES = 3
 #: Parts kept submitted per worker: one running, one queued behind it, so a worker starts its next
 #: part while the driver verifies and merges the last one (the merge overlaps the compute).
 AHEAD = 2
+#: How often (seconds) the parts out and the age of the oldest are shown (a stuck worker shows).
+SHOW_SECONDS = 1.0
 #: Seconds before a part whose storage failed is submitted again (doubled each time): a dropped
 #: connection or a restarting endpoint gets a moment, a full disk fails within a second or two.
 RETRY_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
-class BuildReport:
-    """What one :func:`run` did.
+class BuildReport(WarmupReport):
+    """What one :func:`run` did: a :class:`~nbkit.build.warmup.WarmupReport` (``computed``,
+    ``skipped``, ``total``, ``seconds``, ``stopped``, ``rate``) and what the parts did.
 
     Attributes:
-        computed: samples computed by the workers and merged by this run.
         reused: samples merged from parts an earlier run left (not computed again).
-        skipped: samples already stored when it started.
-        total: admitted samples of the cache.
         parts: parts merged (built now or left before).
         refused: parts refused (damaged, another schema…) and planned again.
         retried: part builds submitted again after a lost worker.
-        seconds: wall time.
-        stopped: it stopped early because the callback asked it to.
     """
 
-    computed: int
-    reused: int
-    skipped: int
-    total: int
-    parts: int
-    refused: int
-    retried: int
-    seconds: float
-    stopped: bool
+    reused: int = 0
+    parts: int = 0
+    refused: int = 0
+    retried: int = 0
+    what: ClassVar[str] = "build"
 
-    @property
-    def rate(self) -> float:
-        return self.computed / self.seconds if self.seconds > 0 else 0.0
-
-    def __str__(self) -> str:
-        state = "stopped" if self.stopped else "done"
-        return (f"build {state}: {self.computed} computed, {self.reused} merged from earlier parts, {self.skipped} already "
-                f"cached, {self.total} in all; {self.parts} parts merged, {self.refused} refused, {self.retried} retried; "
-                f"{self.seconds:.1f}s ({self.rate:,.0f} samples/s)")
+    def counts(self) -> str:
+        return (f"{self.computed} computed, {self.reused} merged from earlier parts, {self.skipped} already cached, "
+                f"{self.total} in all; {self.parts} parts merged, {self.refused} refused, {self.retried} retried")
 
 
 def _source(cached, factory) -> tuple:
@@ -206,6 +196,14 @@ class _State:
         self.cb.relative_update(result.merged)
         if self.planned:
             self.cb.set_description(f"building: {self.parts} of {self.planned} parts merged")
+
+    def out(self, sent: list) -> None:
+        """Show the parts out (``sent``: when each was submitted): a part out far longer than parts
+        take shows a stuck or lost worker before its part ends (:attr:`nbkit.progress.Workers.overdue`)."""
+        if self.workers is not None:
+            oldest = time.monotonic() - min(sent) if sent else 0.0
+            self.workers = self.workers.out(len(sent), oldest)
+            self.cb.set_workers(self.workers)
 
     def unmerged(self, samples: int, *, reused: bool) -> None:
         """Take back a part counted as merged that was refused after all (it is built again)."""
@@ -416,6 +414,8 @@ def _build(how, engine, todo, source, cached, state) -> bool:
     later: list = []  # (when, part): parts whose storage failed, submitted again after a pause
     tries: dict = {}
     inflight: dict = {}
+    sent: dict = {}  # future: when it was submitted
+    shown = 0.0  # when the parts out were last shown
 
     def again(p, error) -> bool:
         if tries.get(p.start, 0) >= RETRIES:
@@ -441,13 +441,18 @@ def _build(how, engine, todo, source, cached, state) -> bool:
                 queue.append(item[1])
             while queue and len(inflight) < AHEAD * max(1, engine.workers):
                 p = queue.popleft()
-                inflight[engine.submit(build_part, _spec(p, cached, meta, how.spec(), source))] = p
+                future = engine.submit(build_part, _spec(p, cached, meta, how.spec(), source))
+                inflight[future], sent[future] = p, time.monotonic()
             if not inflight:
                 time.sleep(POLL_SECONDS)
                 continue
             done, _ = concurrent.futures.wait(inflight, timeout=POLL_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
+            if time.monotonic() - shown >= SHOW_SECONDS:
+                state.out([sent[f] for f in inflight if f not in done])
+                shown = time.monotonic()
             for f in done:
                 p = inflight.pop(f)
+                sent.pop(f, None)
                 error = f.exception() if not f.cancelled() else concurrent.futures.CancelledError()
                 if error is not None:
                     if engine.worker_lost(error) and again(p, None):

@@ -28,6 +28,7 @@ import os
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -53,15 +54,20 @@ class WarmupReport:
     total: int
     seconds: float
     stopped: bool
+    what: ClassVar[str] = "warmup"  # what __str__ calls the operation
 
     @property
     def rate(self) -> float:
+        """Samples computed a second."""
         return self.computed / self.seconds if self.seconds > 0 else 0.0
+
+    def counts(self) -> str:
+        """What was done, in words (the middle of :meth:`__str__`)."""
+        return f"{self.computed} computed, {self.skipped} already cached, {self.total} in all"
 
     def __str__(self) -> str:
         state = "stopped" if self.stopped else "done"
-        return (f"warmup {state}: {self.computed} computed, {self.skipped} already cached, "
-                f"{self.total} in all, {self.seconds:.1f}s ({self.rate:,.0f} samples/s)")
+        return f"{self.what} {state}: {self.counts()}, {self.seconds:.1f}s ({self.rate:,.0f} samples/s)"
 
 
 def _fill(cached, chunk: np.ndarray) -> int:

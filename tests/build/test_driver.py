@@ -2,6 +2,7 @@
 
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -262,4 +263,34 @@ def test_writing_into_leaves_the_cache_untouched(tmp_path):
     assert part.state.tolist()[:5] == [1, 1, 1, 1, 0]
     assert ds.missing().tolist() == list(range(1, 20)) and same(ds[0], Named(20)[0])  # its own store again
     part.close()
+    ds.close()
+
+
+def test_a_stuck_worker_shows_before_its_part_ends(tmp_path, monkeypatch):
+    from nbkit import progress
+
+    monkeypatch.setattr(progress, "OVERDUE_SECONDS", 1.0)
+    n, flag = 64, str(tmp_path / "flag")
+    ds = nbkit.CachedDataset(Flagged(n, flag, at=40), str(tmp_path / "cache"))  # the part [32, 48) hangs at 40
+    seen = []
+
+    class Watch(Callback):
+        def call(self, *args, **kwargs):
+            if self.workers is not None:
+                seen.append(self.workers.text())
+
+    def release_once_shown():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("the oldest for" in t for t in seen):
+            time.sleep(0.05)
+        open(flag + ".go", "w").close()
+
+    t = threading.Thread(target=release_once_shown)
+    t.start()
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        report = run(ds, engine, part_size=16, callback=Watch())
+    t.join()
+    stuck = [s for s in seen if "the oldest for" in s]
+    assert stuck and re.search(r"\d+ parts? out, the oldest for \d", stuck[0]), seen[-5:]
+    assert report.computed == n and not report.stopped
     ds.close()
