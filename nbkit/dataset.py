@@ -791,7 +791,7 @@ class CachedDataset(Dataset):
                 this handle opened it.
 
         Returns:
-            A :class:`nbkit.build.warmup.WarmupReport`.
+            A :class:`nbkit.build.report.WarmupReport`.
 
         Example:
             >>> import torch, tempfile, nbkit

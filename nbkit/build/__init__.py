@@ -21,6 +21,6 @@ __all__ = ["Engine", "ExecutorEngine", "LocalEngine", "BuildReport", "run", "rea
            "run_ranks", "RanksIncomplete"]
 
 __getattr__, __dir__ = lazy_names(__name__, {"Engine": "engine", "ExecutorEngine": "engine", "LocalEngine": "local",
-                                             "BuildReport": "driver", "run": "driver",
+                                             "BuildReport": "report", "run": "driver",
                                              "read_part": "part", "VerifiedPart": "part", "PartRefused": "part",
                                              "run_ranks": "ranks", "RanksIncomplete": "ranks"})

@@ -28,8 +28,6 @@ import pickle
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
@@ -37,9 +35,9 @@ from ..progress import Workers, as_callback
 from .merge import MergeResult, merge
 from .part import build_part, list_parts, parts_dir, sweep_builds
 from .plan import DEFAULT_PART_SIZE, PlannedPart, plan
-from .warmup import WarmupReport
+from .report import BuildReport
 
-__all__ = ["BuildReport", "run"]
+__all__ = ["run"]
 
 #: How often (seconds) the driver looks at the stop flag while it waits for parts.
 POLL_SECONDS = 0.1
@@ -54,29 +52,6 @@ SHOW_SECONDS = 1.0
 #: Seconds before a part whose storage failed is submitted again (doubled each time): a dropped
 #: connection or a restarting endpoint gets a moment, a full disk fails within a second or two.
 RETRY_SECONDS = 0.2
-
-
-@dataclass(frozen=True)
-class BuildReport(WarmupReport):
-    """What one :func:`run` did: a :class:`~nbkit.build.warmup.WarmupReport` (``computed``,
-    ``skipped``, ``total``, ``seconds``, ``stopped``, ``rate``) and what the parts did.
-
-    Attributes:
-        reused: samples merged from parts an earlier run left (not computed again).
-        parts: parts merged (built now or left before).
-        refused: parts refused (damaged, another schema…) and planned again.
-        retried: part builds submitted again after a lost worker.
-    """
-
-    reused: int = 0
-    parts: int = 0
-    refused: int = 0
-    retried: int = 0
-    what: ClassVar[str] = "build"
-
-    def counts(self) -> str:
-        return (f"{self.computed} computed, {self.reused} merged from earlier parts, {self.skipped} already cached, "
-                f"{self.total} in all; {self.parts} parts merged, {self.refused} refused, {self.retried} retried")
 
 
 def _source(cached, factory) -> tuple:

@@ -27,48 +27,14 @@ import contextlib
 import os
 import time
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
 from ..progress import as_callback
+from .report import WarmupReport
 from ..trust import MAX_SAMPLES, MAX_WORKERS, MAX_WORLD_SIZE, check_int
 
-__all__ = ["WarmupReport", "run_warmup"]
-
-@dataclass(frozen=True)
-class WarmupReport:
-    """What one ``warmup()`` call did.
-
-    Attributes:
-        computed: samples computed and stored by this call.
-        skipped: samples already stored when it started (in its shard).
-        total: samples in its shard.
-        seconds: wall time.
-        stopped: ``True`` if it stopped early because the callback asked it to.
-    """
-
-    computed: int
-    skipped: int
-    total: int
-    seconds: float
-    stopped: bool
-    what: ClassVar[str] = "warmup"  # what __str__ calls the operation
-
-    @property
-    def rate(self) -> float:
-        """Samples computed a second."""
-        return self.computed / self.seconds if self.seconds > 0 else 0.0
-
-    def counts(self) -> str:
-        """What was done, in words (the middle of :meth:`__str__`)."""
-        return f"{self.computed} computed, {self.skipped} already cached, {self.total} in all"
-
-    def __str__(self) -> str:
-        state = "stopped" if self.stopped else "done"
-        return f"{self.what} {state}: {self.counts()}, {self.seconds:.1f}s ({self.rate:,.0f} samples/s)"
-
+__all__ = ["run_warmup"]
 
 def _fill(cached, chunk: np.ndarray) -> int:
     """Compute and store the samples of ``chunk`` still missing; return the chunk's size."""

@@ -216,7 +216,7 @@ class WarmupPanel(View):
 
     @property
     def warmup_report(self):
-        """The last warmup's :class:`~nbkit.build.warmup.WarmupReport`, or ``None`` before one ended."""
+        """The last warmup's :class:`~nbkit.build.report.WarmupReport`, or ``None`` before one ended."""
         return self._report("warmup")
 
     @property
