@@ -178,7 +178,7 @@ def part_costs(work, n, cost, part_size) -> dict:
     builds, merges, sizes = [], [], []
     for p in plan(store, part_size):
         t0 = time.perf_counter()
-        done = build_part(_spec(p, ds, store.meta, parts, source))
+        done = build_part(_spec(p, ds, store.meta, {"parts": parts, "hashes": True}, source))  # a cluster worker's part: hashed
         builds.append(time.perf_counter() - t0)
         path = os.path.join(parts, done["name"])
         sizes.append(sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)))
@@ -239,7 +239,7 @@ def local_merge(work, mib, nparts) -> tuple[float, int]:
     ds = nbkit.CachedDataset(Rows4K(n), os.path.join(work, f"merge-{mib}-{nparts}"), fingerprint_samples=0)
     store, parts = ds.store, parts_dir(ds.root)
     source = _source(ds, None)
-    paths = [os.path.join(parts, build_part(_spec(p, ds, store.meta, parts, source))["name"])
+    paths = [os.path.join(parts, build_part(_spec(p, ds, store.meta, {"parts": parts, "hashes": True}, source))["name"])
              for p in plan(store, math.ceil(n / nparts))]
     read = sum(os.path.getsize(os.path.join(p, f)) for p in paths for f in os.listdir(p))
     t0 = time.perf_counter()
