@@ -19,6 +19,9 @@ import bench_engine
 import run as bench_run
 import workloads
 
+# The benchmark scripts run end to end on one stack (make test); their figures come from make bench.
+pytestmark = [pytest.mark.one_stack]
+
 
 def _env():
     env = dict(os.environ, PJRT_DEVICE="CPU")

@@ -11,7 +11,7 @@ from crash.harness import RESULTS
 from crash.harness import all_cases, budget
 from crash.operations import OPERATIONS
 
-pytestmark = [pytest.mark.crash]
+pytestmark = [pytest.mark.crash, pytest.mark.one_stack]  # the file-system protocol: the same on every torch
 
 
 @pytest.mark.parametrize("name,mode", all_cases(), ids=[f"{n}-{m}" for n, m in all_cases()])

@@ -136,6 +136,7 @@ def test_in_a_kernel_both_widgets_render_as_widgets(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.one_stack  # Colab's widgets with Colab's torch stack (make test)
 @pytest.mark.skipif(bool(os.environ.get("NBKIT_EXPECT_IPYWIDGETS")), reason="already the ipywidgets 7 run")
 def test_this_directory_passes_with_ipywidgets_7_7_1():
     # make setup builds both directories (tests/testenvs.py); a missing one fails the test and says so.
