@@ -14,8 +14,8 @@ metadata (:func:`torch_specifier`), builds the install pytorch.org documents for
 (:func:`install_commands`), and holds the device check :func:`nbkit.tpu.setup` runs in a subprocess.
 
 Example:
-    >>> install_commands("2.9.0+cpu", python="python", torchvision=False)[0][-4:]
-    ['torch>=2.11,<=2.15', '--index-url', 'https://download.pytorch.org/whl/cpu', '--upgrade']
+    >>> install_commands("2.9.0+cpu", python="python", torchvision=False)[0][-3:]
+    ['--index-url', 'https://download.pytorch.org/whl/cpu', '--upgrade']
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def no_device_reason(tpu_version: str, is_tpu: bool, environ: Mapping[str, str])
     """Why the ``"tpu"`` device is missing although ``torch_tpu`` is installed, and what to do.
 
     Example:
-        >>> no_device_reason("0.2.0", False, {}).split(":")[0]
-        "torch_tpu 0.2.0 is installed, but this machine has no TPU device"
+        >>> no_device_reason("0.2.0", False, {}).startswith("torch_tpu 0.2.0 is installed, but this machine has no TPU device")
+        True
     """
     if environ.get(AUTOLOAD) == "0":
         return (f"torch_tpu {tpu_version} is installed, but {AUTOLOAD}=0 stops torch from loading it, so the "
