@@ -24,7 +24,7 @@ TORCH_STACK  := torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0
 # registry's torchvision 0.29.2 is built against torch 2.15.0, both CUDA 13.2 builds that run on the
 # CPU). A machine-wide pip constraint may cap torch below it (/etc/xdg/pip on our build machines):
 # PIP_CONSTRAINT=/dev/null lifts it for this venv's installs only.
-NEWEST_STACK := torch==2.15.0 torchvision==0.29.2
+NEWEST_STACK := torch==2.15.0 torchvision==0.29.2 torch-tpu==0.2.0
 VENV_NEWEST  ?= .venv-newest
 export PJRT_DEVICE ?= CPU
 # The environment of every pytest run: whatever the suite starts finds no package index (pip, uv).

@@ -611,3 +611,41 @@ def check_stored_key(kb, max_len: int, where: str, fix: str) -> bytes:
 
 
 __all__ += ["check_bound", "check_sample_values", "check_hello", "check_stored_key"]
+
+
+#: The longest ``Requires-Dist`` line of an installed package's metadata that nbkit reads.
+MAX_REQUIREMENT_CHARS = 200
+_SPECIFIER = re.compile(r"(?:(?:==|!=|<=|>=|~=|<|>)\s*[0-9][0-9A-Za-z.*+!-]*\s*,?\s*)+")
+
+
+def requirement_specifier(lines, name: str):
+    """The version specifier an installed package's metadata puts on ``name`` (its ``Requires-Dist``
+    lines, from ``importlib.metadata.requires``), or ``None`` when it names none or any line about
+    ``name`` is malformed: a package's metadata is data from outside, read as such (bounded,
+    parsed by pattern, never evaluated), and the caller falls back to the range it documents.
+
+    Example:
+        >>> requirement_specifier(["numpy>=2", "torch<=2.15.0,>=2.11.0"], "torch")
+        '>=2.11.0,<=2.15.0'
+        >>> requirement_specifier(["torch; os.system('x')"], "torch") is None
+        True
+    """
+    found = None
+    for line in lines or ():
+        if not isinstance(line, str) or len(line) > MAX_REQUIREMENT_CHARS:
+            continue
+        head = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*)$", line)
+        if not head or re.sub(r"[-_.]+", "-", head.group(1)).lower() != name.lower():
+            continue
+        rest = head.group(2).strip()
+        if ";" in rest or "[" in rest or "@" in rest:
+            return None  # markers, extras or URLs: not the plain range nbkit reads
+        rest = rest.strip("()").strip()
+        if not rest or not _SPECIFIER.fullmatch(rest):
+            return None
+        parts = sorted((p.strip() for p in rest.split(",") if p.strip()), key=lambda p: p[0] != ">")
+        found = ",".join(p.replace(" ", "") for p in parts)
+    return found
+
+
+__all__ += ["requirement_specifier", "MAX_REQUIREMENT_CHARS"]

@@ -12,6 +12,12 @@ import pytest
 collect_ignore = ["tpu_scripts", "notebooks", "widgets7"]
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# TorchTPU (torch_tpu, installed in the newest-torch venv) registers itself through torch's
+# device-backend autoload: with it on, every `import torch` (this process and each subprocess) loads
+# torch_tpu and libtpu (+5 s here) and writes a tcmalloc warning and libtpu log lines to stderr, and
+# on a machine without TPU chips it registers nothing. Off for the suite; the tests of the real
+# package (tests/tpu/test_torch_tpu_real.py) turn it on where they check what it does.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 # Working copies of remote caches (and what `nbkit ls`/`nbkit.caches()` list besides their roots) go
 # to a folder of this run's own, never to the user's ~/.cache/nbkit: a run neither sees what another

@@ -1,20 +1,26 @@
 """Run a cached dataset on every TPU process of a host: :func:`spawn` starts ``fn(index, *args)``
 once per device (what each prints comes back as whole lines, prefixed with its index); inside it, :func:`warmup_shared` fills one shared cache (each process computing
 only its shard; on a pod slice, every host's processes as the ranks of :func:`nbkit.build.run_ranks`) and :func:`device_loader` feeds the process's device from its own sampler shard.
-torch_xla is imported when one of these is called, never before.
+
+Two stacks run them: TorchTPU (``torch_tpu``, where its ``"tpu"`` device is registered: processes
+started by ``torch.multiprocessing`` after ``torch.tpu.distributed.set_tpu_launch_env``, joined in
+a ``torch.distributed`` group on its ``"tpu_dist"`` backend; untested on real TPU hardware), else
+torch_xla (``xmp.spawn``, XLA rendezvous). Neither is imported before one of these is called.
 
 Example:
     >>> from nbkit.tpu.run import spawn
-    >>> spawn(print, nprocs=3)
+    >>> spawn(print, nprocs=0)
     Traceback (most recent call last):
     ...
-    ValueError: nprocs=3: torch_xla runs one replica per device, so nprocs must be None (all devices of the host) or 1; to use fewer devices set TPU_PROCESS_BOUNDS/TPU_VISIBLE_CHIPS on a TPU, or CPU_NUM_DEVICES with PJRT_DEVICE=CPU
+    ValueError: spawn(nprocs=0): give None (one process per TPU chip of this host) or a number of processes >= 1
 """
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
+import socket
 import pickle
 import shutil
 import sys
@@ -27,18 +33,30 @@ import torch
 
 from nbkit.extras import require
 
-from .runtime import describe, pip_display, xla_requirements
+from . import torchtpu
+from .runtime import describe, past_xla, pip_display, xla_requirements
 
 __all__ = ["spawn", "warmup_shared", "device_loader", "xla_ranks"]
 
 
-def _require_xla():
-    """Import torch_xla and the parts nbkit uses, or raise an ImportError that names the pip command."""
+def _require_xla(feature: str = "nbkit.tpu"):
+    """Import torch_xla and the parts nbkit uses, or raise an error that names what is missing and the fix:
+    with TorchTPU installed but no ``"tpu"`` device here, a RuntimeError saying so (never torch_xla's
+    ImportError); else an ImportError that names the pip command."""
+    version = torchtpu.version()
+    if version and importlib.util.find_spec("torch_xla") is None:
+        raise RuntimeError(
+            f"{feature} runs one process per TPU chip on TorchTPU's 'tpu' device or on torch_xla, and has neither "
+            f"here: {torchtpu.no_device_reason(version, describe().is_tpu, os.environ)}. For several processes "
+            "without a TPU, start a torch.distributed job (gloo or nccl) and build with nbkit.build.run_ranks(ds)")
     install = (f"{pip_display(xla_requirements(torch.__version__, True))} (torch_xla matching torch "
                f"{torch.__version__}; without a TPU, drop [tpu])")
+    if past_xla(torch.__version__):
+        install += (", or TorchTPU on this torch (on a TPU): nbkit.tpu.setup(stack='torch_tpu', install=True) or "
+                    + " && ".join(pip_display(c[4:]) for c in torchtpu.install_commands(torch.__version__)))
     modules = ("torch_xla", "torch_xla.core.xla_model", "torch_xla.runtime",
                "torch_xla.distributed.xla_multiprocessing", "torch_xla.distributed.parallel_loader")
-    return tuple(require(m, extra="tpu", feature="nbkit.tpu", install=install) for m in modules)
+    return tuple(require(m, extra="tpu", feature=feature, install=install) for m in modules)
 
 
 def _default_start_method() -> str:
@@ -51,7 +69,12 @@ def spawn(fn: Callable, args: tuple = (), *, nprocs: Optional[int] = None, start
           lines: bool = True) -> None:
     """Run ``fn(index, *args)`` once per TPU device of this host, each in its own replica.
 
-    Wraps ``torch_xla.distributed.xla_multiprocessing.spawn``. The default start method is
+    On TorchTPU (its ``"tpu"`` device registered in this process): sets the launch environment
+    (``torch.tpu.distributed.set_tpu_launch_env``), starts the processes with
+    ``torch.multiprocessing``, and in each one joins a ``torch.distributed`` group on TorchTPU's
+    ``"tpu_dist"`` backend before ``fn`` runs (rank ``NODE_RANK * nprocs + index`` on a pod slice);
+    untested on real TPU hardware. Otherwise it wraps
+    ``torch_xla.distributed.xla_multiprocessing.spawn``. The default start method is
     ``fork`` (where the platform has it), so a function defined in a notebook works; the XLA
     runtime must not be started in this process before (call :func:`setup`, which verifies in a
     subprocess, instead of touching the device here).
@@ -68,7 +91,8 @@ def spawn(fn: Callable, args: tuple = (), *, nprocs: Optional[int] = None, start
     Args:
         fn: a function defined with ``def`` at the top level of a module or notebook.
         args: extra arguments, after the process index. They are pickled.
-        nprocs: ``None`` for every device of the host, or ``1`` to run in this process.
+        nprocs: ``None`` for every device of the host; on torch_xla also ``1`` (this process), on
+            TorchTPU any number of processes up to the chips.
         start_method: ``"fork"``, ``"spawn"`` or ``"forkserver"``; default as above.
         lines: deliver the replicas' output as prefixed whole lines (``False``: leave their
             ``sys.stdout`` and ``sys.stderr`` alone, e.g. for ``\\r`` progress bars).
@@ -80,12 +104,39 @@ def spawn(fn: Callable, args: tuple = (), *, nprocs: Optional[int] = None, start
         ...         ...
         >>> spawn(train, args=(ds,))  # doctest: +SKIP
     """
+    if nprocs is not None and (not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1):
+        raise ValueError(f"spawn(nprocs={nprocs!r}): give None (one process per TPU chip of this host) or a number "
+                         "of processes >= 1")
+    _check_picklable(fn, args, start_method)
+    if torchtpu.registered():
+        return _spawn_torch_tpu(fn, args, nprocs, start_method or _default_start_method(), lines)
     if nprocs not in (None, 1):
         raise ValueError(
             f"nprocs={nprocs!r}: torch_xla runs one replica per device, so nprocs must be None (all devices "
             "of the host) or 1; to use fewer devices set TPU_PROCESS_BOUNDS/TPU_VISIBLE_CHIPS on a TPU, "
             "or CPU_NUM_DEVICES with PJRT_DEVICE=CPU"
         )
+    torch_xla, xm, xr, xmp, pl = _require_xla("nbkit.tpu.spawn")
+    if torch_xla._XLAC._xla_runtime_is_initialized():
+        raise RuntimeError(
+            "the XLA runtime is already initialised in this process (something used the XLA device, e.g. "
+            "torch_xla.device() or tensor.to(device)), so torch_xla cannot start one process per device. "
+            "Restart the runtime and call nbkit.tpu.spawn before touching the device in the notebook; "
+            "nbkit.tpu.setup() checks the device in a subprocess and is safe to call first"
+        )
+    if not os.environ.get("PJRT_DEVICE"):
+        os.environ["PJRT_DEVICE"] = "TPU" if describe().is_tpu else "CPU"
+    method = start_method or _default_start_method()
+    if not lines or not hasattr(os, "mkfifo"):
+        return xmp.spawn(fn, args=args, nprocs=nprocs, start_method=method)
+    relay = _LineRelay(sys.stdout, sys.stderr)
+    try:
+        return xmp.spawn(_Prefixed(fn, relay.path), args=args, nprocs=nprocs, start_method=method)
+    finally:
+        relay.close()
+
+
+def _check_picklable(fn, args, start_method) -> None:
     method = start_method or _default_start_method()
     if method != "fork" and getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
         raise ValueError(
@@ -102,23 +153,95 @@ def spawn(fn: Callable, args: tuple = (), *, nprocs: Optional[int] = None, start
             "objects that pickle (a CachedDataset does)"
         ) from e
 
-    torch_xla, xm, xr, xmp, pl = _require_xla()
-    if torch_xla._XLAC._xla_runtime_is_initialized():
-        raise RuntimeError(
-            "the XLA runtime is already initialised in this process (something used the XLA device, e.g. "
-            "torch_xla.device() or tensor.to(device)), so torch_xla cannot start one process per device. "
-            "Restart the runtime and call nbkit.tpu.spawn before touching the device in the notebook; "
-            "nbkit.tpu.setup() checks the device in a subprocess and is safe to call first"
-        )
-    if not os.environ.get("PJRT_DEVICE"):
-        os.environ["PJRT_DEVICE"] = "TPU" if describe().is_tpu else "CPU"
-    if not lines or not hasattr(os, "mkfifo"):
-        return xmp.spawn(fn, args=args, nprocs=nprocs, start_method=method)
-    relay = _LineRelay(sys.stdout, sys.stderr)
+
+# --- TorchTPU: processes in a torch.distributed group ---------------------------------------------
+
+
+class _Replica:
+    """Where this process stands in a job :func:`spawn` started on a ``torch.distributed`` backend."""
+
+    def __init__(self, rank: int, world: int, local_rank: int, local_world: int, device: torch.device):
+        self.rank, self.world, self.local_rank, self.local_world, self.device = rank, world, local_rank, local_world, device
+
+
+_REPLICA: Optional[_Replica] = None  # set in each process _DistReplica starts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _DistReplica:
+    """Runs ``fn(index, *args)`` as rank ``node_rank * nprocs + index`` of a torch.distributed group."""
+
+    def __init__(self, fn, backend: str, device_type: str, nprocs: int, nnodes: int, node_rank: int,
+                 address: str, port: int, relay: Optional[str]):
+        self.fn, self.backend, self.device_type = fn, backend, device_type
+        self.nprocs, self.nnodes, self.node_rank, self.address, self.port, self.relay = nprocs, nnodes, node_rank, address, port, relay
+
+    def __call__(self, index, *args):
+        global _REPLICA
+        import torch.distributed as dist
+
+        if self.relay:
+            _ReplicaOutput.enter(self.relay, index)
+        rank, world = self.node_rank * self.nprocs + index, self.nnodes * self.nprocs
+        try:
+            dist.init_process_group(self.backend, init_method=f"tcp://{self.address}:{self.port}", rank=rank, world_size=world)
+            _REPLICA = _Replica(rank, world, index, self.nprocs, torch.device(self.device_type))
+            try:
+                return self.fn(index, *args)
+            finally:
+                _REPLICA = None
+                dist.destroy_process_group()
+        finally:
+            if self.relay:
+                _ReplicaOutput.leave()
+
+
+def _spawn_torch_tpu(fn, args, nprocs, method, lines):
+    chips = describe().accelerator_count  # from the PCI bus: touches no TPU runtime in this process
+    n = nprocs or chips or 1
+    torch.tpu.distributed.set_tpu_launch_env(nproc_per_node=n)  # what every process must agree on, set here
+    return _spawn_dist(fn, args, n, method, lines, backend=torchtpu.BACKEND, device_type=torchtpu.DEVICE)
+
+
+def _spawn_dist(fn, args, nprocs: int, method: str, lines: bool, *, backend: str, device_type: str):
+    """Start ``nprocs`` processes of this host in one torch.distributed group on ``backend``; a pod
+    slice's hosts from ``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT`` (which TorchTPU's
+    launch environment sets there), one host otherwise."""
+    import torch.multiprocessing as tmp
+
+    nnodes, node_rank = int(os.environ.get("NNODES", "1")), int(os.environ.get("NODE_RANK", "0"))
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else _free_port()
+    relay = _LineRelay(sys.stdout, sys.stderr) if lines and hasattr(os, "mkfifo") else None
+    worker = _DistReplica(fn, backend, device_type, nprocs, nnodes, node_rank, address, port, relay and relay.path)
     try:
-        return xmp.spawn(_Prefixed(fn, relay.path), args=args, nprocs=nprocs, start_method=method)
+        tmp.start_processes(worker, args=args, nprocs=nprocs, start_method=method)
     finally:
-        relay.close()
+        if relay:
+            relay.close()
+
+
+def _current_replica() -> Optional[_Replica]:
+    """This process's place in a torch.distributed job on TorchTPU: started by :func:`spawn`, or by
+    ``torchrun`` (``LOCAL_RANK``/``LOCAL_WORLD_SIZE``) after ``init_process_group("tpu_dist")``."""
+    if _REPLICA is not None:
+        return _REPLICA
+    import torch.distributed as dist
+
+    if torchtpu.registered() and dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        return _Replica(rank, world, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.device(torchtpu.DEVICE))
+    if torchtpu.registered():
+        raise RuntimeError("TorchTPU's 'tpu' device is here, but this process is in no job: call this inside the "
+                           "function given to nbkit.tpu.spawn, or after torch.distributed.init_process_group('tpu_dist') "
+                           "(torchrun sets rank and world)")
+    return None
 
 
 # --- the replicas' output, as whole lines ---------------------------------------------------------
@@ -283,7 +406,7 @@ class _ReplicaOutput:
 
 def _local_shard() -> tuple:
     """(this replica's index, number of replicas) on this host, from the torch_xla runtime."""
-    _, _, xr, _, _ = _require_xla()
+    _, _, xr, _, _ = _require_xla("nbkit.tpu.warmup_shared")
     # The cache is a directory on this host, so its warmup is split among this host's replicas.
     return xr.local_ordinal(), xr.local_device_count()
 
@@ -348,8 +471,15 @@ def warmup_shared(ds, *, callback=None, stall_timeout: float = 600.0, poll_inter
         ...     warmup_shared(ds)        # afterwards, every sample is cached
         >>> spawn(train, args=(ds,))     # doctest: +SKIP
     """
-    rank, world = _local_shard()
-    ranks = xla_ranks()
+    replica = _current_replica()
+    if replica is not None:
+        from nbkit.build.ranks import torch_ranks
+
+        rank, world = replica.local_rank, replica.local_world
+        ranks = torch_ranks()  # the group the replica joined: its rank and world, dist.barrier()
+    else:
+        rank, world = _local_shard()
+        ranks = xla_ranks()
     if ranks.world > world:  # replicas on more than one host
         from nbkit.build.plan import DEFAULT_PART_SIZE
         from nbkit.build.ranks import run_ranks
@@ -383,9 +513,9 @@ def _wait_until_complete(ds, stall_timeout: float, poll_interval: float, who: st
 
 
 def device_loader(ds, *, batch_size: int, shuffle: bool = True, drop_last: bool = True, num_workers: int = 0, **kw):
-    """Batches of this replica's shard of ``ds``, already on its XLA device: a
-    :class:`nbkit.DeviceLoader` with the replica's device, rank and world size from the torch_xla
-    runtime.
+    """Batches of this replica's shard of ``ds``, already on its device: a :class:`nbkit.DeviceLoader`
+    with the replica's device, rank and world size (TorchTPU: ``"tpu"`` and the torch.distributed
+    group; else the torch_xla runtime's).
 
     Every replica gets the same number of batches, and each pass over the loader is a new shuffle
     (the same on every host for the same ``seed``); ``loader.set_epoch(e)`` picks one.
@@ -404,11 +534,16 @@ def device_loader(ds, *, batch_size: int, shuffle: bool = True, drop_last: bool 
         ...         ...
         >>> spawn(train, args=(ds,))  # doctest: +SKIP
     """
-    _require_xla()  # or an ImportError that names the pip command
-    from nbkit import devices
     from nbkit.loader import DeviceLoader
 
-    device = devices.resolve("xla")  # starts the runtime, which rank_world then reads
-    rank, world_size = devices.rank_world()
+    replica = _current_replica()
+    if replica is not None:
+        device, rank, world_size = replica.device, replica.rank, replica.world
+    else:
+        _require_xla("nbkit.tpu.device_loader")  # or an error that names what is missing and the fix
+        from nbkit import devices
+
+        device = devices.resolve("xla")  # starts the runtime, which rank_world then reads
+        rank, world_size = devices.rank_world()
     return DeviceLoader(ds, batch_size, shuffle=shuffle, drop_last=drop_last, device=device,
                         rank=rank, world_size=world_size, **kw)

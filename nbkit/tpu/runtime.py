@@ -27,19 +27,22 @@ import torch
 
 from nbkit.text import Table
 
+from . import torchtpu
+
 __all__ = ["RuntimeInfo", "describe", "drive_path", "KINDS", "XLA_LAST"]
 
 KINDS = ("colab-tpu", "kaggle-tpu", "tpu-vm", "gpu", "cpu")
 
 # torch_xla's last release: it stopped at 2.9.0 (2025-11), and each release needs the torch of the
-# same major.minor. A newer torch has no torch_xla: on a TPU the XLA path needs torch 2.9, and
-# TorchTPU (the `torch_tpu` package, a native "tpu" device) is its announced successor.
+# same major.minor. A newer torch has no torch_xla: on a TPU the XLA path needs torch 2.9, or
+# TorchTPU (the `torch_tpu` package, a native "tpu" device: nbkit.tpu.torchtpu).
 XLA_LAST = (2, 9)
 XLA_LAST_STACK = ("torch==2.9.0", "torchvision==0.24.0")
 TORCH_TPU_NOTE = (
-    "TorchTPU (torch_tpu {version}) is installed: nbkit feeds it as any torch device, "
-    "ds.loader(batch_size, device='tpu') delivers batches there (untested on real TPU hardware: nbkit's "
-    "tests use a fake 'tpu' device); nbkit.tpu.spawn, warmup_shared and device_loader still need torch_xla"
+    "TorchTPU (torch_tpu {version}, needs torch{spec}) is installed: nbkit feeds its 'tpu' device as any torch "
+    "device, ds.loader(batch_size, device='tpu'), and nbkit.tpu.spawn, warmup_shared and device_loader run on "
+    "its torch.distributed backend ('tpu_dist') instead of torch_xla (untested on real TPU hardware: nbkit's "
+    "tests run without a TPU)"
 )
 
 # PCI ids of TPU chips (vendor 0x1ae0 is Google), as torch_xla and JAX read them.
@@ -179,9 +182,19 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
     xla_version = dist_version("torch_xla")  # importlib.metadata normalises "-" and "_"
     libtpu = libtpu_version(env)
     tpu_version = torch_tpu_version()
-    notes = [TORCH_TPU_NOTE.format(version=tpu_version)] if tpu_version else []
+    notes = []
+    if tpu_version:
+        spec = torchtpu.torch_specifier()
+        notes.append(TORCH_TPU_NOTE.format(version=tpu_version, spec=spec))
+        if not torchtpu.torch_fits(torch_version, spec):
+            commands = " && ".join(pip_display(c[4:]) for c in torchtpu.install_commands(torch_version))
+            warnings.append(f"torch_tpu {tpu_version} needs torch{spec}, not torch {torch_version}; run "
+                            f"nbkit.tpu.setup(install=True) or: {commands}, then restart the runtime")
     mismatch = _version_mismatch(torch_version, xla_version)
-    if mismatch:
+    if mismatch and tpu_version:  # TorchTPU replaces it: never suggest pulling torch back for torch_xla
+        notes.append(f"torch_xla {xla_version} does not match torch {torch_version}, and TorchTPU does not need it "
+                     "(pip uninstall -y torch_xla removes it)")
+    elif mismatch:
         warnings.append(mismatch)
     initialized = runtime_initialized()
     if initialized:
@@ -359,13 +372,7 @@ def libtpu_version(environ: Optional[Mapping[str, str]] = None) -> Optional[str]
 
 def torch_tpu_version() -> Optional[str]:
     """TorchTPU's version when the ``torch_tpu`` package is installed (found without importing it)."""
-    version = dist_version("torch_tpu") or dist_version("torch-tpu")
-    if version:
-        return version
-    try:
-        return "installed" if importlib.util.find_spec("torch_tpu") is not None else None
-    except (ImportError, ValueError):
-        return None
+    return torchtpu.version()
 
 
 def past_xla(torch_version: str) -> bool:
@@ -436,5 +443,11 @@ def xla_requirements(torch_version: str, tpu: bool) -> tuple:
 
 
 def pip_display(requirements) -> str:
-    return "pip install " + " ".join(f"'{r}'" for r in requirements)
+    """A pip command for a person to read, each argument quoted (an option as it is).
+
+    Example:
+        >>> pip_display(["torch>=2.11", "--index-url", "https://download.pytorch.org/whl/cpu"])
+        "pip install 'torch>=2.11' --index-url https://download.pytorch.org/whl/cpu"
+    """
+    return "pip install " + " ".join(r if r.startswith("-") or r.startswith("https://") else f"'{r}'" for r in requirements)
 

@@ -1,8 +1,8 @@
-"""Make a runtime ready for nbkit's TPU path: :func:`setup` computes (and, when asked, runs) the pip
-command for the torch_xla matching the installed torch, sets ``PJRT_DEVICE`` (``TPU``, or ``CPU``
-as a fallback that keeps a tutorial runnable) and checks the device with a tiny computation **in a
-subprocess**, so the notebook's own process stays free to :func:`nbkit.tpu.spawn`. It returns a
-:class:`SetupReport`.
+"""Make a runtime ready for nbkit's TPU path: :func:`setup` picks the TPU stack (torch_xla matching the
+installed torch, or TorchTPU, ``torch_tpu``, torch_xla's successor), computes (and, when asked, runs)
+its pip commands, sets ``PJRT_DEVICE`` (``TPU``, or ``CPU`` as a fallback that keeps a tutorial
+runnable) and checks the device with a tiny computation **in a subprocess**, so the notebook's own
+process stays free to :func:`nbkit.tpu.spawn`. It returns a :class:`SetupReport`.
 
 Example:
     >>> from nbkit.tpu.setup import setup
@@ -24,6 +24,7 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 from nbkit.text import Table
 from nbkit.extras import DISTRIBUTION
 
+from . import torchtpu
 from .runtime import RuntimeInfo, describe, dist_version, libtpu_version, past_xla, pip_display, xla_requirements
 
 __all__ = ["SetupReport", "setup"]
@@ -56,11 +57,16 @@ class SetupReport:
         requirements: everything the runtime needs (pip requirement strings).
         missing: the part of ``requirements`` not yet satisfied.
         pip_command: the command installing ``missing`` (``None`` when nothing is missing).
+        torch_command: for TorchTPU on a torch it does not support, the command run first that
+            installs a supported CPU torch from pytorch.org's index (``None`` otherwise).
+        stack: ``"torch_xla"``, ``"torch_tpu"`` or ``None`` (neither needed: a GPU or CPU runtime).
         installed: whether the command was run (``install=True``) and succeeded.
         env: the environment variables set, e.g. ``{"PJRT_DEVICE": "TPU"}``.
         device: the XLA device the verification ran on (e.g. ``"xla:0"``), or ``None``.
         device_type: what PJRT ran on (``"TPU"`` / ``"CPU"``), or ``None`` if not verified.
-        verified: ``True`` / ``False``, or ``None`` when skipped (``dry_run``).
+        verified: ``True`` / ``False``, or ``None`` when skipped (``dry_run``, or TorchTPU on a machine
+            without a TPU: then ``no_device`` says so).
+        no_device: why TorchTPU's ``"tpu"`` device is missing, when the check found it missing.
         messages: what happened, in order, for a person to read.
 
     Example:
@@ -73,12 +79,15 @@ class SetupReport:
     requirements: tuple
     missing: tuple
     pip_command: Optional[list]
+    torch_command: Optional[list] = None
+    stack: Optional[str] = None
     installed: bool = False
     env: dict = field(default_factory=dict)
     device: Optional[str] = None
     device_type: Optional[str] = None
     verified: Optional[bool] = None
     messages: list = field(default_factory=list)
+    no_device: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -87,10 +96,13 @@ class SetupReport:
 
     def rows(self) -> list:
         verified = {True: f"yes, on {self.device} ({self.device_type})", False: "FAILED", None: "skipped"}[self.verified]
+        if self.no_device:
+            verified += ": no TPU device (torch_tpu is installed)"
+        commands = [c for c in (self.torch_command, self.pip_command) if c]
         return [
             ("runtime", f"{self.info.kind} ({self.info.platform})"),
             ("to install", " ".join(self.missing) or "nothing"),
-            ("pip command", " ".join(self.pip_command) if self.pip_command else "-"),
+            ("pip command", " && ".join(" ".join(c) for c in commands) or "-"),
             ("installed now", "yes" if self.installed else "no"),
             ("environment", ", ".join(f"{k}={v}" for k, v in self.env.items()) or "-"),
             ("device check", verified),
@@ -110,22 +122,26 @@ def setup(
     extras: Sequence[str] = ("gcs", "notebook"),
     environ: Optional[MutableMapping[str, str]] = None,
     root="/",
+    stack: str = "auto",
 ) -> SetupReport:
     """Make this runtime ready for the TPU path of nbkit. Safe to run again.
 
     1. Describes the runtime (:func:`describe`).
-    2. Computes the requirements: the torch_xla matching the installed torch (``torch_xla[tpu]`` on a
-       TPU; plain ``torch_xla``, which runs on the CPU, elsewhere), pinned to the installed torch so
-       pip cannot swap torch, plus the packages of nbkit's ``extras``. Only unsatisfied ones go
-       into ``pip_command``, which runs when ``install=True`` and not ``dry_run``. torch_xla
-       stopped at 2.9: with a newer torch it is required only on a TPU without TorchTPU
-       (``torch_tpu``), and then with torch 2.9 (said in the messages); never a newer torch.
+    2. Picks the stack (``stack="auto"``): TorchTPU when ``torch_tpu`` is installed, or on a TPU
+       whose torch is newer than torch_xla's last release (2.9); else torch_xla where torch 2.9
+       has it (Colab's TPU runtime ships torch 2.9 + torch_xla 2.9); else neither (a GPU or CPU
+       runtime on a newer torch). Then the requirements: the torch_xla matching the installed
+       torch (``torch_xla[tpu]`` on a TPU; plain ``torch_xla``, which runs on the CPU,
+       elsewhere), pinned to that torch so pip cannot swap it; or ``torch-tpu`` and the torch it
+       needs (from its metadata), installed as pytorch.org documents for Colab; plus the packages
+       of nbkit's ``extras``. Only unsatisfied ones go into the commands, which run when
+       ``install=True`` and not ``dry_run``. With TorchTPU installed it never asks for torch_xla.
     3. Sets ``PJRT_DEVICE``: ``TPU`` on a TPU, otherwise ``CPU`` (torch_xla then runs on the CPU,
        so the tutorial keeps working, slowly). A value already set is kept when it can work.
     4. Unless ``dry_run``, runs a tiny computation on the XLA device **in a subprocess**, so this
        process never initialises the XLA runtime and :func:`spawn` still works afterwards (on
-       TorchTPU's ``"tpu"`` device instead when that is what this runtime uses; untested on real
-       hardware).
+       TorchTPU's ``"tpu"`` device with that stack: without TPU chips the check says that the
+       package is installed but there is no TPU device; untested on real TPU hardware).
 
     Args:
         install: run the pip command (needs network; on Colab and Kaggle, torch_xla is preinstalled).
@@ -133,6 +149,9 @@ def setup(
         extras: nbkit extras whose packages to require (``"gcs"``, ``"notebook"``, ``"zst"``).
         environ: the environment to read and update (default ``os.environ``).
         root: file-system root to probe (see :func:`describe`).
+        stack: ``"auto"``, ``"torch_xla"`` or ``"torch_tpu"`` (e.g. ``setup(stack="torch_tpu",
+            install=True)`` moves Colab's TPU runtime from torch_xla to TorchTPU: a newer CPU
+            torch, then ``torch-tpu``; restart the runtime afterwards).
 
     Returns:
         A :class:`SetupReport`; it renders as a table, ``report.ok`` sums it up.
@@ -143,17 +162,32 @@ def setup(
         >>> env["PJRT_DEVICE"], report.verified
         ('CPU', None)
     """
+    if stack not in STACKS:
+        raise ValueError(f"setup(stack={stack!r}): choose one of {', '.join(map(repr, STACKS))}")
     env = os.environ if environ is None else environ
     info = describe(environ=env, root=root)
     messages: list = []
 
-    # torch_xla stopped at 2.9: with a newer torch it is required only on a TPU without TorchTPU, and
-    # there it means torch 2.9 (the message says so); a GPU or CPU runtime simply goes without it.
-    need_xla = not past_xla(info.torch) or (info.is_tpu and not info.torch_tpu)
-    requirements = (xla_requirements(info.torch, info.is_tpu) if need_xla else ()) + _extra_requirements(extras)
+    # torch_xla stopped at 2.9: TorchTPU (on torch 2.11+) is the TPU stack past it. A GPU or CPU
+    # runtime on a newer torch needs neither.
+    use_tpu = stack == "torch_tpu" or (stack == "auto" and bool(info.torch_tpu or (info.is_tpu and past_xla(info.torch))))
+    need_xla = stack == "torch_xla" or (not use_tpu and not past_xla(info.torch))
+    if use_tpu:
+        stack_requirements = (*(() if torchtpu.torch_fits(info.torch) else (f"torch{torchtpu.torch_specifier()}",)),
+                              torchtpu.DISTRIBUTION)
+    else:
+        stack_requirements = xla_requirements(info.torch, info.is_tpu) if need_xla else ()
+    requirements = stack_requirements + _extra_requirements(extras)
     missing = tuple(r for r in requirements if not _satisfied(r, env))
-    pip_command = _pip_command(missing, requirements)
-    report = SetupReport(info=info, requirements=requirements, missing=missing, pip_command=pip_command)
+    torch_command = None
+    if use_tpu and any(r.startswith("torch") and r != torchtpu.DISTRIBUTION for r in missing):
+        torch_command = torchtpu.install_commands(info.torch)[0]
+        missing_after = tuple(r for r in missing if not r.startswith("torch") or r == torchtpu.DISTRIBUTION)
+    else:
+        missing_after = missing
+    pip_command = _pip_command(missing_after, requirements)
+    report = SetupReport(info=info, requirements=requirements, missing=missing, pip_command=pip_command,
+                         torch_command=torch_command, stack="torch_tpu" if use_tpu else "torch_xla" if need_xla else None)
 
     if info.is_tpu:
         messages.append(f"TPU runtime: {info.kind}, {info.accelerator or 'TPU'}" + (f" × {info.accelerator_count}" if info.accelerator_count else ""))
@@ -174,29 +208,47 @@ def setup(
     messages.extend(info.notes)
     messages.extend(info.warnings)
     if need_xla and past_xla(info.torch):
-        messages.append(f"torch {info.torch} is newer than torch_xla's last release (2.9): the XLA path on this TPU needs "
-                        "torch 2.9 (Colab's TPU runtime ships torch 2.9 + torch_xla 2.9: keep them), or TorchTPU (torch_tpu) "
-                        "once installed")
+        messages.append(f"torch {info.torch} is newer than torch_xla's last release (2.9): the XLA path needs torch 2.9; "
+                        "TorchTPU runs on this torch instead: setup(stack='torch_tpu')")
+    if use_tpu:
+        messages.append(f"TPU stack: TorchTPU (torch-tpu, needs torch{torchtpu.torch_specifier()}), installed as pytorch.org "
+                        "documents for Colab; torch_xla is not needed")
+    elif need_xla and info.is_tpu:
+        messages.append("TPU stack: torch_xla; TorchTPU (torch_xla's successor) is the other one: "
+                        "setup(stack='torch_tpu', install=True) installs it (a newer CPU torch, then torch-tpu; restart "
+                        "the runtime afterwards)")
 
     if not missing:
         messages.append("all requirements are already installed")
     elif install and not dry_run:
-        _run_pip(pip_command)
+        for command in (torch_command, pip_command):
+            if command:
+                _run_pip(command)
         importlib.invalidate_caches()
         report.installed = True
         report.missing = tuple(r for r in requirements if not _satisfied(r, env))
         messages.append(f"installed: {' '.join(missing)}")
         if "torch_xla" in sys.modules and any(r.startswith("torch_xla") for r in missing):
             messages.append("torch_xla was already imported in this process: restart the runtime to use the new one")
+        if torch_command:
+            messages.append(f"torch {info.torch} was already imported in this process: restart the runtime to use the new torch")
     else:
-        messages.append(f"missing: {' '.join(missing)}; install with setup(install=True) or: {pip_display(pip_command[4:])}")
+        commands = " && ".join(pip_display(c[4:]) for c in (torch_command, pip_command) if c)
+        messages.append(f"missing: {' '.join(missing)}; install with setup(install=True) or: {commands}")
 
     report.env = _set_pjrt_device(env, info, messages)
 
     if dry_run:
         messages.append("dry run: device check skipped")
-    elif info.torch_tpu and not need_xla:
-        _verify(report, env, messages, code=_VERIFY_CODE_TORCH_TPU)
+    elif use_tpu:
+        tpu_version = torchtpu.version()
+        if tpu_version is None:
+            report.verified = False
+            messages.append("device check not possible: torch_tpu is not installed; run setup(stack='torch_tpu', install=True)")
+        elif torch_command and report.installed:
+            messages.append("device check skipped: restart the runtime first (torch was replaced), then run setup() again")
+        else:
+            _verify(report, env, messages, code=torchtpu.VERIFY_CODE, tpu_version=tpu_version)
     elif not need_xla:
         messages.append(f"device check skipped: no torch_xla for torch {info.torch} (its last release is 2.9) and none "
                         "needed here; batches go to 'cuda' or stay on the CPU (ds.loader(..., device=...))")
@@ -288,18 +340,12 @@ x = torch.arange(6.0).reshape(2, 3).to(device)
 result = (x @ x.T).sum().item()
 print("NBKIT-VERIFY " + json.dumps({"device": str(device), "device_type": xr.device_type(), "result": result}))
 """
-# TorchTPU's native "tpu" device (untested on real hardware: written from its announced design).
-_VERIFY_CODE_TORCH_TPU = r"""
-import json, torch, torch_tpu
-device = torch.device("tpu")
-x = torch.arange(6.0).reshape(2, 3).to(device)
-result = (x @ x.T).sum().item()
-print("NBKIT-VERIFY " + json.dumps({"device": str(device), "device_type": "TPU (torch_tpu)", "result": result}))
-"""
-_VERIFY_EXPECTED = 83.0  # [[0,1,2],[3,4,5]] @ its transpose = [[5,14],[14,50]]
+_VERIFY_EXPECTED = 83.0
+STACKS = ("auto", "torch_xla", "torch_tpu")  # [[0,1,2],[3,4,5]] @ its transpose = [[5,14],[14,50]]
 
 
-def _verify(report: SetupReport, env: Mapping[str, str], messages: list, code: str = _VERIFY_CODE) -> None:
+def _verify(report: SetupReport, env: Mapping[str, str], messages: list, code: str = _VERIFY_CODE,
+            tpu_version: Optional[str] = None) -> None:
     try:
         done = subprocess.run(
             [sys.executable, "-c", code],
@@ -325,6 +371,11 @@ def _verify(report: SetupReport, env: Mapping[str, str], messages: list, code: s
         messages.append(f"device check failed{hint}:\n{tail}")
         return
     result = json.loads(line[len("NBKIT-VERIFY "):])
+    if result.get("absent"):  # TorchTPU installed, its "tpu" device not registered
+        report.no_device = torchtpu.no_device_reason(tpu_version or "?", report.info.is_tpu, env)
+        report.verified = False if report.info.is_tpu else None
+        messages.append(f"device check: {report.no_device}")
+        return
     report.device, report.device_type = result["device"], result["device_type"]
     report.verified = abs(result["result"] - _VERIFY_EXPECTED) < 1e-3
     messages.append(

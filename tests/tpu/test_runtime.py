@@ -47,7 +47,9 @@ def test_describe_colab_tpu_v5e(tmp_path, metadata_server):
     assert "colab-tpu" in str(info) and "v5litepod-1 × 1" in str(info)
 
 
-def test_describe_kaggle_tpu_uses_environment_without_network(tmp_path, metadata_server):
+def test_describe_kaggle_tpu_uses_environment_without_network(tmp_path, metadata_server, monkeypatch):
+    monkeypatch.setattr(runtime, "libtpu_version", lambda environ=None: None)  # torch-tpu brings one to the newest venv
+    monkeypatch.setattr(runtime, "torch_tpu_version", lambda: None)
     server = metadata_server()
     root = fake_root(tmp_path, dirs=["kaggle/input"])
     info = tpu.describe(environ={**KAGGLE_TPU, "GCE_METADATA_HOST": server.host}, root=root)

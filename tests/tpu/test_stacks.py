@@ -71,9 +71,13 @@ def test_colab_tpu_with_gcsfs_installs_nothing(stack, tmp_path):
 
 
 def test_torch_past_xla_on_a_tpu_never_asks_for_a_newer_torch_xla(stack, tmp_path):
-    """Someone upgraded torch on the TPU runtime: torch_xla 2.9 is the last; the fix is torch 2.9, never torch_xla 2.14."""
-    env = {**COLAB, **stack("2.14.1+cpu", torch_xla="2.9.0", gcsfs="2026.10.1")}
-    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path))
+    """Someone upgraded torch on the TPU runtime: torch_xla 2.9 is the last; on torch_xla the fix is torch 2.9,
+    never torch_xla 2.14, and by default setup() takes TorchTPU, which runs on that torch."""
+    env = {**COLAB, **stack("2.14.1+cpu", torch_xla="2.9.0", torch_tpu=None, gcsfs="2026.10.1")}
+    auto = tpu.setup(dry_run=True, environ=dict(env), root=colab_tpu_root(tmp_path / "auto"))
+    assert auto.stack == "torch_tpu" and auto.missing == ("torch-tpu",) and auto.torch_command is None
+    assert auto.pip_command[-1] == "torch-tpu" and not any("torch_xla" in r for r in auto.requirements)
+    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path), stack="torch_xla")
     text = everything(report)
     assert not re.search(r"torch_xla(\[tpu\])?~=2\.1[0-9]", text) and "torch==2.14" not in text
     warning = next(w for w in report.info.warnings if "newer than torch_xla" in w)
@@ -83,8 +87,8 @@ def test_torch_past_xla_on_a_tpu_never_asks_for_a_newer_torch_xla(stack, tmp_pat
 
 
 def test_torch_past_xla_on_a_tpu_without_torch_xla_says_it_installs_torch_2_9(stack, tmp_path):
-    env = {**COLAB, **stack("2.15.0", torch_xla=None, torchvision="0.29.2", gcsfs="2026.10.1")}
-    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path))
+    env = {**COLAB, **stack("2.15.0", torch_xla=None, torch_tpu=None, torchvision="0.29.2", gcsfs="2026.10.1")}
+    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path), stack="torch_xla")
     assert report.missing[:3] == ("torch_xla[tpu]~=2.9.0", "torch==2.9.0", "torchvision==0.24.0")
     warning = next(w for w in report.info.warnings if w.startswith("torch_xla is not installed"))
     assert "installs torch 2.9 in place of 2.15.0" in warning and "do not upgrade torch there" in warning
@@ -109,7 +113,7 @@ def test_torch_tpu_installed_is_described_with_its_device_and_untested_status(st
     report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path))
     info = report.info
     assert info.torch_tpu == "0.1.0" and ("torch_tpu (TorchTPU)", "0.1.0") in info.rows()
-    note = next(n for n in info.notes if n.startswith("TorchTPU (torch_tpu 0.1.0) is installed"))
+    note = next(n for n in info.notes if n.startswith("TorchTPU (torch_tpu 0.1.0, needs torch>=2.11") and "is installed" in n)
     assert "ds.loader(batch_size, device='tpu')" in note and "untested on real TPU hardware" in note
     assert note in str(info) and "TorchTPU" in info._repr_html_()
     # TorchTPU runs on the new torch: setup() must not pull torch back to 2.9 for torch_xla.
@@ -125,3 +129,18 @@ def test_no_document_says_colab_runs_python_3_12():
     for path in docs:
         text = path.read_text()
         assert not re.search(r"Colab[^.\n]{0,40}(Python )?3\.12", text), path
+
+
+def test_colab_tpu_moved_to_torch_tpu_gets_pytorch_orgs_install(stack, tmp_path):
+    """Colab's TPU runtime (torch 2.9 + torch_xla 2.9), setup(stack='torch_tpu'): a CPU torch TorchTPU
+    supports from pytorch.org's index, then torch-tpu; never torch_xla."""
+    env = {**COLAB, **stack("2.9.0+cpu", torch_xla="2.9.0", torch_tpu=None, gcsfs="2026.10.1",
+                            ipywidgets="7.7.1", matplotlib="3.10.0")}
+    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path), stack="torch_tpu")
+    spec = tpu.torchtpu.torch_specifier()
+    assert report.missing == (f"torch{spec}", "torch-tpu")
+    assert report.torch_command[4:] == [f"torch{spec}", "torchvision", "--index-url", "https://download.pytorch.org/whl/cpu", "--upgrade"]
+    assert report.pip_command[4:] == ["torch-tpu"] and not any("torch_xla" in r for r in report.requirements)
+    assert " && " in dict(report.rows())["pip command"]
+    with pytest.raises(ValueError, match=r"setup\(stack='jax'\): choose one of 'auto', 'torch_xla', 'torch_tpu'"):
+        tpu.setup(dry_run=True, environ=env, stack="jax")

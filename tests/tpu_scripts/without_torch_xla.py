@@ -12,6 +12,9 @@ sys.modules["torch_xla"] = None  # any "import torch_xla" now raises ImportError
 
 import nbkit
 from nbkit import tpu
+from nbkit.tpu import torchtpu
+
+torchtpu.version = lambda: None  # nor TorchTPU (tests/tpu/test_torch_tpu_real.py: with it, and no TPU device)
 
 out = {"kind": tpu.describe().kind}
 try:

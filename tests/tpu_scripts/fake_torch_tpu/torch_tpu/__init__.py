@@ -1,5 +1,5 @@
-"""A stand-in for TorchTPU (``torch_tpu``, torch_xla's announced successor), which is not public: it
-registers a native ``"tpu"`` device the way an out-of-tree backend does (torch's PrivateUse1 key,
+"""A stand-in for TorchTPU (``torch_tpu``, torch_xla's successor) for a machine without TPU chips, where
+the real package registers no device: it registers a native ``"tpu"`` device the way an out-of-tree backend does (torch's PrivateUse1 key,
 renamed), whose tensors keep their data in CPU tensors. Enough to run nbkit's seam (batches moved
 with ``tensor.to("tpu")``, ops on them, ``.cpu()``), nothing about real TPU behaviour.
 
@@ -17,8 +17,9 @@ except ImportError as e:
 
 __version__ = "0.0.0+fake"
 FAKE = True
+DEVICE = "tpu"  # the real package's name for it (tests/tpu/test_torch_tpu_real.py checks that they agree)
 
-_setup_privateuseone_for_python_backend("tpu")
+_setup_privateuseone_for_python_backend(DEVICE)
 
 
 class FakeTPUTensor(torch.Tensor):
