@@ -1,0 +1,87 @@
+"""``GrainSource``: a cache as a Grain ``RandomAccessDataSource``.
+
+Grain reads any object with ``__len__`` and ``__getitem__``, and a batch at once through
+``_getitems``; this one answers from the cache, one vectorised gather per batch, with samples as
+numpy pytrees (:func:`nbkit.jax.numpy_tree`). It pickles into Grain's worker processes as the
+cache's location, not its files nor its source (:meth:`nbkit.CachedDataset.without_source`): each
+worker reopens the cache on its first read and counts into the same ``stats`` (the hit-rate meter
+sees the workers' reads). A cache not yet complete travels with its source instead, so workers
+compute and store what is missing, as a ``DataLoader``'s workers do. Grain is not imported here:
+the protocol is structural.
+
+Example:
+    >>> import tempfile, numpy as np, nbkit, grain
+    >>> ds = nbkit.CachedDataset([{"x": np.arange(3) + i, "y": i} for i in range(8)], tempfile.mkdtemp())
+    >>> _ = ds.warmup()
+    >>> batches = grain.MapDataset.source(GrainSource(ds)).shuffle(seed=0).batch(4)
+    >>> sorted(batches[0]["y"].tolist() + batches[1]["y"].tolist())
+    [0, 1, 2, 3, 4, 5, 6, 7]
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+from ..collate import SampleBatch
+from ..dataset import CachedDataset
+from ..samplers import cache_identity, content_identity
+from .trees import numpy_tree
+
+__all__ = ["GrainSource"]
+
+
+class GrainSource:
+    """A cache as a Grain data source: ``len(source)``, ``source[i]`` and ``source._getitems(indices)``
+    give numpy samples, for ``grain.MapDataset.source``, ``grain.DataLoader`` (with
+    ``worker_count`` ≥ 1 too) and Grain's checkpoints (its ``repr`` names the cache and its build).
+
+    Args:
+        cache: a :class:`nbkit.CachedDataset`, or the path or URL of a cache (opened without its source).
+        storage_options: for a URL given as ``cache``: passed to fsspec (credentials, endpoint).
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(6.0)), tempfile.mkdtemp())
+        >>> _ = ds.warmup()
+        >>> source = GrainSource(ds.root)                  # by path: no source needed
+        >>> source[2], source._getitems([5, 0])            # tensors come out as numpy arrays
+        ((array(2., dtype=float32),), [(array(5., dtype=float32),), (array(0., dtype=float32),)])
+    """
+
+    def __init__(self, cache, *, storage_options: dict | None = None):
+        if isinstance(cache, (str, os.PathLike)):
+            cache = CachedDataset.open(os.fspath(cache), storage_options=storage_options)
+        elif not isinstance(cache, CachedDataset):
+            raise TypeError(f"GrainSource needs an nbkit.CachedDataset or the path of a cache, got {type(cache).__name__}; "
+                            "cache the dataset first: nbkit.CachedDataset(source, path)")
+        elif storage_options is not None:
+            raise TypeError("GrainSource: storage_options= goes with a path or URL; a CachedDataset has its own")
+        self.dataset = cache
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return numpy_tree(self.dataset[operator.index(index)])
+
+    def _getitems(self, indices) -> list:
+        """The samples ``indices`` (one batched read of the cache), as Grain's batched read asks."""
+        batch = self.dataset.__getitems__([operator.index(i) for i in indices])
+        samples = batch.samples() if isinstance(batch, SampleBatch) else batch
+        return [numpy_tree(s) for s in samples]
+
+    def __getstate__(self):
+        ds = self.dataset
+        if ds.source is None or ds.is_complete:
+            ds = ds.without_source()  # workers reopen the files by location, never with the source
+        return {"dataset": ds}
+
+    def __setstate__(self, state):
+        self.dataset = state["dataset"]
+
+    def __repr__(self) -> str:
+        # Grain's DataLoader checkpoints compare the source's repr: the path, the length and what the
+        # cache holds (as DeviceLoader's resume state: a cache rebuilt from the same source is the same).
+        ds = self.dataset
+        return f"nbkit.jax.GrainSource({ds.path!r}, length={len(ds)}, content={content_identity(ds) or cache_identity(ds)!r})"
