@@ -1,0 +1,18 @@
+"""Fixtures of tests/jax: one cache written by a torch source and one by a numpy source, the same samples."""
+
+import pytest
+
+import nbkit
+from jax_samples import NumpySource, TorchSource
+
+
+@pytest.fixture(scope="session")
+def caches(tmp_path_factory):
+    """``{"torch": CachedDataset, "numpy": CachedDataset}``, both warmed."""
+    root = tmp_path_factory.mktemp("jax-caches")
+    out = {}
+    for name, source in (("torch", TorchSource()), ("numpy", NumpySource())):
+        ds = nbkit.CachedDataset(source, root / name)
+        ds.warmup()
+        out[name] = ds
+    return out

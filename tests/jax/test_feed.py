@@ -1,0 +1,152 @@
+"""nbkit.jax.JaxLoader: a cache's batches as jax.Arrays (real JAX on the CPU), read ahead, resumed exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import nbkit
+from jax_samples import N, assert_same_batch, values
+from nbkit.jax import JaxLoader, place
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def child_env():
+    return {**os.environ, "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_torch_and_numpy_caches_feed_the_same_jax_batches(caches):
+    a, b = (JaxLoader(caches[k], 8, seed=2, drop_last=True) for k in ("torch", "numpy"))
+    order = a.batches(0)
+    got_a, got_b = list(a), list(b)
+    assert len(got_a) == len(got_b) == N // 8
+    for idx, x, y in zip(order, got_a, got_b):
+        for batch in (x, y):
+            assert all(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(batch))
+            assert batch[1].dtype == jax.numpy.bfloat16 and batch[0].shape == (8, 2, 4)
+            assert_same_batch(batch, idx)
+    assert caches["numpy"].stats.misses == 0
+
+
+def test_batches_are_placed_with_the_sharding(caches):
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    image, _, label = next(iter(JaxLoader(caches["torch"], 4, sharding=sharding, shuffle=False)))
+    assert image.sharding == sharding and label.sharding == sharding
+    image, _, _ = next(iter(JaxLoader(caches["torch"], 4, shuffle=False)))
+    assert image.devices() == {device}
+    with pytest.raises(TypeError, match="jax.sharding.Sharding"):
+        JaxLoader(caches["torch"], 4, sharding="data")
+    with pytest.raises(TypeError, match="sharding="):
+        JaxLoader(caches["torch"], 4, device="cpu")
+    with pytest.raises(TypeError, match="num_workers"):
+        JaxLoader(caches["torch"], 4, num_workers=2)
+
+
+def test_strings_stay_on_the_host(tmp_path):
+    ds = nbkit.CachedDataset([(np.float32(i), f"s{i}") for i in range(6)], tmp_path / "named")
+    x, names = next(iter(JaxLoader(ds, 3, shuffle=False)))
+    assert isinstance(x, jax.Array) and list(names) == ["s0", "s1", "s2"]
+    moved = place({"a": np.arange(3), "b": np.array([b"x", b"y"]), "c": None})
+    assert isinstance(moved["a"], jax.Array) and moved["b"].tolist() == [b"x", b"y"] and moved["c"] is None
+
+
+def test_a_restored_loader_continues_at_the_exact_batch(caches):
+    """Across an epoch's middle, its end and the next epochs, and for one rank of two."""
+    for kw in ({"drop_last": True}, {"rank": 1, "world_size": 2}):
+        full = JaxLoader(caches["numpy"], 5, seed=9, **kw)
+        want = [np.asarray(b[2]).tolist() for _ in range(2) for b in full]
+        for cut in (0, 3, len(full), len(full) + 2):
+            first = JaxLoader(caches["numpy"], 5, seed=9, **kw)
+            seen = []
+            while len(seen) < cut:  # the loop trains on `cut` batches, then stops (passes left open)
+                it = iter(first)
+                seen += [np.asarray(b[2]).tolist() for _, b in zip(range(cut - len(seen)), it)]
+            state = json.loads(json.dumps(first.state_dict()))  # plain values: any checkpoint format carries it
+            again = JaxLoader(caches["numpy"], 5, seed=9, **kw)
+            again.load_state_dict(state)
+            rest = [np.asarray(b[2]).tolist() for _ in range(again.epoch, 2) for b in again]
+            assert seen + rest == want, (kw, cut)
+
+
+def read_log(path):
+    return [tuple(json.loads(line)[:2]) + (json.loads(line)[2],) for line in path.read_text().splitlines()]
+
+
+def test_a_killed_training_process_resumes_at_the_exact_batch(caches, tmp_path):
+    """A real process trains on JaxLoader batches, is SIGKILLed mid-epoch (batches read ahead, never
+    trained on), and a new process resumes from its last saved state: every batch after the
+    checkpoint is trained once more, and the whole run is an uninterrupted run's."""
+    cache = caches["numpy"].root
+    ckpt, signal_file = tmp_path / "ckpt.json", tmp_path / "killed-here"
+    every, kill_after = 4, 11
+    args = [sys.executable, str(HERE / "train_jax.py"), str(cache), str(ckpt)]
+    child = subprocess.Popen([*args, str(tmp_path / "first.log"), str(every), str(kill_after), str(signal_file)],
+                             env=child_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not signal_file.exists():
+            assert child.poll() is None, "the training process ended before it was killed"
+            assert time.monotonic() < deadline, "the training process never reached the kill point"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    saved = json.loads(ckpt.read_text())
+    assert len(JaxLoader(caches["numpy"], 5, drop_last=True)) == 9  # killed in epoch 1, saved late in epoch 0
+    assert (saved["step"], saved["loader"]["epoch"], saved["loader"]["position"]) == (8, 0, 8)
+    done = subprocess.run([*args, str(tmp_path / "second.log"), str(every), "0", str(signal_file)], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "resumed at step 8" in done.stdout
+
+    loader = JaxLoader(caches["numpy"], 5, seed=3, drop_last=True)
+    want = [(step, epoch, [values(int(i))[2] for i in idx]) for step, (epoch, idx) in
+            enumerate((e, idx) for e in range(3) for idx in loader.batches(e))]
+    first, second = read_log(tmp_path / "first.log"), read_log(tmp_path / "second.log")
+    assert [s for s, _, _ in first] == list(range(kill_after))
+    assert first[:8] + second == want
+    assert first[8:] == second[:kill_after - 8]
+
+
+def test_without_jax_the_feed_says_what_to_install(caches):
+    """In a process where jax and grain cannot be imported: ``import nbkit`` and ``nbkit.jax`` never
+    try to, GrainSource works (it needs neither), and JaxLoader raises ImportError naming the install."""
+    code = """
+import importlib.abc, sys
+tried = []
+class Hidden(importlib.abc.MetaPathFinder):  # as if jax and grain were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib", "grain"):
+            tried.append(name)
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, Hidden())
+import nbkit, nbkit.jax
+from nbkit.jax import GrainSource, JaxLoader
+ds = nbkit.CachedDataset.open(sys.argv[1])
+print(GrainSource(ds)[0][2], GrainSource(ds)._getitems([1])[0][2], tried)
+try:
+    JaxLoader(ds, 4)
+except ImportError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(caches["numpy"].root)], env=child_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    read, message = out.stdout.strip().splitlines()
+    assert read == f"{values(0)[2]} {values(1)[2]} []"
+    assert message == "nbkit.jax.JaxLoader needs the jax package (nbkit-cache's 'jax' extra): pip install jax grain"
