@@ -150,3 +150,30 @@ except ImportError as e:
     read, message = out.stdout.strip().splitlines()
     assert read == f"{values(0)[2]} {values(1)[2]} []"
     assert message == "nbkit.jax.JaxLoader needs the jax package (nbkit-cache's 'jax' extra): pip install jax grain"
+
+
+def test_two_processes_feed_one_global_batch(caches, tmp_path):
+    """Two real JAX processes (jax.distributed on the CPU): each reads its shard of each epoch and
+    the batches are global arrays of both shards, split over the processes' devices."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "feed_ranks.py"), str(caches["numpy"].root), str(port), str(r),
+                               str(tmp_path / f"rank{r}.json")], env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(f["rank"], f["world"]) for f in found] == [(0, 2), (1, 2)]
+    one = JaxLoader(caches["numpy"], 4, seed=5, drop_last=True, rank=0, world_size=2)
+    assert len(found[0]["batches"]) == len(found[1]["batches"]) == len(one) > 0
+    every = []
+    for f in found:
+        for b in f["batches"]:
+            assert b["local_labels"] == [values(i)[2] for i in b["indices"]]  # this process's rows of the global batch
+            assert b["spec"] == "PartitionSpec('batch',)"
+            every += b["indices"]
+    assert sorted(every) == list(range(N - N % 8))
