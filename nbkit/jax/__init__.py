@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from ..extras import lazy_names
 
-__all__ = ["GrainSource", "JaxLoader", "numpy_tree"]
+__all__ = ["GrainSource", "JaxLoader", "place", "batch_sharding", "numpy_tree"]
 
-_PUBLIC = {"GrainSource": "source", "JaxLoader": "feed", "numpy_tree": "trees"}
+_PUBLIC = {"GrainSource": "source", "JaxLoader": "feed", "place": "feed", "batch_sharding": "feed", "numpy_tree": "trees"}
 
 __getattr__, __dir__ = lazy_names(__name__, _PUBLIC)  # nothing loads until a name is used

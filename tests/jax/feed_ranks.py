@@ -25,7 +25,7 @@ def main():
         assert not image.is_fully_addressable
         local = [np.asarray(s.data) for s in label.addressable_shards]
         found["batches"].append({"indices": idx.tolist(), "local_labels": np.concatenate(local).tolist(),
-                                 "spec": str(label.sharding.spec)})
+                                 "spec": list(label.sharding.spec)})
     with open(out, "w") as f:
         json.dump(found, f)
     jax.distributed.shutdown()

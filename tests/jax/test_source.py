@@ -84,6 +84,7 @@ def test_grain_workers_read_both_caches_alike_and_resume_from_a_checkpoint(cache
     """grain.DataLoader with 2 prefetch worker processes: samples from the torch-written and the
     numpy-written cache are identical, the shuffle is the sampler's, and an iterator restored from
     ``get_state()`` (new workers) gives exactly the rest of the epoch."""
+    parse_absl_flags()
     for ds in caches.values():
         ds.reset_stats()
     source = Pair(GrainSource(caches["torch"]), GrainSource(caches["numpy"]))
@@ -113,6 +114,17 @@ def test_grain_workers_read_both_caches_alike_and_resume_from_a_checkpoint(cache
     for r, b in zip(resumed, rest):
         for x, y in zip(leaves(r), leaves(b)):
             np.testing.assert_array_equal(x, y)
+
+
+def parse_absl_flags():
+    """grain 0.2.18 with jaxlib >= 0.11 (the newest stack) reads an absl flag when a DataLoader starts its
+    workers (``grain_enable_multiprocess_worker_profiling``), which raises UnparsedFlagAccessError
+    outside ``absl.app.run`` (a notebook, pytest); Colab's jax 0.7.2 never reads it. docs/jax.md gives
+    users the same line."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 def test_a_checkpoint_refuses_another_cache(caches, tmp_path):
