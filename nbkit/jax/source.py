@@ -23,10 +23,12 @@ from __future__ import annotations
 import operator
 import os
 
+import numpy as np
+
 from ..collate import SampleBatch
 from ..dataset import CachedDataset
 from ..samplers import cache_identity, content_identity
-from .trees import numpy_tree
+from .trees import numpy_rows, numpy_tree
 
 __all__ = ["GrainSource"]
 
@@ -42,11 +44,11 @@ class GrainSource:
 
     Example:
         >>> import tempfile, torch, nbkit
-        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(6.0)), tempfile.mkdtemp())
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(6.0).view(3, 2)), tempfile.mkdtemp())
         >>> _ = ds.warmup()
         >>> source = GrainSource(ds.root)                  # by path: no source needed
-        >>> source[2], source._getitems([5, 0])            # tensors come out as numpy arrays
-        ((array(2., dtype=float32),), [(array(5., dtype=float32),), (array(0., dtype=float32),)])
+        >>> source[2], source._getitems([1, 0])            # tensors come out as numpy arrays
+        ((array([4., 5.], dtype=float32),), [(array([2., 3.], dtype=float32),), (array([0., 1.], dtype=float32),)])
     """
 
     def __init__(self, cache, *, storage_options: dict | None = None):
@@ -63,11 +65,18 @@ class GrainSource:
         return len(self.dataset)
 
     def __getitem__(self, index):
-        return numpy_tree(self.dataset[operator.index(index)])
+        return self._getitems([index])[0]
 
     def _getitems(self, indices) -> list:
         """The samples ``indices`` (one batched read of the cache), as Grain's batched read asks."""
-        batch = self.dataset.__getitems__([operator.index(i) for i in indices])
+        ds = self.dataset
+        idx = np.fromiter((operator.index(i) for i in indices), dtype=np.int64)
+        if ds.transform is None:
+            # Stored samples of fixed-shape fields: rows of the verified columns, no tensor made.
+            columns = ds.read_columns(idx)
+            if columns is not None:
+                return numpy_rows(ds.schema, columns, len(idx))
+        batch = ds.__getitems__(idx.tolist())  # computes, repairs, transforms: the engine's own path
         samples = batch.samples() if isinstance(batch, SampleBatch) else batch
         return [numpy_tree(s) for s in samples]
 

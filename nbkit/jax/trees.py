@@ -17,15 +17,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..codec.kind import native
-from ..codec.structure import is_namedtuple
-from ..codec.tensor import BITS, numpy_twin, torch_dtype
+from ..codec.structure import is_namedtuple, unflatten_columns
+from ..codec.table import BY_NAME
+from ..codec.tensor import BITS, numpy_dtype, numpy_twin, torch_dtype
 from ..collate import plain_sample
-from ..extras import is_tensor, require
+from ..extras import is_tensor
 
 #: How to install what nbkit.jax needs (nbkit-cache's ``jax`` extra).
 INSTALL = "pip install jax grain"
 
-__all__ = ["numpy_tree", "tensor_array", "INSTALL"]
+__all__ = ["numpy_tree", "numpy_rows", "tensor_array", "INSTALL"]
 
 
 def numpy_tree(value):
@@ -71,14 +72,24 @@ def tensor_array(t) -> np.ndarray:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.resolve_conj().resolve_neg()
+    name = str(t.dtype).removeprefix("torch.")
     if numpy_twin(t.dtype) is not None:
         return t.numpy()
-    name = str(t.dtype).removeprefix("torch.")
-    ml_dtypes = require("ml_dtypes", extra="jax", feature=f"a torch.{name} tensor as a numpy array",
-                        install=INSTALL)  # a dependency of jax: present wherever jax is
-    dtype = getattr(ml_dtypes, name, None)
-    if dtype is None or np.dtype(dtype).itemsize != t.dtype.itemsize:
-        raise TypeError(f"a tensor of dtype torch.{name} has no numpy dtype (not even in ml_dtypes), so JAX cannot take "
-                        f"it: convert it in your dataset (e.g. tensor.float()) or in the cache's transform=")
-    bits = t.contiguous().view(torch_dtype(BITS[t.dtype.itemsize].name))
-    return bits.numpy().view(dtype)
+    dtype = numpy_dtype(name)  # ml_dtypes' (bfloat16 …), or TypeError
+    return t.contiguous().view(torch_dtype(BITS[t.dtype.itemsize].name)).numpy().view(dtype)
+
+
+def numpy_rows(schema, columns: list, n: int) -> list:
+    """The ``n`` samples of gathered ``columns`` (``CachedDataset.read_columns``) as numpy pytrees,
+    each leaf a row of its column (no copy, no tensor): the fast path of a cache of fixed-shape fields.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.ones(4, 2)), tempfile.mkdtemp())
+        >>> _ = ds.warmup()
+        >>> numpy_rows(ds.schema, ds.read_columns(np.array([2, 3])), 2)
+        [(array([1., 1.], dtype=float32),), (array([1., 1.], dtype=float32),)]
+    """
+    leaf_lists = [BY_NAME[leaf.kind].numpy_values(leaf, columns[leaf.column]) if leaf.store == "col" else [None] * n
+                  for leaf in schema.leaves]
+    return unflatten_columns(schema.structure, iter(leaf_lists), n)

@@ -35,9 +35,11 @@ def test_torch_and_numpy_caches_give_the_same_numpy_samples(caches):
         assert_same_batch([np.stack([s[k] for s in got]) for k in range(3)], order)
 
 
-def test_a_numpy_cache_is_read_without_torch(caches, monkeypatch):
-    """Where the cache stores numpy, no tensor is made on the way to Grain."""
-    source = GrainSource(caches["numpy"])
+@pytest.mark.parametrize("writer", ["numpy", "torch"])
+def test_stored_samples_reach_grain_without_a_tensor(caches, monkeypatch, writer):
+    """Samples come from the cache's columns as numpy rows: no tensor is made on the way to Grain,
+    whoever wrote the cache."""
+    source = GrainSource(caches[writer])
     source[0]  # the store is open, its checks done
     for name in ("from_numpy", "as_tensor", "tensor", "stack"):
         monkeypatch.setattr(torch, name, None)  # calling any of them would raise TypeError
