@@ -11,8 +11,9 @@
 2. **Random access.** Every sample read once in a shuffled order through Grain
    (``grain.MapDataset.source(...).shuffle(...)``): the cache, and an ArrayRecord file of the same
    samples (``group_size:1``, the layout ArrayRecord advises for random access; each record the
-   image's float32 bytes and the label), decoded to the same numpy arrays. Samples per second,
-   median of the passes.
+   image's float32 bytes and the label), decoded to the same numpy arrays; then the same with large
+   samples (``--large-kb``, 150 KiB: ArrayRecord's hard case, google/grain#372). Samples per
+   second, median of the passes.
 
 Run: ``.venv/bin/python benchmarks/bench_jax.py [--quick]``; writes ``benchmarks/results/jax.md``.
 
@@ -146,6 +147,21 @@ def time_epochs(runs, params, timed: int) -> dict:
     return seconds
 
 
+class LargeSource:
+    """``n`` samples of one large float32 image (``kb`` KiB) and a label: ArrayRecord's hard case
+    (google/grain#372: random reads of large records)."""
+
+    def __init__(self, n: int, kb: int):
+        self.n, self.side = n, max(1, int((kb * 1024 / 4 / 3) ** 0.5))
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(int(i))
+        return rng.random((3, self.side, self.side), dtype=np.float32), int(i) % 10
+
+
 def write_array_record(path: Path, ds, n) -> None:
     from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -192,10 +208,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2,048 samples, 3 timed epochs: a smoke test")
     parser.add_argument("--epochs", type=int, default=5, help=f"timed epochs per feed (at least {MIN_TIMED})")
+    parser.add_argument("--large-kb", type=int, default=150, help="KiB of each large sample (random access)")
+    parser.add_argument("--large-n", type=int, default=None, help="large samples (default 4,000; 256 with --quick)")
     parser.add_argument("--data-dir", default=str(workloads.DEFAULT_DATA_DIR))
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
     timed = max(MIN_TIMED, 3 if args.quick else args.epochs)
+    if args.large_n is None:
+        args.large_n = 256 if args.quick else 4000
 
     import jax
 
@@ -210,6 +230,11 @@ def main(argv=None) -> int:
         seconds = time_epochs(runs, params, timed)
         write_array_record(scratch / "mnist.array_record", ds, n)
         rates = random_access(ds, scratch / "mnist.array_record", n, timed)
+        large = nbkit.CachedDataset(LargeSource(args.large_n, args.large_kb), scratch / "large")
+        large.warmup()
+        write_array_record(scratch / "large.array_record", large, args.large_n)
+        large_rates = random_access(large, scratch / "large.array_record", args.large_n, timed)
+        large_shape = GrainSource(large)[0][0].shape
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -240,6 +265,15 @@ def main(argv=None) -> int:
         "|---|---|---|",
         f"| Grain over the cache | {spread(rates['Grain over the cache'])} | {cache_rate / ar_rate:.2f}× |",
         f"| Grain over ArrayRecord | {spread(rates['Grain over ArrayRecord'])} | 1.00× |",
+        "",
+        f"The same with {args.large_n:,} large samples (float32 {large_shape}, "
+        f"{np.prod(large_shape) * 4 / 1024:.0f} KiB each, and a label):",
+        "",
+        "| source | samples/s | vs ArrayRecord |",
+        "|---|---|---|",
+        f"| Grain over the cache | {spread(large_rates['Grain over the cache'])} | "
+        f"{statistics.median(large_rates['Grain over the cache']) / statistics.median(large_rates['Grain over ArrayRecord']):.2f}× |",
+        f"| Grain over ArrayRecord | {spread(large_rates['Grain over ArrayRecord'])} | 1.00× |",
         "",
     ]
     out = Path(args.out)
