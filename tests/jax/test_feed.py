@@ -182,3 +182,23 @@ def test_two_processes_feed_one_global_batch(caches, tmp_path):
             assert b["spec"] == ["batch"]  # the default: the batch axis over every device of both processes
             every += b["indices"]
     assert sorted(every) == list(range(N - N % 8))
+
+
+def test_the_hit_rate_meter_counts_the_jax_feed_and_grain(caches):
+    import io
+
+    import grain
+
+    from nbkit.jax import GrainSource
+    from nbkit.widgets import HitRateMeter
+
+    ds = caches["numpy"]
+    meter = HitRateMeter(ds, file=io.StringIO())
+    for _ in meter.track(JaxLoader(ds, 8, drop_last=True)):
+        pass
+    sampler = grain.samplers.IndexSampler(N, shuffle=True, num_epochs=1, seed=0)
+    loader = grain.DataLoader(data_source=GrainSource(ds), sampler=sampler, worker_count=0,
+                              operations=[grain.transforms.Batch(8)])
+    for _ in meter.track(loader):
+        pass
+    assert [(e.hits, e.misses) for e in meter.epochs] == [(N, 0), (N, 0)]
