@@ -3,7 +3,7 @@
 import pytest
 
 import nbkit
-from jax_samples import NumpySource, TorchSource
+from jax_samples import CPU_ONLY, NumpySource, TorchSource
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +16,10 @@ def caches(tmp_path_factory):
         ds.warmup()
         out[name] = ds
     return out
+
+
+@pytest.fixture
+def cpu_only_workers(monkeypatch):
+    """Worker processes started by the test (Grain's, a spawn pool) inherit :data:`jax_samples.CPU_ONLY`."""
+    for k, v in CPU_ONLY.items():
+        monkeypatch.setenv(k, v)

@@ -5,6 +5,10 @@ import numpy as np
 import torch
 
 N = 48
+#: The environment of the processes these tests start (workers included): torch >= 2.5 imports every
+#: installed device backend on ``import torch`` (torch_tpu in the newest venv: 4 s more a process, and
+#: libtpu loaded); these processes read caches on the CPU only.
+CPU_ONLY = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
 
 
 def values(i):

@@ -14,7 +14,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import nbkit
-from jax_samples import N, assert_same_batch, values
+from jax_samples import CPU_ONLY, N, assert_same_batch, values
 from nbkit.jax import JaxLoader, place
 
 HERE = Path(__file__).resolve().parent
@@ -22,7 +22,7 @@ REPO = HERE.parents[1]
 
 
 def child_env():
-    return {**os.environ, "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu",
+    return {**os.environ, **CPU_ONLY,
             "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")])}
 
 

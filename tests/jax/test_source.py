@@ -82,7 +82,7 @@ def test_shards_by_jax_process_and_by_explicit_shards(caches):
     assert sorted(seen[1] + seen[2]) == list(range(N))
 
 
-def test_grain_workers_read_both_caches_alike_and_resume_from_a_checkpoint(caches):
+def test_grain_workers_read_both_caches_alike_and_resume_from_a_checkpoint(caches, cpu_only_workers):
     """grain.DataLoader with 2 prefetch worker processes: samples from the torch-written and the
     numpy-written cache are identical, the shuffle is the sampler's, and an iterator restored from
     ``get_state()`` (new workers) gives exactly the rest of the epoch."""
@@ -175,7 +175,7 @@ def _read_in_worker(source, indices):
 # threads the child never uses (it reads the cache with numpy only).
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 @pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_a_source_reopens_in_a_new_process(caches, method):
+def test_a_source_reopens_in_a_new_process(caches, method, cpu_only_workers):
     source = GrainSource(caches["torch"])
     source[0]  # opened here: the worker must reopen its own files, not inherit them
     with multiprocessing.get_context(method).Pool(1) as pool:
