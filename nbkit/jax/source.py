@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 
 import numpy as np
 
@@ -60,6 +61,7 @@ class GrainSource:
         elif storage_options is not None:
             raise TypeError("GrainSource: storage_options= goes with a path or URL; a CachedDataset has its own")
         self.dataset = cache
+        self._opened = threading.Lock()  # Grain reads from many threads: the first read opens the files once
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -70,6 +72,11 @@ class GrainSource:
     def _getitems(self, indices) -> list:
         """The samples ``indices`` (one batched read of the cache), as Grain's batched read asks."""
         ds = self.dataset
+        lock = self._opened
+        if lock is not None:
+            with lock:
+                ds.store  # this process's files, opened (and checked) by one thread
+            self._opened = None
         idx = np.fromiter((operator.index(i) for i in indices), dtype=np.int64)
         if ds.transform is None:
             # Stored samples of fixed-shape fields: rows of the verified columns, no tensor made.
@@ -88,6 +95,7 @@ class GrainSource:
 
     def __setstate__(self, state):
         self.dataset = state["dataset"]
+        self._opened = threading.Lock()
 
     def __repr__(self) -> str:
         # Grain's DataLoader checkpoints compare the source's repr: the path, the length and what the

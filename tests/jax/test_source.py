@@ -167,6 +167,17 @@ def test_a_partial_cache_travels_with_its_source_and_one_without_raises(tmp_path
         opened[9]
 
 
+def test_many_threads_read_a_freshly_unpickled_source(caches):
+    """Grain's reader threads (``ReadOptions.num_threads``) all start on a source whose files are not
+    open yet in this process: each gets its samples."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    source = pickle.loads(pickle.dumps(GrainSource(caches["torch"])))
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(source.__getitem__, range(N)))
+    assert_same_batch([np.stack([s[k] for s in got]) for k in range(3)], range(N))
+
+
 def _read_in_worker(source, indices):
     return source.dataset.source is None, [np.stack([s[k] for s in source._getitems(indices)]) for k in range(3)]
 
