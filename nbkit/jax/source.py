@@ -2,7 +2,9 @@
 
 Grain reads any object with ``__len__`` and ``__getitem__``, and a batch at once through
 ``_getitems``; this one answers from the cache, one vectorised gather per batch, with samples as
-numpy pytrees (:func:`nbkit.jax.numpy_tree`). It pickles into Grain's worker processes as the
+numpy pytrees: rows of the verified columns, no tensor made (:func:`nbkit.jax.trees.numpy_rows`),
+or through the engine's batch path and :func:`nbkit.jax.numpy_tree` for what the columns cannot
+serve (samples not stored yet, variable-shape fields, a ``transform=``). It pickles into Grain's worker processes as the
 cache's location, not its files nor its source (:meth:`nbkit.CachedDataset.without_source`): each
 worker reopens the cache on its first read and counts into the same ``stats`` (the hit-rate meter
 sees the workers' reads). A cache not yet complete travels with its source instead, so workers
