@@ -20,6 +20,9 @@ BIN    := $(VENV)/bin
 # dist and notebooks need no venv: the venv's python if there is one, else $(PYTHON).
 PYTHON_RUN = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 TORCH_STACK  := torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0
+# JAX as Colab's TPU runtime ships it beside torch (issue 30); the newest venv gets the newest jax and grain
+# through the dev extra.
+JAX_STACK    := jax==0.7.2 jaxlib==0.7.2 grain==0.2.18
 # The newest pair that installs and imports together on Python 3.13 here (checked 2026-11-23: the
 # registry's torchvision 0.29.2 is built against torch 2.15.0, both CUDA 13.2 builds that run on the
 # CPU). A machine-wide pip constraint may cap torch below it (/etc/xdg/pip on our build machines):
@@ -61,7 +64,7 @@ define venv_recipe
 endef
 
 $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh $(call stale,$(VENV))
-	$(call venv_recipe,$(VENV),$(TORCH_STACK))
+	$(call venv_recipe,$(VENV),$(TORCH_STACK) $(JAX_STACK))
 
 setup-newest: python-check $(VENV_NEWEST)/.installed
 	$(VENV_NEWEST)/bin/python tests/testenvs.py build

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
 import os
 import time
@@ -237,6 +238,27 @@ class CachedDataset(Dataset):
     def __setstate__(self, state):
         self.__dict__.update(state)
         register_gatherer(self._token, self._collate_stored)
+
+    def without_source(self) -> "CachedDataset":
+        """A copy of this handle that reads the cache without the source, as :meth:`open` would: what
+        goes to worker processes that must not carry the source (Grain's, through
+        :class:`nbkit.jax.GrainSource`). Pickled, it holds the cache's location, not its files: each
+        process reopens them on first use. It counts into this handle's ``stats`` (the hit-rate meter
+        sees its reads); a sample never stored raises :class:`MissingSampleError`.
+
+        Example:
+            >>> import torch, tempfile, pickle, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+            >>> _ = ds.warmup()
+            >>> twin = pickle.loads(pickle.dumps(ds.without_source()))
+            >>> twin.source is None, int(twin[3][0]), ds.stats.hits
+            (True, 3, 1)
+        """
+        self._check_open()
+        twin = copy.copy(self)  # __getstate__: no files, no verified flags; the same location and counters
+        twin._source = None
+        twin._publish_pending = False
+        return twin
 
     # -- closing ---------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ EXTRAS = {
     "tpu": ("torch_xla",),
     "ray": ("ray",),
     "dask": ("dask", "distributed"),
+    "jax": ("jax", "grain"),
 }
 
 

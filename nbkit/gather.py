@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import math
 import mmap
 import os
 import sys
@@ -195,7 +196,7 @@ def empty_rows(n: int, columns: list) -> list:
     DataLoader workers), large batches get page-locked (pinned) memory from torch's caching host
     allocator: ``pin_memory=True`` then has nothing left to copy, and ``.to("cuda")`` is a DMA.
     Other large columns come from :func:`recycled_rows`."""
-    sizes = [n * int(np.prod(c.shape[1:], dtype=np.int64)) * c.itemsize for c in columns]
+    sizes = [n * math.prod(c.shape[1:]) * c.itemsize for c in columns]  # math.prod: a small batch's reads are µs
     if sum(sizes) < PIN_MIN_BYTES or not _drives_cuda():
         return [recycled_rows(n, c.shape[1:], c.dtype) if size >= RECYCLE_MIN_BYTES else np.empty((n, *c.shape[1:]), dtype=c.dtype)
                 for c, size in zip(columns, sizes)]
@@ -278,8 +279,8 @@ def take_rows(columns: list, rows: np.ndarray, out: list | None = None, threads:
     if out is None:
         out = empty_rows(n, columns)
     if threads is None:
-        threads = auto_threads(sum(int(np.prod(c.shape[1:], dtype=np.int64)) * c.itemsize for c in columns) * n)
-    parts = spans(n, min(threads, n)) if n else []
+        threads = auto_threads(sum(math.prod(c.shape[1:]) * c.itemsize for c in columns) * n)
+    parts = spans(n, min(threads, n)) if n and threads > 1 else []
     if len(parts) <= 1:
         for c, o in zip(columns, out):
             np.take(c, rows, axis=0, out=o)

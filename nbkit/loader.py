@@ -228,6 +228,23 @@ class DeviceLoader:
         return {"length": s.n, "batch_size": self.batch_size, "drop_last": self.drop_last, "shuffle": s.shuffle,
                 "seed": s.seed, "rank": s.rank, "world_size": s.world_size, "cache": s.cache, "content": s.content}
 
+    def place(self, batch):
+        """Where a host batch goes before it is handed out (``device=None`` only): called in the
+        read-ahead thread on each collated batch, so the work overlaps the training step. Here it
+        returns the batch as it is; a loader feeding another framework overrides it
+        (:class:`nbkit.jax.JaxLoader` puts the batch on JAX's devices as ``jax.Array`` s).
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> class Doubled(nbkit.DeviceLoader):
+            ...     def place(self, batch):
+            ...         return [x * 2 for x in batch]
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+            >>> [x.tolist() for (x,) in Doubled(ds, 2, shuffle=False)]
+            [[0, 2], [4, 6]]
+        """
+        return batch
+
     @property
     def epoch(self) -> int:
         """The epoch the next iteration will use."""
@@ -319,6 +336,8 @@ class _Pipeline:
                     if c + READ_AHEAD < len(groups):
                         pending.append(self._read_soon(ahead, c + READ_AHEAD, groups[c + READ_AHEAD]))
                     for item in self._make(c, group, read):  # a generator: batches go out as they are made
+                        if self.kind is None:  # a host batch: the loader places it (nbkit.jax puts it on JAX's devices)
+                            item = (self.loader.place(item[0]), *item[1:])
                         if self.stop.is_set() or not self._put(item):
                             return
                         b += 1

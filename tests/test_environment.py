@@ -1,7 +1,7 @@
 """The environments the suite runs in: environment.yml matches ``make setup``, and tests never install.
 
 * environment.yml (conda) pins the stack ``make setup`` builds: the Python version the Makefile
-  prefers, its TORCH_STACK, ``-e .[dev]`` and PJRT_DEVICE. Both are read, so they cannot drift apart.
+  prefers, its TORCH_STACK and JAX_STACK, ``-e .[dev]`` and PJRT_DEVICE. Both are read, so they cannot drift apart.
 * ``make test`` / ``make test-newest`` run pytest with the package index unreachable, and nothing under
   tests/ or scripts/ installs packages or makes a virtual environment at test time except the builder
   ``make setup`` runs (tests/testenvs.py); a missing test environment fails with "run make setup".
@@ -50,8 +50,8 @@ def test_environment_yml_pins_the_stack_make_setup_builds():
     assert len(preferred) == 1, preferred
     assert pythons == [preferred.pop()], (pythons, make_variable("PY313"))
 
-    assert pip == [*make_variable("TORCH_STACK").split(), "-e .[dev]"]
-    assert "$(call venv_recipe,$(VENV),$(TORCH_STACK))" in MAKEFILE  # make setup installs TORCH_STACK ...
+    assert pip == [*make_variable("TORCH_STACK").split(), *make_variable("JAX_STACK").split(), "-e .[dev]"]
+    assert "$(call venv_recipe,$(VENV),$(TORCH_STACK) $(JAX_STACK))" in MAKEFILE  # make setup installs both ...
     assert "pip install -e '.[dev]' $(2)" in MAKEFILE  # ... and the dev extra with it
     assert env["variables"] == {"PJRT_DEVICE": make_variable("PJRT_DEVICE")}
 

@@ -237,6 +237,12 @@ class Kind:
         """Per-sample leaves from a gathered column of shape ``(n, *shape)``."""
         return list(col)
 
+    def numpy_values(self, leaf: Leaf, col: np.ndarray) -> list:
+        """Per-sample leaves from a gathered column, as numpy users (JAX, Grain) take them: what
+        :meth:`column_values` gives, in this machine's byte order. A kind whose leaves are not numpy
+        (tensors) gives numpy arrays on the column's memory instead."""
+        return self.column_values(leaf, native(col))
+
     # -- var payloads ------------------------------------------------------------------------
 
     def encode_var(self, leaf: Leaf, value) -> bytes | None:

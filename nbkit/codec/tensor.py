@@ -21,8 +21,8 @@ from functools import lru_cache
 import numpy as np
 
 from ..errors import CorruptCacheError
-from ..extras import is_tensor
-from .kind import Kind, Leaf, describe_array
+from ..extras import is_tensor, require
+from .kind import Kind, Leaf, describe_array, native
 
 
 @lru_cache(maxsize=None)
@@ -159,3 +159,33 @@ class TensorKind(Kind):
 
     def column_tensor(self, leaf: Leaf, col: np.ndarray):
         return self.from_array(leaf.dtype, col)
+
+    def numpy_values(self, leaf: Leaf, col: np.ndarray) -> list:
+        # No tensor is made: the rows of the column, viewed as the tensor dtype's numpy twin.
+        return list(native(col).view(numpy_dtype(leaf.dtype)))
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of tensors of dtype ``name``: numpy's twin (``float32``), else ``ml_dtypes``' dtype
+    of the same name and size (``bfloat16``, ``float8_e4m3fn`` …, the dtypes JAX uses), told without
+    importing torch.
+
+    Raises:
+        TypeError: neither numpy nor ml_dtypes has it (``float4_e2m1fn_x2``, ``bits16`` …).
+
+    Example:
+        >>> numpy_dtype("float32").name, numpy_dtype("bfloat16").name
+        ('float32', 'bfloat16')
+    """
+    storage = TENSOR_STORAGE.get(name)
+    if storage is None:
+        storage = torch_storage_dtype(torch_dtype(name))
+    if storage.name == name:
+        return storage
+    ml_dtypes = require("ml_dtypes", extra="jax", feature=f"a torch.{name} tensor as a numpy array",
+                        install="pip install ml_dtypes")
+    dtype = getattr(ml_dtypes, name, None)
+    if dtype is None or np.dtype(dtype).itemsize != storage.itemsize:
+        raise TypeError(f"tensors of dtype torch.{name} have no numpy dtype (not even in ml_dtypes), so numpy and JAX "
+                        "cannot take them: convert them in your dataset (e.g. tensor.float()) or in the cache's transform=")
+    return np.dtype(dtype)

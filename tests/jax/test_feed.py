@@ -1,0 +1,204 @@
+"""nbkit.jax.JaxLoader: a cache's batches as jax.Arrays (real JAX on the CPU), read ahead, resumed exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import nbkit
+from jax_samples import CPU_ONLY, N, assert_same_batch, values
+from nbkit.jax import JaxLoader, place
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def child_env():
+    return {**os.environ, **CPU_ONLY,
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_torch_and_numpy_caches_feed_the_same_jax_batches(caches):
+    a, b = (JaxLoader(caches[k], 8, seed=2, drop_last=True) for k in ("torch", "numpy"))
+    order = a.batches(0)
+    got_a, got_b = list(a), list(b)
+    assert len(got_a) == len(got_b) == N // 8
+    for idx, x, y in zip(order, got_a, got_b):
+        for batch in (x, y):
+            assert all(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(batch))
+            assert batch[1].dtype == jax.numpy.bfloat16 and batch[0].shape == (8, 2, 4)
+            assert_same_batch(batch, idx)
+    assert caches["numpy"].stats.misses == 0
+
+
+def test_batches_are_placed_with_the_sharding(caches):
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    image, _, label = next(iter(JaxLoader(caches["torch"], 4, sharding=sharding, shuffle=False)))
+    assert image.sharding == sharding and label.sharding == sharding
+    image, _, _ = next(iter(JaxLoader(caches["torch"], 4, shuffle=False)))
+    assert image.devices() == {device}
+    with pytest.raises(TypeError, match="jax.sharding.Sharding"):
+        JaxLoader(caches["torch"], 4, sharding="data")
+    with pytest.raises(TypeError, match="sharding="):
+        JaxLoader(caches["torch"], 4, device="cpu")
+    with pytest.raises(TypeError, match="num_workers"):
+        JaxLoader(caches["torch"], 4, num_workers=2)
+
+
+def test_strings_stay_on_the_host(tmp_path):
+    ds = nbkit.CachedDataset([(np.float32(i), f"s{i}") for i in range(6)], tmp_path / "named")
+    x, names = next(iter(JaxLoader(ds, 3, shuffle=False)))
+    assert isinstance(x, jax.Array) and list(names) == ["s0", "s1", "s2"]
+    moved = place({"a": np.arange(3), "b": np.array([b"x", b"y"]), "c": None})
+    assert isinstance(moved["a"], jax.Array) and moved["b"].tolist() == [b"x", b"y"] and moved["c"] is None
+
+
+def test_a_restored_loader_continues_at_the_exact_batch(caches):
+    """Across an epoch's middle, its end and the next epochs, and for one rank of two."""
+    for kw in ({"drop_last": True}, {"rank": 1, "world_size": 2}):
+        full = JaxLoader(caches["numpy"], 5, seed=9, **kw)
+        want = [np.asarray(b[2]).tolist() for _ in range(2) for b in full]
+        for cut in (0, 3, len(full), len(full) + 2):
+            first = JaxLoader(caches["numpy"], 5, seed=9, **kw)
+            seen = []
+            while len(seen) < cut:  # the loop trains on `cut` batches, then stops (passes left open)
+                it = iter(first)
+                seen += [np.asarray(b[2]).tolist() for _, b in zip(range(cut - len(seen)), it)]
+            state = json.loads(json.dumps(first.state_dict()))  # plain values: any checkpoint format carries it
+            again = JaxLoader(caches["numpy"], 5, seed=9, **kw)
+            again.load_state_dict(state)
+            rest = [np.asarray(b[2]).tolist() for _ in range(again.epoch, 2) for b in again]
+            assert seen + rest == want, (kw, cut)
+
+
+def read_log(path):
+    return [tuple(json.loads(line)[:2]) + (json.loads(line)[2],) for line in path.read_text().splitlines()]
+
+
+def test_a_killed_training_process_resumes_at_the_exact_batch(caches, tmp_path):
+    """A real process trains on JaxLoader batches and is SIGKILLed mid-epoch (batches read ahead,
+    never trained on); a new loader resumes from its last saved state: every batch after the
+    checkpoint is trained once more, and the whole run is an uninterrupted run's."""
+    cache = caches["numpy"].root
+    ckpt, signal_file = tmp_path / "ckpt.json", tmp_path / "killed-here"
+    every, kill_after = 4, 11
+    child = subprocess.Popen([sys.executable, str(HERE / "train_jax.py"), str(cache), str(ckpt), str(tmp_path / "first.log"),
+                              str(every), str(kill_after), str(signal_file)], env=child_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not signal_file.exists():
+            assert child.poll() is None, "the training process ended before it was killed"
+            assert time.monotonic() < deadline, "the training process never reached the kill point"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    saved = json.loads(ckpt.read_text())
+    assert len(JaxLoader(caches["numpy"], 5, drop_last=True)) == 9  # killed in epoch 1, saved late in epoch 0
+    assert (saved["step"], saved["loader"]["epoch"], saved["loader"]["position"]) == (8, 0, 8)
+    # Resumed here (a new process as far as the loader knows: a new handle, a new JaxLoader).
+    resumed = JaxLoader(nbkit.CachedDataset.open(cache), 5, seed=3, drop_last=True)
+    resumed.load_state_dict(saved["loader"])
+    assert resumed.epoch == 0
+    second, step = [], saved["step"]
+    for epoch in range(resumed.epoch, 3):  # the training script's loop
+        resumed.set_epoch(epoch)
+        for _, _, label in resumed:
+            second.append((step, epoch, np.asarray(label).tolist()))
+            step += 1
+
+    loader = JaxLoader(caches["numpy"], 5, seed=3, drop_last=True)
+    want = [(step, epoch, [values(int(i))[2] for i in idx]) for step, (epoch, idx) in
+            enumerate((e, idx) for e in range(3) for idx in loader.batches(e))]
+    first = read_log(tmp_path / "first.log")
+    assert [s for s, _, _ in first] == list(range(kill_after))  # it trained on 11 batches, then was killed
+    assert first[:8] + second == want
+    assert first[8:] == second[:kill_after - 8]  # the 3 batches after the checkpoint are trained again
+
+
+def test_without_jax_the_feed_says_what_to_install(caches):
+    """In a process where jax and grain cannot be imported: ``import nbkit`` and ``nbkit.jax`` never
+    try to, GrainSource works (it needs neither), and JaxLoader raises ImportError naming the install."""
+    code = """
+import importlib.abc, sys
+tried = []
+class Hidden(importlib.abc.MetaPathFinder):  # as if jax and grain were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib", "grain"):
+            tried.append(name)
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, Hidden())
+import nbkit, nbkit.jax
+from nbkit.jax import GrainSource, JaxLoader
+ds = nbkit.CachedDataset.open(sys.argv[1])
+print(GrainSource(ds)[0][2], GrainSource(ds)._getitems([1])[0][2], tried)
+try:
+    JaxLoader(ds, 4)
+except ImportError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(caches["numpy"].root)], env=child_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    read, message = out.stdout.strip().splitlines()
+    assert read == f"{values(0)[2]} {values(1)[2]} []"
+    assert message == "nbkit.jax.JaxLoader needs the jax package (nbkit-cache's 'jax' extra): pip install jax grain"
+
+
+def test_two_processes_feed_one_global_batch(caches, tmp_path):
+    """Two real JAX processes (jax.distributed on the CPU): each reads its shard of each epoch and
+    the batches are global arrays of both shards, split over the processes' devices."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "feed_ranks.py"), str(caches["numpy"].root), str(port), str(r),
+                               str(tmp_path / f"rank{r}.json")], env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(f["rank"], f["world"]) for f in found] == [(0, 2), (1, 2)]
+    one = JaxLoader(caches["numpy"], 4, seed=5, drop_last=True, rank=0, world_size=2)
+    assert len(found[0]["batches"]) == len(found[1]["batches"]) == len(one) > 0
+    every = []
+    for f in found:
+        for b in f["batches"]:
+            assert b["local_labels"] == [values(i)[2] for i in b["indices"]]  # this process's rows of the global batch
+            assert b["spec"] == ["batch"]  # the default: the batch axis over every device of both processes
+            every += b["indices"]
+    assert sorted(every) == list(range(N - N % 8))
+
+
+def test_the_hit_rate_meter_counts_the_jax_feed_and_grain(caches):
+    import io
+
+    import grain
+
+    from nbkit.jax import GrainSource
+    from nbkit.widgets import HitRateMeter
+
+    ds = caches["numpy"]
+    meter = HitRateMeter(ds, file=io.StringIO())
+    for _ in meter.track(JaxLoader(ds, 8, drop_last=True)):
+        pass
+    sampler = grain.samplers.IndexSampler(N, shuffle=True, num_epochs=1, seed=0)
+    loader = grain.DataLoader(data_source=GrainSource(ds), sampler=sampler, worker_count=0,
+                              operations=[grain.transforms.Batch(8)])
+    for _ in meter.track(loader):
+        pass
+    assert [(e.hits, e.misses) for e in meter.epochs] == [(N, 0), (N, 0)]
