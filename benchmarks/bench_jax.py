@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     limit = statistics.median(seconds["on-device limit"])
     raw_s = statistics.median(seconds["raw source through Grain"])
     lines = [
-        "## JAX on the CPU: epochs through Grain, the JAX feed and the on-device limit",
+        "## JAX: epochs through Grain, the JAX feed and the on-device limit",
         "",
         f"{n:,} MNIST samples (torchvision `ToTensor` + `Normalize`: the raw source), a jitted 784-128-10 MLP, "
         f"batch {BATCH}, shuffled, `drop_last`; jax {jax.__version__} on {jax.devices()[0].platform}; "
