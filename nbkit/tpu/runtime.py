@@ -39,7 +39,7 @@ KINDS = ("colab-tpu", "kaggle-tpu", "tpu-vm", "gpu", "cpu")
 XLA_LAST = (2, 9)
 XLA_LAST_STACK = ("torch==2.9.0", "torchvision==0.24.0")
 TORCH_TPU_NOTE = (
-    "TorchTPU (torch_tpu {version}, needs torch{spec}) is installed: nbkit feeds its 'tpu' device as any torch "
+    "TorchTPU (torch_tpu {version}, needs {spec}) is installed: nbkit feeds its 'tpu' device as any torch "
     "device, ds.loader(batch_size, device='tpu'), and nbkit.tpu.spawn, warmup_shared and device_loader run on "
     "its torch.distributed backend ('tpu_dist') instead of torch_xla (untested on real TPU hardware: nbkit's "
     "tests run without a TPU)"
@@ -185,10 +185,10 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
     notes = []
     if tpu_version:
         spec = torchtpu.torch_specifier()
-        notes.append(TORCH_TPU_NOTE.format(version=tpu_version, spec=spec))
+        notes.append(TORCH_TPU_NOTE.format(version=tpu_version, spec=torchtpu.torch_range(spec)))
         if not torchtpu.torch_fits(torch_version, spec):
             commands = " && ".join(pip_display(c[4:]) for c in torchtpu.install_commands(torch_version))
-            warnings.append(f"torch_tpu {tpu_version} needs torch{spec}, not torch {torch_version}; run "
+            warnings.append(f"torch_tpu {tpu_version} needs {torchtpu.torch_range(spec)}, not torch {torch_version}; run "
                             f"nbkit.tpu.setup(install=True) or: {commands}, then restart the runtime")
     mismatch = _version_mismatch(torch_version, xla_version)
     if mismatch and tpu_version:  # TorchTPU replaces it: never suggest pulling torch back for torch_xla

@@ -112,7 +112,9 @@ class SetupReport:
         return Table(self.rows(), align="ll", notes=self.messages, note_prefix="- ").text()
 
     def _repr_html_(self) -> str:
-        return Table(self.rows(), align="ll", notes=self.messages).html(css_class="nbkit-setup", row_headers=True)
+        # The notes' indent kept small: a 400-pixel output fits a long name (an environment variable) on a line.
+        return Table(self.rows(), align="ll", notes=self.messages).html(css_class="nbkit-setup", row_headers=True,
+                                                                        note_style="margin:0;padding-left:1em;font-size:85%")
 
 
 def setup(
@@ -211,7 +213,7 @@ def setup(
         messages.append(f"torch {info.torch} is newer than torch_xla's last release (2.9): the XLA path needs torch 2.9; "
                         "TorchTPU runs on this torch instead: setup(stack='torch_tpu')")
     if use_tpu:
-        messages.append(f"TPU stack: TorchTPU (torch-tpu, needs torch{torchtpu.torch_specifier()}), installed as pytorch.org "
+        messages.append(f"TPU stack: TorchTPU (torch-tpu, needs {torchtpu.torch_range()}), installed as pytorch.org "
                         "documents for Colab; torch_xla is not needed")
     elif need_xla and info.is_tpu:
         messages.append("TPU stack: torch_xla; TorchTPU (torch_xla's successor) is the other one: "

@@ -28,7 +28,7 @@ from typing import Mapping, Optional
 from nbkit.trust import requirement_specifier
 
 __all__ = ["DEVICE", "BACKEND", "version", "torch_specifier", "torch_fits", "install_commands", "registered",
-           "no_device_reason"]
+           "no_device_reason", "torch_range"]
 
 DISTRIBUTION = "torch-tpu"
 DEVICE = "tpu"  # the name torch_tpu._loader gives PrivateUse1 (torch.utils.rename_privateuse1_backend)
@@ -70,6 +70,21 @@ def torch_specifier() -> str:
     except importlib.metadata.PackageNotFoundError:
         lines = None
     return requirement_specifier(lines, "torch") or DOCUMENTED_TORCH
+
+
+def torch_range(specifier: Optional[str] = None) -> str:
+    """The torch versions TorchTPU needs, in words for people (a narrow output wraps them between
+    words): ``">=2.11.0,<=2.15.0"`` reads ``"torch 2.11.0 to 2.15.0"``; any other specifier is shown as it is.
+
+    Example:
+        >>> torch_range(">=2.11.0,<=2.15.0"), torch_range(">=2.11")
+        ('torch 2.11.0 to 2.15.0', 'torch >=2.11')
+    """
+    spec = torch_specifier() if specifier is None else specifier
+    parts = dict(p.strip().split("=", 1) for p in spec.split(",") if p.strip()[:2] in (">=", "<="))
+    if set(parts) == {">", "<"}:
+        return f"torch {parts['>']} to {parts['<']}"
+    return f"torch {spec}"
 
 
 def torch_fits(torch_version: str, specifier: Optional[str] = None) -> bool:
@@ -135,8 +150,9 @@ def no_device_reason(tpu_version: str, is_tpu: bool, environ: Mapping[str, str])
         True
     """
     if environ.get(AUTOLOAD) == "0":
-        return (f"torch_tpu {tpu_version} is installed, but {AUTOLOAD}=0 stops torch from loading it, so the "
-                f"'{DEVICE}' device is not registered: unset {AUTOLOAD} (TorchTPU registers itself when torch is imported)")
+        return (f"torch_tpu {tpu_version} is installed, but the environment variable {AUTOLOAD} is 0, which stops torch "
+                f"from loading it, so the '{DEVICE}' device is not registered: unset it (TorchTPU registers itself when "
+                "torch is imported)")
     if is_tpu:
         return (f"torch_tpu {tpu_version} is installed and this runtime shows a TPU, but the '{DEVICE}' device did "
                 "not register: is another process (an old notebook kernel) holding the TPU? Restart the runtime")
