@@ -120,18 +120,31 @@ def _merge_left_parts(cached, files) -> None:
             os.rmdir(parts)
 
 
+#: warmup(num_workers=N) cuts parts of up to this many samples (never fewer than chunk_size)…
+MAX_PART = 1024
+#: …and at least this many parts a worker.
+PARTS_PER_WORKER = 8
+
+
 def _with_workers(cached, num_workers: int, callback, shard, chunk_size: int, multiprocessing_context) -> WarmupReport:
-    """The build protocol on local worker processes: parts of ``chunk_size`` samples, merged in place.
+    """The build protocol on local worker processes: parts of ``chunk_size`` samples or more (up to
+    :data:`MAX_PART`, while each worker still gets :data:`PARTS_PER_WORKER`), merged in place.
     A ``shard=(rank, world)`` takes the parts ``k`` with ``k % world == rank`` (whole parts, so that
     no two hosts build one part)."""
     from .driver import run
     from .local import LocalEngine
 
     cached.check_generation()  # a handle made before a rebuild elsewhere fills nothing
-    parts = -(-len(cached.store.missing()) // chunk_size)
+    missing = len(cached.store.missing())
+    part_size = chunk_size
+    if shard is None:  # (hosts sharing a warmup cut the same parts: chunk_size alone, on every host)
+        # Fewer, larger parts: each costs a few fsyncs, a rename and a merge, what the protocol adds
+        # to the compute; at least PARTS_PER_WORKER a worker (balance, and what a Stop discards).
+        part_size = max(chunk_size, min(MAX_PART, missing // (PARTS_PER_WORKER * num_workers)))
+    parts = -(-missing // part_size)
     engine = LocalEngine(max(1, min(num_workers, parts)), multiprocessing_context=multiprocessing_context)
     try:
-        report = run(cached, engine, part_size=chunk_size, callback=callback, shard=shard, strategy="local")
+        report = run(cached, engine, part_size=part_size, callback=callback, shard=shard, strategy="local")
     except BrokenProcessPool as e:  # the same part lost its worker every time
         pid, code = engine.lost[-1] if engine.lost else (None, "unknown")
         raise RuntimeError(
