@@ -795,7 +795,8 @@ class CachedDataset(Dataset):
 
         Args:
             num_workers: ``0`` fills in this process; ``k > 0`` fills in ``k`` worker processes (the
-                build protocol's local engine: each writes parts of ``chunk_size`` samples, merged here).
+                build protocol's local engine: each writes parts of ``chunk_size`` samples or more, up to
+                1,024 while every worker still gets 8 of them, merged here).
             callback: an :class:`nbkit.progress.Callback` (or any fsspec callback) for progress;
                 ``callback.request_stop()`` stops the warmup: after the current chunk in this process,
                 at once with workers (they are terminated, even when stuck in the source; what they
@@ -803,7 +804,8 @@ class CachedDataset(Dataset):
             shard: ``(rank, world)``: fill only the missing indices ``i`` with ``i % world == rank``
                 (several processes sharing one cache each fill their part, no sample twice); with
                 workers, the whole chunks ``k`` (indices ``k * chunk_size`` on) with ``k % world == rank``.
-            chunk_size: samples per unit of work (and per progress update).
+            chunk_size: samples per unit of work (and per progress update); with workers, the
+                smallest part.
             multiprocessing_context: start method for the workers: ``"fork"``, ``"spawn"``,
                 ``"forkserver"`` or a context (default: multiprocessing's default). With ``spawn`` and
                 ``forkserver`` the source must be importable (defined in a module, not in ``__main__``).
