@@ -26,6 +26,9 @@ from servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
+#: The servers' state (settings, workspaces, runtime files, log) is this venv's own: the two stacks'
+#: suites run at once in one checkout in CI (.ci/run), and must not share a JupyterLab workspace.
+RUN = "" if Path(sys.prefix).name == ".venv" else f"-{Path(sys.prefix).name.lstrip('.')}"
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -143,7 +146,7 @@ def lab_server(tmp_path_factory):
     """JupyterLab 4 (ipywidgets 8) serving a temporary directory; tests put notebook copies in it."""
     pytest.importorskip("jupyterlab", reason="JupyterLab is not installed: pip install -e '.[dev]' (make setup)")
     root = tmp_path_factory.mktemp("lab-root")
-    with frontends.serve("lab", root, ARTIFACTS / "lab-server") as server:
+    with frontends.serve("lab", root, ARTIFACTS / f"lab-server{RUN}") as server:
         yield server
 
 
@@ -156,7 +159,7 @@ def classic_server(tmp_path_factory):
     """
     python = testenvs.required(frontends.classic_env)
     root = tmp_path_factory.mktemp("classic-root")
-    with frontends.serve("classic", root, ARTIFACTS / "classic-server", python=str(python)) as server:
+    with frontends.serve("classic", root, ARTIFACTS / f"classic-server{RUN}", python=str(python)) as server:
         yield server
 
 
