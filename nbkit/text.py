@@ -165,8 +165,8 @@ def fill(text: str, width: int = NARROW_COLUMNS) -> str:
 
 
 def html_words(text: str, *, longest: int = 40) -> str:
-    """``text`` escaped for HTML, each word that a browser would break inside (at ``-``, ``/``, ``–``
-    or ``—``) kept on one line: a narrow screen then wraps between words only. A word longer than
+    """``text`` escaped for HTML, each word that a browser would break inside (at ``-``, ``/``, ``–``,
+    ``—`` or a comma inside it, as in ``[[0,1],[2,3]]``) kept on one line: a narrow screen then wraps between words only. A word longer than
     ``longest`` characters (a long URL) is left free to break, so it cannot push past the edge.
 
     Example:
@@ -175,7 +175,7 @@ def html_words(text: str, *, longest: int = 40) -> str:
     """
     def keep(m):
         word = m.group(0)
-        return f"<span style='white-space:nowrap'>{word}</span>" if re.search(r"[-/–—]", word) else word
+        return f"<span style='white-space:nowrap'>{word}</span>" if re.search(r"[-/–—]|,\S", word) else word
 
     return re.sub(r"(?<!\S)\S{1,%d}(?!\S)" % longest, keep, html.escape(str(text)))
 

@@ -114,7 +114,7 @@ class SetupReport:
     def _repr_html_(self) -> str:
         # The notes' indent kept small: a 400-pixel output fits a long name (an environment variable) on a line.
         return Table(self.rows(), align="ll", notes=self.messages).html(css_class="nbkit-setup", row_headers=True,
-                                                                        note_style="margin:0;padding-left:1em;font-size:85%")
+                                                                        note_style="margin:0;padding-left:1em;font-size:85%", keep_words=True)
 
 
 def setup(
