@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nbkit
 from nbkit.samplers import EpochSampler
+from workers import kill_at_signal
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given
@@ -424,19 +425,7 @@ def test_a_killed_process_resumes_from_its_checkpoint(tmp_path, every, kill_afte
     args = [sys.executable, str(script), str(tmp_path / "cache"), str(ckpt)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(os.path.dirname(os.path.dirname(nbkit.__file__))),
                                                          os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([*args, str(tmp_path / "first.log"), str(every), str(kill_after), str(signal_file)],
-                             env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while not signal_file.exists():
-            assert child.poll() is None, "the training process ended before it was killed"
-            assert time.monotonic() < deadline, "the training process never reached the kill point"
-            time.sleep(0.05)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL
+    kill_at_signal([*args, str(tmp_path / "first.log"), str(every), str(kill_after), str(signal_file)], signal_file, env)
     saved = torch.load(ckpt, weights_only=True)
     done = subprocess.run([*args, str(tmp_path / "second.log"), str(every), "0", str(signal_file)], env=env,
                           capture_output=True, text=True, timeout=300)

@@ -136,3 +136,25 @@ class FailingSource(TupleSource):
                 os._exit(9)
             raise ValueError(f"bad sample {i}")
         return super().__getitem__(i)
+
+
+def kill_at_signal(args, signal_file, env, *, timeout=120):
+    """Start ``args`` as a child process, wait until it writes ``signal_file`` (its kill point), then
+    SIGKILL it; asserts that it got there alive and that the kill is what ended it."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    child = subprocess.Popen(args, env=env)
+    try:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(signal_file):
+            assert child.poll() is None, "the training process ended before it was killed"
+            assert time.monotonic() < deadline, "the training process never reached the kill point"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL

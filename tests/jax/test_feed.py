@@ -15,6 +15,7 @@ jax = pytest.importorskip("jax")
 
 import nbkit
 from jax_samples import CPU_ONLY, N, assert_same_batch, values
+from workers import kill_at_signal
 from nbkit.jax import JaxLoader, place
 
 HERE = Path(__file__).resolve().parent
@@ -92,19 +93,8 @@ def test_a_killed_training_process_resumes_at_the_exact_batch(caches, tmp_path):
     cache = caches["numpy"].root
     ckpt, signal_file = tmp_path / "ckpt.json", tmp_path / "killed-here"
     every, kill_after = 4, 11
-    child = subprocess.Popen([sys.executable, str(HERE / "train_jax.py"), str(cache), str(ckpt), str(tmp_path / "first.log"),
-                              str(every), str(kill_after), str(signal_file)], env=child_env())
-    try:
-        deadline = time.monotonic() + 120
-        while not signal_file.exists():
-            assert child.poll() is None, "the training process ended before it was killed"
-            assert time.monotonic() < deadline, "the training process never reached the kill point"
-            time.sleep(0.05)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL
+    kill_at_signal([sys.executable, str(HERE / "train_jax.py"), str(cache), str(ckpt), str(tmp_path / "first.log"),
+                    str(every), str(kill_after), str(signal_file)], signal_file, child_env())
     saved = json.loads(ckpt.read_text())
     assert len(JaxLoader(caches["numpy"], 5, drop_last=True)) == 9  # killed in epoch 1, saved late in epoch 0
     assert (saved["step"], saved["loader"]["epoch"], saved["loader"]["position"]) == (8, 0, 8)
