@@ -182,3 +182,28 @@ def test_read_small_refuses_large_files(tmp_path):
     with pytest.raises(CorruptCacheError, match="larger than 100 bytes"):
         read_small(str(tmp_path / "nbkit.json"), limit=100)
     assert read_small(str(tmp_path / "nbkit.json"), limit=101) == b" " * 101
+
+
+_VERSIONS = st.from_regex(r"[0-9]{1,2}\.[0-9]{1,2}(\.[0-9]{1,2})?", fullmatch=True)
+
+
+@pytest.mark.fuzz
+@given(st.lists(st.one_of(st.text(max_size=80), st.none(), st.integers()), max_size=6))
+def test_requirement_specifier_takes_any_metadata_and_returns_a_plain_range_or_none(lines):
+    from nbkit.trust import _SPECIFIER, requirement_specifier
+
+    out = requirement_specifier(lines, "torch")
+    assert out is None or (isinstance(out, str) and _SPECIFIER.fullmatch(out) and ";" not in out and " " not in out)
+
+
+@pytest.mark.fuzz
+@given(_VERSIONS, _VERSIONS, st.sampled_from(["torch", "Torch", "torch "]), st.booleans())
+def test_requirement_specifier_reads_a_range_whichever_order_it_is_written_in(low, high, name, upper_first):
+    from nbkit.tpu.torchtpu import torch_range
+    from nbkit.trust import requirement_specifier
+
+    parts = [f"<={high}", f">={low}"] if upper_first else [f">={low}", f"<={high}"]
+    spec = requirement_specifier(["numpy>=2", f"{name}{','.join(parts)}", "libtpu>=0.0.50"], "torch")
+    assert spec == f">={low},<={high}"
+    assert torch_range(spec) == f"torch {low} to {high}"
+    assert requirement_specifier([f"torch{','.join(parts)}; python_version<'3.13'"], "torch") is None  # a marker: not read
