@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptCacheError
+from ..extras import require
 from .kind import Kind, Leaf, describe_array, native
 
 DTYPE = "bfloat16"
@@ -34,11 +35,9 @@ STORAGE = np.dtype("<i2")
 
 
 def bfloat16_dtype(where: str = "a cache"):
-    """``ml_dtypes.bfloat16``, or ``ImportError`` naming the package to install."""
-    try:
-        import ml_dtypes
-    except ImportError as e:
-        raise ImportError(f"{where} holds numpy bfloat16 arrays; reading them needs ml_dtypes: pip install ml_dtypes") from e
+    """``ml_dtypes.bfloat16``, or ``ImportError`` naming the package to install (:func:`nbkit.extras.require`)."""
+    ml_dtypes = require("ml_dtypes", extra="jax", feature=f"reading the numpy bfloat16 arrays {where} holds",
+                        install="pip install ml_dtypes")
     return np.dtype(ml_dtypes.bfloat16)
 
 
