@@ -107,7 +107,13 @@ class Workers:
         return replace(self, parts_done=self.parts_done + 1, rows=tuple(rows))
 
     def out(self, outstanding: int, oldest: float) -> "Workers":
-        """The snapshot with ``outstanding`` parts out, the oldest submitted ``oldest`` seconds ago."""
+        """The snapshot with ``outstanding`` parts out, the oldest submitted ``oldest`` seconds ago.
+
+        Example:
+            >>> w = Workers(parts_total=2).record("a:1", 100, 2.0)
+            >>> w.out(1, 5.0).overdue, w.out(1, 60.0).overdue  # parts take 2 s here; overdue from 30 s
+            (False, True)
+        """
         return replace(self, outstanding=int(outstanding), oldest=float(oldest))
 
     @property

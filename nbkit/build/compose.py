@@ -292,6 +292,10 @@ def check_uploaded(fs, parts: str, bounds: tuple, cache_meta: dict) -> None:
 
     Raises:
         PartRefused: naming the part; the build removes it and builds it again.
+
+    Example:
+        >>> fs, root = connect("gs://bucket/caches/mnist.parts", opts)  # doctest: +SKIP
+        >>> check_uploaded(fs, root, (0, 4096), ds.store.meta)  # doctest: +SKIP
     """
     start, stop = bounds
     name = part_name(start, stop)
