@@ -113,6 +113,8 @@ def run(cached, engine, *, part_size: int = DEFAULT_PART_SIZE, callback=None, fa
     store = cached.store
     how = STRATEGIES[strategy or strategy_for(cached)](cached, store, engine, cb)
     source = _source(cached, factory)
+    if source[0] == "pickled" and engine.share(source):  # each worker unpickles it once, not with every part
+        source = ("shared", source[1], None)
     state = _State(cb)
     owned = np.arange(store.length)
     if shard is not None:

@@ -42,6 +42,14 @@ class Engine:
         for f in futures:
             f.cancel()
 
+    def share(self, source: tuple) -> bool:
+        """Give every worker process ``source`` (the build's ``(kind, token, payload)``, what
+        :func:`nbkit.build.part.build_part` reads from a part's spec) once, at its start, instead of
+        with every part; return whether it will (then the parts carry only the token). Default:
+        ``False``, every part carries the source (a cluster's workers are reached only by calls).
+        An engine whose processes are already running returns ``False`` too."""
+        return False
+
     def worker_lost(self, error: BaseException) -> bool:
         """Whether ``error`` (a future's exception) says the call's worker was lost (killed, out of
         memory, its machine gone) rather than that the call itself failed: the driver then submits

@@ -50,8 +50,12 @@ def _alive(pool) -> list:
     return [p for p in list(procs.values()) if p.is_alive()]
 
 
-def _init_worker(seed: int) -> None:
+def _init_worker(seed: int, source: tuple | None = None) -> None:
     import torch
+
+    if source is not None:  # the build's source, once a process (Engine.share), not with every part
+        from .part import preload_source
+        preload_source(source)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it ends the workers
     torch.set_num_threads(1)  # as DataLoader and warmup workers: several processes, one thread each
@@ -79,12 +83,21 @@ class LocalEngine(Engine):
         #: ``(pid, exit code)`` of each worker process that died under a part (killed, crashed).
         self.lost: list = []
         self._pool = None
+        self._source = None  # what share() gave: each new worker process loads it at its start
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=self.context, initializer=_init_worker,
-                                                                initargs=(random.getrandbits(48),))
+                                                                initargs=(random.getrandbits(48), self._source))
         return self._pool
+
+    def share(self, source: tuple) -> bool:
+        if self._pool is not None and self._source is None:
+            return False  # its processes run already: the parts carry the source
+        self._source = source
+        if self._pool is not None:  # processes of an earlier build's source: the next ones get this one
+            self._drop(kill=False)
+        return True
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         try:

@@ -175,10 +175,19 @@ def part_meta(cache_meta: dict, start: int, stop: int) -> dict:
 _SOURCES: dict = {}
 
 
+def preload_source(source: tuple) -> None:
+    """Load the build's source in this worker process before any part asks for it
+    (:meth:`nbkit.build.engine.Engine.share`): the parts then carry only its token."""
+    _dataset({"source": source, "cache": None, "meta": {}})
+
+
 def _dataset(spec: dict):
     kind, token, payload = spec["source"]
     cached = _SOURCES.get(token)
     if cached is None:
+        if kind == "shared":
+            raise RuntimeError("this worker process has not loaded the build's source (Engine.share): a worker started "
+                               "without it; run the build again")
         if kind == "pickled":
             cached = pickle.loads(payload)
         else:
