@@ -51,3 +51,25 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="multiprocessing_context must be one of"):
         LocalEngine(1, multiprocessing_context="threads")
     assert set(METHODS) >= {"fork"}
+
+
+def test_a_local_engine_gives_each_worker_the_source_once_and_the_parts_only_its_token(tmp_path):
+    import nbkit
+    from nbkit.build import run
+    from buildsources import Named, check_cache
+
+    ds = nbkit.CachedDataset(Named(64), str(tmp_path / "cache"))
+    sent = []
+    with LocalEngine(2) as engine:
+        submit = engine.submit
+
+        def recording(fn, spec):
+            sent.append(spec["source"])
+            return submit(fn, spec)
+
+        engine.submit = recording
+        report = run(ds, engine, part_size=8)
+    assert report.computed == 64 and len(sent) == 8
+    assert all(kind == "shared" and payload is None for kind, _, payload in sent)  # no part carries the pickled source
+    ds.close()
+    check_cache(ds.root, Named(64))
