@@ -119,6 +119,7 @@ def test_01_tpu_setup_on_a_cpu_runtime(tmp_path, monkeypatch):
     # says so, and what the check computed.
     nb = nbformat.read(str(path), as_version=4)
     html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    html = re.sub(r"<span style='white-space:nowrap'>([^<]*)</span>", r"\1", html)  # words kept whole (text.html_words)
     assert "yes, on xla:0 (CPU)" in html and "PJRT_DEVICE=CPU" in html
     assert "[[0,1,2],[3,4,5]] times its transpose, summed, gave 83 (right: the device computes)" in html
     # spawn() started one replica per CPU stand-in device; each line arrives whole, prefixed with

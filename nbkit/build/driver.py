@@ -6,8 +6,8 @@ keeps :data:`AHEAD` times ``engine.workers`` of them submitted. Each finished pa
 and merged in place (:func:`nbkit.build.merge.merge`); a refused part is removed and planned again,
 a part whose worker was lost is submitted again, and a source's error ends the build (what was
 merged stays; finished parts stay for the next run). ``callback.request_stop()`` cancels the
-outstanding parts and keeps every finished one. A rerun after any failure computes only the parts
-still missing.
+outstanding parts and keeps every finished one; so does Ctrl-C (a notebook's interrupt), which then
+raises ``KeyboardInterrupt``. A rerun after any failure computes only the parts still missing.
 
 Example:
     >>> import torch, tempfile, nbkit
@@ -25,6 +25,8 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import pickle
+import signal
+import threading
 import time
 import uuid
 from collections import deque
@@ -405,67 +407,96 @@ def _build(how, engine, todo, source, cached, state) -> bool:
             later.append((time.monotonic() + RETRY_SECONDS * 2 ** (tries[p.start] - 1), p))
         return True
 
-    try:
-        while queue or inflight or later:
-            if state.cb.should_stop():
+    with _Interrupt() as interrupt:  # Ctrl-C: noted here, acted on in the loop
+        try:
+            while queue or inflight or later:
+                if state.cb.should_stop() or interrupt.hit:
+                    engine.cancel(list(inflight))
+                    inflight.clear()
+                    how.salvage(state)
+                    if interrupt.hit:
+                        raise KeyboardInterrupt
+                    return True
+                now = time.monotonic()
+                for item in [x for x in later if x[0] <= now]:
+                    later.remove(item)
+                    queue.append(item[1])
+                while queue and len(inflight) < AHEAD * max(1, engine.workers):
+                    p = queue.popleft()
+                    future = engine.submit(build_part, _spec(p, cached, meta, how.spec(), source))
+                    inflight[future], sent[future] = p, time.monotonic()
+                if not inflight:
+                    time.sleep(POLL_SECONDS)
+                    continue
+                done, _ = concurrent.futures.wait(inflight, timeout=POLL_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
+                if time.monotonic() - shown >= SHOW_SECONDS:
+                    state.out([sent[f] for f in inflight if f not in done])
+                    shown = time.monotonic()
+                for f in done:
+                    p = inflight.pop(f)
+                    sent.pop(f, None)
+                    error = f.exception() if not f.cancelled() else concurrent.futures.CancelledError()
+                    if error is not None:
+                        if engine.worker_lost(error) and again(p, None):
+                            continue
+                        _note(error, f"(raised while {engine.name} built the part [{p.start}, {p.stop}) of {cached.path}; "
+                                     "parts merged so far are kept: run the build again to resume)")
+                        raise error
+                    result = f.result()
+                    storage = result.get("storage_error")
+                    if storage is not None:  # the storage failed under the part, not the source
+                        if again(p, storage):
+                            continue
+                        _note(storage, f"(the storage failed while {engine.name} wrote the part [{p.start}, {p.stop}) of "
+                                       f"{cached.path}, {RETRIES + 1} times: run the build again once it is back; finished "
+                                       "parts are kept)")
+                        raise storage
+                    merged = how.arrived(result)
+                    state.merged(merged, built=result)
+                    if merged.refused:
+                        if tries.get(p.start, 0) >= RETRIES:
+                            raise RuntimeError(f"the part [{p.start}, {p.stop}) of {cached.path} was refused {RETRIES + 1} times; "
+                                               f"the last time: {merged.refused}")
+                        tries[p.start] = tries.get(p.start, 0) + 1
+                        missing = how.missing(p)
+                        if len(missing):
+                            queue.appendleft(PlannedPart(p.start, p.stop, missing))
+        except BaseException as e:
+            if inflight:
                 engine.cancel(list(inflight))
-                inflight.clear()
-                how.salvage(state)
-                return True
-            now = time.monotonic()
-            for item in [x for x in later if x[0] <= now]:
-                later.remove(item)
-                queue.append(item[1])
-            while queue and len(inflight) < AHEAD * max(1, engine.workers):
-                p = queue.popleft()
-                future = engine.submit(build_part, _spec(p, cached, meta, how.spec(), source))
-                inflight[future], sent[future] = p, time.monotonic()
-            if not inflight:
-                time.sleep(POLL_SECONDS)
-                continue
-            done, _ = concurrent.futures.wait(inflight, timeout=POLL_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
-            if time.monotonic() - shown >= SHOW_SECONDS:
-                state.out([sent[f] for f in inflight if f not in done])
-                shown = time.monotonic()
-            for f in done:
-                p = inflight.pop(f)
-                sent.pop(f, None)
-                error = f.exception() if not f.cancelled() else concurrent.futures.CancelledError()
-                if error is not None:
-                    if engine.worker_lost(error) and again(p, None):
-                        continue
-                    _note(error, f"(raised while {engine.name} built the part [{p.start}, {p.stop}) of {cached.path}; "
-                                 "parts merged so far are kept: run the build again to resume)")
-                    raise error
-                result = f.result()
-                storage = result.get("storage_error")
-                if storage is not None:  # the storage failed under the part, not the source
-                    if again(p, storage):
-                        continue
-                    _note(storage, f"(the storage failed while {engine.name} wrote the part [{p.start}, {p.stop}) of "
-                                   f"{cached.path}, {RETRIES + 1} times: run the build again once it is back; finished "
-                                   "parts are kept)")
-                    raise storage
-                merged = how.arrived(result)
-                state.merged(merged, built=result)
-                if merged.refused:
-                    if tries.get(p.start, 0) >= RETRIES:
-                        raise RuntimeError(f"the part [{p.start}, {p.stop}) of {cached.path} was refused {RETRIES + 1} times; "
-                                           f"the last time: {merged.refused}")
-                    tries[p.start] = tries.get(p.start, 0) + 1
-                    missing = how.missing(p)
-                    if len(missing):
-                        queue.appendleft(PlannedPart(p.start, p.stop, missing))
-    except BaseException as e:
-        if inflight:
-            engine.cancel(list(inflight))
-        if isinstance(e, Exception):
-            try:
-                how.salvage(state)  # what finished before the failure joins the cache
-            except Exception as salvage_error:  # noqa: BLE001 - the first failure is the news
-                _note(e, f"(merging the finished parts after it failed too: {salvage_error})")
-        raise
-    return False
+            if isinstance(e, Exception):
+                try:
+                    how.salvage(state)  # what finished before the failure joins the cache
+                except Exception as salvage_error:  # noqa: BLE001 - the first failure is the news
+                    _note(e, f"(merging the finished parts after it failed too: {salvage_error})")
+            raise
+        return False
+
+
+class _Interrupt:
+    """Ctrl-C while parts are out (SIGINT: a terminal's, or a notebook's interrupt button) is noted,
+    not raised wherever it lands (inside a lock of the executor's, where it can leave a future's lock
+    held): the loop then cancels the parts out, merges the finished ones and raises
+    ``KeyboardInterrupt``. A second Ctrl-C raises at once. Only in the main thread, and only where
+    SIGINT has Python's own handler (a command line's handler of its own stays in charge)."""
+
+    def __init__(self):
+        self.hit = False
+        self._previous = None
+
+    def __enter__(self) -> "_Interrupt":
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._noted)
+        return self
+
+    def _noted(self, signum, frame) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _note(error: BaseException, text: str) -> None:

@@ -294,3 +294,44 @@ def test_a_stuck_worker_shows_before_its_part_ends(tmp_path, monkeypatch):
     assert stuck and re.search(r"\d+ parts? out, the oldest for \d", stuck[0]), seen[-5:]
     assert report.computed == n and not report.stopped
     ds.close()
+
+
+def test_ctrl_c_cancels_the_parts_out_keeps_the_finished_ones_and_raises(tmp_path):
+    n, flag = 64, str(tmp_path / "flag")
+    ds = nbkit.CachedDataset(Flagged(n, flag, at=40), str(tmp_path / "cache"))  # the part [32, 48) hangs at 40
+    cb = Callback()
+
+    def interrupt_once_the_rest_is_built():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and cb.value < n - 16:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # as a terminal's Ctrl-C or a notebook's interrupt button
+
+    t = threading.Thread(target=interrupt_once_the_rest_is_built)
+    t.start()
+    started = time.monotonic()
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        with pytest.raises(KeyboardInterrupt):
+            run(ds, engine, part_size=16, callback=cb)
+        assert engine.processes() == []  # the worker stuck in the source was ended, not waited for
+    t.join()
+    assert time.monotonic() - started < 60
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+    assert ds.missing().tolist() == list(range(32, 48))  # every finished part joined the cache
+    assert ds.verify() == n - 16
+    src = Named(n)
+    assert all(same(ds[i], src[i]) for i in [*range(32), *range(48, n)])
+    ds.close()
+
+
+def test_a_second_ctrl_c_raises_at_once():
+    from nbkit.build.driver import _Interrupt
+
+    with _Interrupt() as interrupt:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert interrupt.hit  # the first is noted, for the loop to act on
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
