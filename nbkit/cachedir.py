@@ -565,6 +565,15 @@ class CacheFiles(Store):
 
     memory_mapped = True  # gather reads this host's page cache: batches can be gathered anywhere on it
 
+    def row(self, i: int) -> list | None:
+        """Stored sample ``i``'s row of each column, as views of the maps (the caller copies them),
+        or ``None`` when they are not the whole sample (not stored, free-form, variable-length,
+        damaged) or the columns are past this host's memory (read with explicit reads instead)."""
+        if self._past_ram or self.state[i] != fmt.STORED or self.flags[i]:
+            return None
+        r = i if self.slot_of is None else int(self.slot_of[i])
+        return [c[r] for c in self.columns]
+
     def gather(self, idx: np.ndarray, out: list | None = None, threads: int | None = None) -> list:
         """The column rows of stored samples ``idx``: one vectorised read per column, split over
         several threads for large batches (into ``out`` when given)."""

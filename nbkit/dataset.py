@@ -485,6 +485,10 @@ class CachedDataset(Dataset):
         """
         idx = self._index_array(idx)
         self.check_generation(every=_READ_CHECK_SECONDS)
+        if len(idx) == 1 and out is None:  # one sample (Grain's per-record reads): a row of each column
+            rows = self._read_row(int(idx[0]))
+            if rows is not None:
+                return rows
         if not self._column_ready(idx, local=False):
             return None
         f = self.store
@@ -503,6 +507,24 @@ class CachedDataset(Dataset):
             return None
         self._counters.add(hits=n)
         return columns
+
+    def _read_row(self, i: int) -> list | None:
+        """``read_columns([i])`` for a stored sample of fixed-shape fields, without the batch path's
+        per-call work: copies of its rows, checksum-verified once in this process; else ``None``."""
+        f = self.store
+        schema = f.schema
+        if schema.structure is None or schema.has_var:
+            return None
+        views = f.row(i)
+        if views is None:
+            return None
+        rows = [v[None].copy() for v in views]
+        if not self._verified[i]:
+            if not fmt.verify(f, np.array([i], dtype=np.int64), columns=rows)[0]:
+                return None  # the batch path reports it, and repairs it from the source
+            self._verified[i] = True
+        self._counters.add(hits=1)
+        return rows
 
     def _check_new(self, idx: np.ndarray, columns: list, blobs: list | None = None, threads: int = 1,
                    crcs: np.ndarray | None = None) -> np.ndarray:

@@ -268,3 +268,21 @@ def test_a_fork_after_parallel_gathers_finds_no_thread_of_ours():
     out = subprocess.run([sys.executable, "-c", _FORK_AFTER_GATHERS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "warnings: []", out.stdout
+
+
+def test_one_sample_reads_take_the_row_path_and_still_check_it(tmp_path):
+    src = TupleSource(20)
+    nbkit.CachedDataset(src, tmp_path).warmup()
+    flip_byte(tmp_path / "col-0.bin", 7 * 8 * 8 * 4 + 5)  # a byte inside sample 7's image
+    without = nbkit.CachedDataset.open(tmp_path)
+    for i in (6, 6, 19, -1):  # the same rows as the batch path, before and after this process checked them
+        one, batch = without.read_columns(np.array([i])), without.read_columns(np.array([i, 0]))
+        assert [c.shape[0] for c in one] == [1, 1] and all(np.array_equal(a[0], b[0]) for a, b in zip(one, batch))
+        one[0][0] += 1  # a copy: the cache's map is untouched
+    assert torch.equal(torch.as_tensor(without.read_columns(np.array([6]))[0][0]), src[6][0])
+    assert without.read_columns(np.array([7])) is None  # refused: the caller takes the checking path
+    with pytest.raises(nbkit.CorruptCacheError, match=r"sample 7 .*checksum"):
+        without[7]
+    hits = without.stats.hits
+    without.read_columns(np.array([3]))
+    assert without.stats.hits == hits + 1

@@ -173,6 +173,12 @@ class Store:
             columns = list(out)
         return columns, (fmt.batch_crc(columns, len(idx)) if crc else None)
 
+    def row(self, i: int) -> list | None:
+        """Stored sample ``i``'s row of each column when they are the whole sample, as arrays the
+        caller copies (views of a map), else ``None``: the engine's one-sample fast path; ``None``
+        sends the read down the batch path. Default: ``None``."""
+        return None
+
     def will_need(self, idx: np.ndarray) -> None:
         """Start reading the stored ones of samples ``idx`` into memory in the background (a batch
         gathered later). Default: nothing (a store without local pages to warm)."""
