@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
-ALL = ("01_tpu_setup", "02_cache_mnist", "03_benchmark", "04_resume", "05_build_on_a_cluster")
+ALL = ("01_tpu_setup", "02_cache_mnist", "03_benchmark", "04_resume", "05_build_on_a_cluster", "06_jax")
 DEMO = ("02_cache_mnist", "03_benchmark")
 
 # Parameters for each notebook: full size for the demo, small for CI. Both are offline. The demo
@@ -44,6 +44,7 @@ FULL = {
     "03_benchmark": {"download": False, "offline_samples": 60000, "epochs": 3},
     "04_resume": {"download": False, "offline_samples": 60000, "train_steps": 100, "checkpoint_every": 25},
     "05_build_on_a_cluster": {"download": False, "offline_samples": 60000, "engine_name": "dask", "workers": 2},
+    "06_jax": {"download": False, "offline_samples": 60000, "train_steps": 200, "epochs": 3},
 }
 SMALL = {
     "01_tpu_setup": {"install_torch_xla": False},
@@ -54,6 +55,8 @@ SMALL = {
     # A local Dask cluster (2 s to start); Ray's local instance costs ~15 s and 1 GiB.
     "05_build_on_a_cluster": {"download": False, "offline_samples": 3000, "engine_name": "dask", "workers": 2,
                               "part_size": 512},
+    # JAX on the CPU: a tiny MLP, so the four feeds' 4 epochs each take seconds.
+    "06_jax": {"download": False, "offline_samples": 2000, "train_steps": 40, "batch_size": 64, "epochs": 3},
 }
 
 

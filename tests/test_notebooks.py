@@ -25,7 +25,7 @@ from fixtures_gcs import gcs, gcs_server
 from frontends import flat
 
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ["01_tpu_setup", "02_cache_mnist", "03_benchmark", "04_resume", "05_build_on_a_cluster"]
+NOTEBOOKS = ["01_tpu_setup", "02_cache_mnist", "03_benchmark", "04_resume", "05_build_on_a_cluster", "06_jax"]
 
 _spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "scripts" / "run_notebooks.py")
 run_notebooks = importlib.util.module_from_spec(_spec)
@@ -475,3 +475,81 @@ def test_05_builds_the_mnist_cache_on_a_local_cluster(tmp_path, engine):
     # Nothing on stderr: a cluster's log lines (Dask's nanny at close) would overflow a narrow output.
     errors = [o["text"] for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("name") == "stderr"]
     assert errors == [], errors
+
+
+def _outputs(path):
+    """(stdout lines, stderr texts, the outputs of the code cells whose source holds a key) of an executed notebook."""
+    nb = nbformat.read(str(path), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    lines = [ln for c in code for o in c.outputs if o.get("name") == "stdout" for ln in o["text"].splitlines()]
+    errors = [o["text"] for c in code for o in c.outputs if o.get("name") == "stderr"]
+    return lines, errors, lambda key: [o for c in code if key in c.source for o in c.outputs]
+
+
+def test_06_jax_trains_from_the_cache_through_grain_and_jax_loader(tmp_path):
+    """JAX on the CPU: the MNIST cache built by a torch source and warmed by the panel, read through
+    Grain and JaxLoader (the same samples as the source), a jitted MLP trained from it with the
+    hit-rate meter, the four feeds timed against the on-device limit, and the tar exported."""
+    pytest.importorskip("jax", reason="nbkit's jax extra (jax, grain): run `make setup`")
+    pytest.importorskip("grain", reason="nbkit's jax extra (jax, grain): run `make setup`")
+    path, out = execute("06_jax", tmp_path)
+    said = flat(out)
+    assert "Using offline MNIST-format stand-in data (2,000 samples)" in said
+    assert re.search(r"jax [\d.]+, grain [\d.]+: 1 device \(cpu\) on a cpu runtime", said), said
+    assert "warmup: 2,000 samples computed in " in said
+    assert "cache complete: True (2,000 samples" in said
+    assert "verified: every one of 2,000 samples matches its checksum" in said
+    # Three samples through Grain and the first batch of an unshuffled JaxLoader, each against the source.
+    assert said.count("equal to the source: True") == 4 and "equal to the source: False" not in said, said
+    assert "JaxLoader's first batch: a jax.Array (64, 1, 28, 28) float32 on 1 device, equal to the source: True" in said
+    assert re.search(r"grain\.DataLoader: one shuffled epoch, 2,000 samples in 32 batches, [\d.]+ s; "
+                     r"every label once: True", said), said
+    first = number(r"mean loss of the first \d+ steps ([\d.]+)", said)
+    last = number(r"of the last \d+ steps ([\d.]+)", said)
+    assert last < first  # it learned: the cached samples are the real, normalised images
+    assert "hit rate while training: 100.0% (2,560 hits, 0 misses)" in said
+    # The benchmark: four feeds, the on-device limit among them, median and range of 3 interleaved epochs.
+    lines, errors, outputs_of = _outputs(path)
+    shown = [o for o in outputs_of("TrainingComparison(") if "text/html" in o.get("data", {})]
+    assert len(shown) == 1, "the comparison is shown as its table"
+    html = re.sub(r"<span style='white-space:nowrap'>([^<]*)</span>", r"\1", shown[0]["data"]["text/html"])
+    for feed in ("raw via Grain", "cache via Grain", "cache via JaxLoader", "on-device limit"):
+        assert feed in html, feed
+    assert ("training on cpu (median of 3 timed epochs of 1,984 samples per feed, interleaved, after one untimed "
+            "epoch each)") in html, html
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs_of("TrainingComparison("))
+    for feed in ("cache via Grain", "cache via JaxLoader"):
+        assert re.search(rf"{feed}: (about [\d.]+× \([\d.]+–[\d.]+×\) faster than the raw source|no speedup measured: )",
+                         said), said
+    assert any("image/png" in o.get("data", {}) for o in outputs_of("comparison.plot(")), "the plot is shown"
+    assert "nan" not in said.lower()
+    # The export: a tar of the whole cache, which reopens without the source and verifies.
+    work = tmp_path / "work"
+    tar = work / "export" / "mnist-jax-cache.tar"
+    assert f"exported: {tar.relative_to(work)}" in said
+    nbkit.import_tar(str(tar), str(tmp_path / "restored"))
+    restored = nbkit.CachedDataset.open(str(tmp_path / "restored"))
+    assert restored.stats.complete and restored.verify() == 2000
+    assert re.search(r"no upload_url, no upload: to keep the cache in a bucket, set upload_url to a gs:// ?URL, "
+                     r"or call nbkit\.push\(cache_path, url\)", said), said  # flat() joins a line broken after "/"
+    # Printed lines fit a narrow output (nbkit.text.say), and nothing went to stderr (absl's or libtpu's
+    # log lines would overflow it).
+    assert lines and all(len(ln) <= 40 or " " not in ln for ln in lines), [ln for ln in lines if len(ln) > 40]
+    assert errors == [], errors
+
+
+def test_06_says_how_to_install_jax_and_grain_when_they_are_missing(monkeypatch):
+    """Outside Colab, a runtime without jax or grain stops at the first JAX cell with the install
+    command (the jax extra), never the package index's unrelated `nbkit`."""
+    import importlib.util
+
+    nb = nbformat.read(str(REPO / "notebooks" / "06_jax.ipynb"), as_version=4)
+    cell = next(c.source for c in nb.cells if c.cell_type == "code" and 'for name in ("jax", "grain")' in c.source)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "grain" else real(name, *a))
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    with pytest.raises(ImportError) as e:
+        exec(cell, {})
+    message = str(e.value)
+    assert message.startswith("This notebook needs grain (nbkit-cache's jax extra): pip install jax grain"), message
+    assert "pip install nbkit" not in message
