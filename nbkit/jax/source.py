@@ -1,7 +1,8 @@
 """``GrainSource``: a cache as a Grain ``RandomAccessDataSource``.
 
-Grain reads any object with ``__len__`` and ``__getitem__``, and a batch at once through
-``_getitems``; this one answers from the cache, one vectorised gather per batch, with samples as
+Grain reads any object with ``__len__`` and ``__getitem__`` (grain 0.2.18 reads one record at a
+time; ``_getitems`` is its batched read, for the versions and callers that use it); this one
+answers from the cache (a record: one row of each column; a batch: one gather per column), with samples as
 numpy pytrees: rows of the verified columns, no tensor made (:func:`nbkit.jax.trees.numpy_rows`),
 or through the engine's batch path and :func:`nbkit.jax.numpy_tree` for what the columns cannot
 serve (samples not stored yet, variable-shape fields, a ``transform=``). It pickles into Grain's worker processes as the
