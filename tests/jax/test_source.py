@@ -2,7 +2,9 @@
 
 import io
 import multiprocessing
+import os
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from jax_samples import N, NumpySource, Pair, TorchSource, assert_same_batch, va
 from nbkit.errors import MissingSampleError
 from nbkit.jax import GrainSource
 
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 
 def leaves(tree):
     import jax
@@ -202,3 +206,34 @@ def test_bad_arguments_say_what_to_pass(caches):
         GrainSource(caches["numpy"], storage_options={})
     with pytest.raises(FileNotFoundError):
         GrainSource("/nonexistent/nbkit-cache")
+
+
+def test_a_killed_grain_training_process_resumes_at_the_exact_batch(caches, tmp_path, cpu_only_workers):
+    """A real process trains on a grain.DataLoader (2 prefetch workers) over the cache and is
+    SIGKILLed mid-run; Grain's iterator state saved in its checkpoint resumes a new loader (new
+    workers, a new handle of the cache) at the batch after the checkpoint: the whole run is an
+    uninterrupted run's."""
+    import base64
+    import json
+    import sys
+
+    from train_grain import loader
+    from workers import kill_at_signal
+
+    cache = str(caches["numpy"].root)
+    ckpt, signal_file = tmp_path / "ckpt.json", tmp_path / "killed-here"
+    every, kill_after = 4, 11
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    kill_at_signal([sys.executable, str(HERE / "train_grain.py"), cache, str(ckpt), str(tmp_path / "first.log"),
+                    str(every), str(kill_after), str(signal_file)], signal_file, env)
+    saved = json.loads(ckpt.read_text())
+    assert saved["step"] == 8
+    state = base64.b64decode(saved["grain"])
+    it = iter(loader(cache))
+    it.set_state(state)
+    second = [np.asarray(label).tolist() for _, _, label in it]
+    want = [np.asarray(label).tolist() for _, _, label in loader(cache)]
+    first = [json.loads(line) for line in (tmp_path / "first.log").read_text().splitlines()]
+    assert [s for s, _ in first] == list(range(kill_after))  # it trained on 11 batches, then was killed
+    assert len(want) == 3 * N // 5 and [labels for _, labels in first[:8]] + second == want
+    assert [labels for _, labels in first[8:]] == second[:kill_after - 8]  # trained again after the checkpoint
