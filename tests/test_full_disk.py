@@ -148,14 +148,24 @@ def test_a_disk_that_fills_while_a_warmup_appends_to_the_heap(disk):
 
 
 def test_a_disk_full_in_warmup_workers(disk):
+    from nbkit.build.part import list_parts, parts_dir, parse_part_name
+
     path = str(disk / "c")
     ds = nbkit.CachedDataset(Varying(), path)
     fill(disk, leave=400 << 10)
     with pytest.raises(OSError) as e:
         ds.warmup(chunk_size=8, num_workers=2, multiprocessing_context="fork")
     assert_disk_full(e.value, "heap.bin")
-    assert assert_whole(path, Varying()) > 0
+    stored = assert_whole(path, Varying())
+    # What the workers computed is kept: merged into the cache, or in finished parts beside it (when
+    # the parts out filled the disk before the first merge, every one of them), merged by the rerun.
+    left = [parse_part_name(os.path.basename(p)) for p in list_parts(parts_dir(path))]
+    assert stored + sum(stop - start for start, stop in left) > 0
     assert_all_listed(disk, "c")
+    unfill(disk)
+    ds.warmup(chunk_size=8, num_workers=2, multiprocessing_context="fork")
+    assert assert_whole(path, Varying(), complete=True) == len(ds)
+    assert not os.path.exists(parts_dir(path))
 
 
 # ---------------------------------------------------------------------------------------------------

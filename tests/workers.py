@@ -101,8 +101,12 @@ def warm_stuck(path, result, stop_by):
     """Warm a cache whose source sticks after 32 samples, with 2 workers; once 32 are stored, stop
     it (``stop_by="callback"``: ``request_stop()`` from another thread, as the panel's Stop does;
     ``"signal"``: tell the parent, which sends SIGINT); put what happened on ``result``."""
+    import signal
     import threading
 
+    # As in an interactive Python: a suite run as a background job of a script (CI's .ci/run runs
+    # both stacks' suites at once that way) starts with SIGINT ignored, and its processes inherit it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ds = nbkit.CachedDataset(StuckSource(64, free=32), path, fingerprint_samples=0)
     cb = nbkit.Callback()
 

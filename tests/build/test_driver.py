@@ -296,7 +296,16 @@ def test_a_stuck_worker_shows_before_its_part_ends(tmp_path, monkeypatch):
     ds.close()
 
 
-def test_ctrl_c_cancels_the_parts_out_keeps_the_finished_ones_and_raises(tmp_path):
+@pytest.fixture
+def ctrl_c_live():
+    """SIGINT with Python's own handler, as in an interactive Python, a terminal or a notebook: a suite
+    run as a background job of a script (CI's .ci/run) starts with SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_cancels_the_parts_out_keeps_the_finished_ones_and_raises(tmp_path, ctrl_c_live):
     n, flag = 64, str(tmp_path / "flag")
     ds = nbkit.CachedDataset(Flagged(n, flag, at=40), str(tmp_path / "cache"))  # the part [32, 48) hangs at 40
     cb = Callback()
@@ -324,7 +333,7 @@ def test_ctrl_c_cancels_the_parts_out_keeps_the_finished_ones_and_raises(tmp_pat
     ds.close()
 
 
-def test_a_second_ctrl_c_raises_at_once():
+def test_a_second_ctrl_c_raises_at_once(ctrl_c_live):
     from nbkit.build.driver import _Interrupt
 
     with _Interrupt() as interrupt:
