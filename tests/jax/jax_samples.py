@@ -1,5 +1,8 @@
 """Sources for tests/jax (importable by spawned Grain workers): the same samples from torch and from numpy."""
 
+import os
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import torch
@@ -9,6 +12,13 @@ N = 48
 #: installed device backend on ``import torch`` (torch_tpu in the newest venv: 4 s more a process, and
 #: libtpu loaded); these processes read caches on the CPU only.
 CPU_ONLY = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
+HERE = Path(__file__).resolve().parent
+
+
+def child_env() -> dict:
+    """The environment of a process a test starts: :data:`CPU_ONLY`, and nbkit, tests/jax and tests/ importable."""
+    paths = [str(HERE.parents[1]), str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def values(i):

@@ -2,28 +2,24 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from nbkit.build.part import parts_dir
 
-from jax_samples import CPU_ONLY
+from jax_samples import child_env
+from servers import free_port
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 N = 100
 
 
 def test_the_ranks_of_a_jax_job_build_one_cache(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cache = str(tmp_path / "shared" / "named")
-    env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(HERE / "build_ranks.py"), cache, str(port), str(r), str(N),
-                               str(tmp_path / f"rank{r}.json")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               str(tmp_path / f"rank{r}.json")], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=240)

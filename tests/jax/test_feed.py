@@ -1,7 +1,6 @@
 """nbkit.jax.JaxLoader: a cache's batches as jax.Arrays (real JAX on the CPU), read ahead, resumed exactly."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,17 +13,12 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import nbkit
-from jax_samples import CPU_ONLY, N, assert_same_batch, values
+from jax_samples import N, assert_same_batch, child_env, values
+from servers import free_port
 from workers import kill_at_signal
 from nbkit.jax import JaxLoader, place
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-
-
-def child_env():
-    return {**os.environ, **CPU_ONLY,
-            "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")])}
 
 
 def test_torch_and_numpy_caches_feed_the_same_jax_batches(caches):
@@ -150,11 +144,7 @@ except ImportError as e:
 def test_two_processes_feed_one_global_batch(caches, tmp_path):
     """Two real JAX processes (jax.distributed on the CPU): each reads its shard of each epoch and
     the batches are global arrays of both shards, split over the processes' devices."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "feed_ranks.py"), str(caches["numpy"].root), str(port), str(r),
                                str(tmp_path / f"rank{r}.json")], env=child_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]

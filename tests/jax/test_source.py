@@ -2,7 +2,6 @@
 
 import io
 import multiprocessing
-import os
 import pickle
 from pathlib import Path
 
@@ -13,12 +12,11 @@ import torch
 grain = pytest.importorskip("grain")
 
 import nbkit
-from jax_samples import N, NumpySource, Pair, TorchSource, assert_same_batch, values
+from jax_samples import N, NumpySource, Pair, TorchSource, assert_same_batch, child_env, values
 from nbkit.errors import MissingSampleError
 from nbkit.jax import GrainSource
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 
 def leaves(tree):
     import jax
@@ -223,9 +221,8 @@ def test_a_killed_grain_training_process_resumes_at_the_exact_batch(caches, tmp_
     cache = str(caches["numpy"].root)
     ckpt, signal_file = tmp_path / "ckpt.json", tmp_path / "killed-here"
     every, kill_after = 4, 11
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     kill_at_signal([sys.executable, str(HERE / "train_grain.py"), cache, str(ckpt), str(tmp_path / "first.log"),
-                    str(every), str(kill_after), str(signal_file)], signal_file, env)
+                    str(every), str(kill_after), str(signal_file)], signal_file, child_env())
     saved = json.loads(ckpt.read_text())
     assert saved["step"] == 8
     state = base64.b64decode(saved["grain"])
