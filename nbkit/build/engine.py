@@ -47,7 +47,14 @@ class Engine:
         :func:`nbkit.build.part.build_part` reads from a part's spec) once, at its start, instead of
         with every part; return whether it will (then the parts carry only the token). Default:
         ``False``, every part carries the source (a cluster's workers are reached only by calls).
-        An engine whose processes are already running returns ``False`` too."""
+        An engine whose processes are already running returns ``False`` too.
+
+        Example:
+            >>> from nbkit.build.local import LocalEngine
+            >>> with LocalEngine(1) as engine:
+            ...     engine.share(("pickled", "token", b"..."))   # its processes start with it
+            True
+        """
         return False
 
     def worker_lost(self, error: BaseException) -> bool:

@@ -177,7 +177,14 @@ _SOURCES: dict = {}
 
 def preload_source(source: tuple) -> None:
     """Load the build's source in this worker process before any part asks for it
-    (:meth:`nbkit.build.engine.Engine.share`): the parts then carry only its token."""
+    (:meth:`nbkit.build.engine.Engine.share`): the parts then carry only its token.
+
+    Example:
+        >>> import pickle
+        >>> preload_source(("pickled", "doc-token", pickle.dumps([1, 2, 3])))
+        >>> _dataset({"source": ("shared", "doc-token", None)})
+        [1, 2, 3]
+    """
     _dataset({"source": source, "cache": None, "meta": {}})
 
 

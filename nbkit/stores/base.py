@@ -176,7 +176,16 @@ class Store:
     def row(self, i: int) -> list | None:
         """Stored sample ``i``'s row of each column when they are the whole sample, as arrays the
         caller copies (views of a map), else ``None``: the engine's one-sample fast path; ``None``
-        sends the read down the batch path. Default: ``None``."""
+        sends the read down the batch path. Default: ``None``.
+
+        Example:
+            >>> import torch, tempfile, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(6).view(3, 2)), tempfile.mkdtemp())
+            >>> ds.store.row(1) is None                 # not stored yet
+            True
+            >>> _ = ds.warmup(); ds.store.row(1)[0].tolist()
+            [2, 3]
+        """
         return None
 
     def will_need(self, idx: np.ndarray) -> None:
