@@ -1,10 +1,10 @@
-"""Build benchmark (issue 29): one cache built by many workers with ``nbkit.build.run``, against
+"""Build benchmark (issue 29): one cache built by many workers with ``nbkit.cluster.run``, against
 today's ``warmup(num_workers=N)`` on the same source in the same run.
 
 Four tables, written to ``results/build.md``:
 
 1. **Throughput**: an MNIST-shaped source (1x28x28 float32 and a label) with ``--cost`` µs of
-   pure-Python work a sample (a decode-and-resize stand-in, ``tests/build/measure_build.Costly``),
+   pure-Python work a sample (a decode-and-resize stand-in, ``tests/cluster/measure_build.Costly``),
    built with 1 and 2 workers by ``warmup(num_workers=N)``, ``LocalEngine(N)``, a Dask
    ``LocalCluster`` of N workers and (full run, when installed) a local Ray instance of N CPUs.
    Rounds are interleaved; the median of each is reported, and its ratio to ``warmup`` with as many
@@ -44,7 +44,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PATHS = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "build")]
+PATHS = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "cluster")]
 sys.path[:0] = [p for p in PATHS if p not in sys.path]
 # Workers of a Dask or Ray cluster import the source's class (measure_build.Costly) by name.
 os.environ["PYTHONPATH"] = os.pathsep.join([*PATHS, *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -70,7 +70,7 @@ def projected(parts: int, build: float, merge: float, workers: int) -> float:
 
 def _builds(n_workers, engines):
     """label -> fn(ds) for every way of filling a cache with ``n_workers`` workers."""
-    from nbkit.build import LocalEngine, run
+    from nbkit.cluster import LocalEngine, run
 
     def local(ds, part_size):
         with LocalEngine(n_workers, multiprocessing_context="fork") as engine:
@@ -89,7 +89,7 @@ def _ready() -> int:
     """A cluster's warm-up task (pickled by value by Dask's and Ray's cloudpickle)."""
     import importlib
 
-    for module in ("nbkit.build.part", "nbkit.dataset"):  # torch, and what unpickling the source's CachedDataset imports
+    for module in ("nbkit.cluster.part", "nbkit.dataset"):  # torch, and what unpickling the source's CachedDataset imports
         importlib.import_module(module)
 
     time.sleep(0.1)  # long enough that the tasks spread over every worker
@@ -98,7 +98,7 @@ def _ready() -> int:
 
 def start_clusters(names, n_workers) -> tuple[dict, dict]:
     """{label: engine} of the clusters asked for and installed, and {label: seconds to start}."""
-    from nbkit.build.engine import engine_for
+    from nbkit.cluster.engine import engine_for
 
     engines, started = {}, {}
     for name in names:
@@ -167,10 +167,10 @@ def part_costs(work, n, cost, part_size) -> dict:
     """Median seconds of one part's build (a worker's work) and merge (the driver's), measured serially."""
     import nbkit
     from measure_build import Costly
-    from nbkit.build.driver import _source, _spec
-    from nbkit.build.merge import merge
-    from nbkit.build.part import build_part, parts_dir
-    from nbkit.build.plan import plan
+    from nbkit.cluster.driver import _source, _spec
+    from nbkit.cluster.merge import merge
+    from nbkit.cluster.part import build_part, parts_dir
+    from nbkit.cluster.plan import plan
 
     ds = nbkit.CachedDataset(Costly(n, cost), os.path.join(work, "costs"), fingerprint_samples=0)
     store, parts = ds.store, parts_dir(ds.root)
@@ -230,10 +230,10 @@ class Rows4K:
 def local_merge(work, mib, nparts) -> tuple[float, int]:
     """Seconds the driver spends merging ``nparts`` parts of a ``mib`` MiB cache, and the bytes it reads."""
     import nbkit
-    from nbkit.build.driver import _source, _spec
-    from nbkit.build.merge import merge
-    from nbkit.build.part import build_part, parts_dir
-    from nbkit.build.plan import plan
+    from nbkit.cluster.driver import _source, _spec
+    from nbkit.cluster.merge import merge
+    from nbkit.cluster.part import build_part, parts_dir
+    from nbkit.cluster.plan import plan
 
     n = mib * MiB // 4096
     ds = nbkit.CachedDataset(Rows4K(n), os.path.join(work, f"merge-{mib}-{nparts}"), fingerprint_samples=0)
@@ -258,7 +258,7 @@ def gs_compose(emu, work, mib, nparts) -> dict:
     import nbkit
     from engine_calls import make_part
     from nbkit import format as fmt
-    from nbkit.build import compose as composing
+    from nbkit.cluster import compose as composing
 
     n = mib * MiB // 4096
     src = Rows4K(n)

@@ -16,9 +16,11 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import stat
 import time
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,7 +38,62 @@ except ImportError:  # Windows: no flock, so whether a cache is in use cannot be
     fcntl = None
 
 __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "remove_cache", "check_replaceable",
-           "swap_into_place", "stage_dir", "discard_stage", "sweep_leftovers", "create_cache", "interrupted", "frozen", "open_files", "hold_in_use", "unused", "in_use", "allocated"]
+           "swap_into_place", "stage_dir", "discard_stage", "sweep_leftovers", "create_cache", "interrupted", "frozen", "open_files", "hold_in_use", "unused", "in_use", "allocated",
+           "PARTS_SUFFIX", "is_part_name", "PartsListing", "parts_listing"]
+
+
+# -- a build's parts directory (nbkit.cluster): listed and removed by nbkit.disk ------------------------
+
+#: A cache's parts live beside it, in ``<cache>.parts`` (``nbkit.cluster.part.parts_dir``).
+PARTS_SUFFIX = ".parts"
+_PART_NAME = re.compile(r"part-[0-9]{13}-[0-9]{13}\Z")
+
+
+def is_part_name(name: str) -> bool:
+    """Whether ``name`` is a part's (``part-<start>-<stop>``, 13 digits each).
+
+    Example:
+        >>> is_part_name("part-0000000000000-0000000004096"), is_part_name("col-0.bin")
+        (True, False)
+    """
+    return _PART_NAME.match(name) is not None
+
+
+@dataclass(frozen=True)
+class PartsListing:
+    """What a parts directory holds: ``parts`` (whole ones), ``builds`` (interrupted or running
+    builds and removals of parts: staging leftovers), and ``claimed`` (those a live process works on)."""
+
+    parts: int
+    builds: int
+    claimed: int
+
+
+def parts_listing(d: Dir) -> PartsListing | None:
+    """The :class:`PartsListing` of the directory ``d`` (held open) when it is a parts directory: its
+    name ends in :data:`PARTS_SUFFIX` and every entry is a part or a leftover of one; else ``None``
+    (a directory holding anything else is not nbkit's to remove whole).
+
+    Example:
+        >>> import tempfile
+        >>> top = tempfile.mkdtemp(); os.makedirs(top + "/c.parts/part-0000000000000-0000000000016")
+        >>> with Dir(top + "/c.parts") as d:
+        ...     parts_listing(d)
+        PartsListing(parts=1, builds=0, claimed=0)
+    """
+    if not d.path.endswith(PARTS_SUFFIX):
+        return None
+    parts = builds = claimed = 0
+    for name in d.names():
+        if is_part_name(name):
+            parts += 1
+            continue
+        left = leftover_of(name)
+        if left is None or not is_part_name(left[0]):
+            return None
+        builds += 1
+        claimed += is_claimed(os.path.join(d.anchor, name))  # through the descriptor: any path length
+    return PartsListing(parts, builds, claimed)
 
 
 def cache_root(cache_path) -> str:
@@ -443,8 +500,12 @@ def _map(path: str, size: int, writable: bool, create: bool = False):
     try:
         actual = os.fstat(fd).st_size
         if actual < size:
-            if not create:
-                raise CorruptCacheError(f"{path} is {actual} bytes, expected {size}: the cache is truncated. Re-import or re-create it.")
+            if not writable:
+                raise CorruptCacheError(
+                    f"{path} is {actual} bytes, expected {size}: the cache is truncated. Open it with its source "
+                    "(nbkit.CachedDataset(source, path)) to recompute the lost samples, or re-import it.")
+            # A writer (the source is there) sizes the file again: the lost rows read as zeros, fail their
+            # checksums and are recomputed; every sample that survived is kept.
             _preallocate(fd, path, actual, size)
         elif actual > size:
             raise CorruptCacheError(f"{path} is {actual} bytes, expected {size}: it does not belong to this cache's metadata.")
@@ -704,10 +765,26 @@ class CacheFiles(Store):
                     f"sample {i}: its record in {os.path.join(self.root, fmt.INDEX)} points at bytes {off}..{off + n} of "
                     f"{os.path.join(self.root, fmt.HEAP)}, which holds {self._heap_size}: the record is damaged."
                 )
+        if n > fmt.BLOB_PIECE:
+            self._check_large_blob(i, off, n)
         data = os.pread(self._heap(), n, off)
         if len(data) != n:
             raise CorruptCacheError(f"sample {i}: {os.path.join(self.root, fmt.HEAP)} is shorter than the index says; the cache is damaged.")
         return data
+
+    def _check_large_blob(self, i: int, off: int, n: int) -> None:
+        """Check a large blob's checksum piece by piece before any memory is taken for it: a
+        record's length is a claim (a copied or planted sparse heap holds terabytes of nothing), so
+        it must match the bytes really there, and fit this machine, before it sizes a read."""
+        heap = os.path.join(self.root, fmt.HEAP)
+        if n > physical_memory() // 2:
+            raise CorruptCacheError(f"sample {i}: its record in {os.path.join(self.root, fmt.INDEX)} claims a blob of {n:,} "
+                                    f"bytes in {heap}, more than half of this machine's memory: the record is damaged.")
+        idx = np.array([i], dtype=np.int64)
+        prefix = 0 if int(self.flags[i]) & fmt.FLAG_FREEFORM else int(fmt.batch_crc(self.gather(idx), 1)[0])
+        if fmt.range_crc(self._heap(), off, n, prefix) != int(self.crc[i]):
+            raise CorruptCacheError(f"sample {i}: the {n:,} bytes its record in {os.path.join(self.root, fmt.INDEX)} points "
+                                    f"at in {heap} fail its checksum: the record is damaged.")
 
     def write_rows(self, k: int, indices: np.ndarray, rows: np.ndarray) -> None:
         """Write ``rows`` of column ``k`` at ``indices``.

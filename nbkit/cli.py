@@ -8,7 +8,9 @@ Exit codes: 0 done; 1 the operation failed or found a problem (a damaged cache, 
 network error: one line on stderr says what and the fix); 2 the command line is wrong; 130
 interrupted (a build stopped by Ctrl-C keeps every finished part: the same command resumes it).
 Long operations show a progress line on stderr when it is a terminal (``--progress`` forces it).
-Parsing the command line imports nothing of nbkit's engine: each command imports what it uses, and
+A wrong argument (a number out of range, an empty path, a URL typo) is a usage error, exit 2, before
+anything is created. Parsing the command line imports nothing of nbkit's engine (a path or URL given is
+checked by ``nbkit.trust``, as the command would check it): each command imports what it uses, and
 none but ``build`` (which computes samples) imports torch (``tests/test_cli_imports.py``): a cache is
 listed, checked, copied and removed without reading a sample into a tensor.
 
@@ -43,8 +45,18 @@ _MAX_SECONDS = 100 * 365.25 * 86400
 #: ``nbkit ls --max-depth``'s default: :data:`nbkit.disk.MAX_DEPTH`, written here so that parsing the
 #: command line imports nothing (tests/test_cli.py checks that they agree).
 LS_MAX_DEPTH = 6
-#: ``nbkit build --part-size``'s default: :data:`nbkit.build.plan.DEFAULT_PART_SIZE`, written here for the same reason.
+#: ``nbkit build --part-size``'s default: :data:`nbkit.cluster.plan.DEFAULT_PART_SIZE`, written here for the same reason.
 BUILD_PART_SIZE = 4096
+# The bounds the library checks these numbers against, written here (for the same reason) so that a wrong
+# number is a usage error (exit 2) before anything is created: tests/test_cli.py checks that they agree.
+#: ``--max-depth``: what :func:`nbkit.disk.caches` takes.
+MAX_LS_DEPTH = 64
+#: ``--part-size``: :data:`nbkit.trust.MAX_SAMPLES`.
+MAX_PART_SIZE = 1 << 40
+#: ``--workers`` started on this machine: :data:`nbkit.trust.MAX_WORKERS`.
+MAX_LOCAL_WORKERS = 256
+#: ``--workers`` with ``--address`` (parts run at once on a cluster): :data:`nbkit.trust.MAX_WORLD_SIZE`.
+MAX_CLUSTER_WORKERS = 1 << 20
 
 
 def parse_size(text: str) -> int:
@@ -97,6 +109,48 @@ def parse_source(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:CALLABLE: name the function that returns your dataset, "
                                          "e.g. my_data:make_train for `def make_train(): ...` in my_data.py")
     return m.group(1), m.group(2)
+
+
+def _whole_number(low: int, high: int, example: str, why: str):
+    """An argparse ``type`` reading a whole number in ``[low, high]``: anything else is a usage error
+    (exit 2) that says what the argument takes, before any command runs."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)  # "12", " 12", "1_000"; not "2**70", "1e3", "1.5"
+        except ValueError:  # not a number, or one of more digits than int() reads: out of range too
+            value = None
+        if value is None or not low <= value <= high:
+            number = value is not None or text.strip().lstrip("+-").isdigit()
+            raise argparse.ArgumentTypeError(f"{printable(repr(text))[:40]} is {'out of range' if number else 'not a whole number'}: "
+                                             f"give a whole number from {low} to {high:,} ({why}), e.g. {example}")
+        return value
+
+    return parse
+
+
+def _checked(module: str, check: str, name: str):
+    """An argparse ``type`` that checks a path or URL with the library's own check (``check`` of
+    ``module``, imported only when the argument is given: the command imports it anyway), a refusal
+    being a usage error."""
+
+    def parse(text: str) -> str:
+        import importlib
+
+        try:
+            return getattr(importlib.import_module(module, __package__), check)(text, name)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+
+    return parse
+
+
+#: A local directory or file: not empty, no NUL (what ``nbkit.disk`` and the transfers check).
+_path = _checked(".trust", "check_path", "the path")
+#: A cache directory or a cache's URL (``gs://…``): as ``CachedDataset`` and the stores check it.
+_cache_location = _checked(".stores.registry", "check_cache_url", "the path or URL")
+#: A tar file or a bucket's URL: as the transfers check it (no ``gs:/`` typo, a scheme fsspec knows).
+_url = _checked(".trust", "check_url", "the path or URL")
 
 
 def _option(text: str) -> tuple:
@@ -152,10 +206,11 @@ def _ls(args) -> int:
     from . import disk
     from .stores.mirror import cache_dir
 
-    found = disk.caches(*args.roots, max_depth=args.max_depth)
+    found = disk.caches(*args.roots, max_depth=args.max_depth, storage_options=args.options or None)
     copies = f"working copies of remote caches in {cache_dir()} ($NBKIT_CACHE_DIR)"
     if args.roots:
-        where = f"caches under {', '.join(os.path.abspath(os.path.expanduser(r)) for r in args.roots)}, and {copies}"
+        shown = (r if "://" in r else os.path.abspath(os.path.expanduser(r)) for r in args.roots)  # a URL as given
+        where = f"caches under {', '.join(shown)}, and {copies}"
     else:
         where = f"{copies}; nbkit ls DIR lists the caches under DIR"
     # Fitted to a terminal ($COLUMNS, else its width); whole lines into a pipe or a file, for grep.
@@ -369,15 +424,28 @@ def _build(args) -> int:
     import dataclasses
     import signal
 
-    from .build import run
-    from .build.engine import engine_for
+    from .cluster import run
+    from .cluster.engine import engine_for
     from .dataset import CachedDataset
     from .progress import NoOpCallback
 
+    # What no argument's type can see alone: usage errors (exit 2), before the source runs or the cache is made.
+    if args.address is not None and args.engine == "processes":
+        args.parser.error("argument --address: the processes engine runs on this machine and joins no cluster: leave "
+                          "--address out, or name a cluster engine (--engine ray, --engine dask)")
+    if args.address is None and args.workers is not None and args.workers > MAX_LOCAL_WORKERS:
+        args.parser.error(f"argument --workers: {args.workers:,} is more processes than nbkit starts on one machine: without --address "
+                          f"each worker is a process here; give at most {MAX_LOCAL_WORKERS} (about one per CPU), or join "
+                          "a cluster with --address")
     make = _load_source(args.source)
     engine = engine_for(args.engine, workers=args.workers, address=args.address)  # before the source: a bad engine fails fast
     try:
-        cached = CachedDataset(make(), args.cache)
+        dataset = make()
+        if dataset is None:  # else CachedDataset(None, path) would look for an existing cache there
+            name = ":".join(args.source)
+            raise TypeError(f"{name} returned None: SOURCE must return the dataset to cache (a map-style dataset, with "
+                            f"__len__ and __getitem__, such as a torch Dataset): make {args.source[1]}() end with `return dataset`")
+        cached = CachedDataset(dataset, args.cache)
     except BaseException:
         engine.close()
         raise
@@ -425,7 +493,7 @@ def _rm(args) -> int:
     removed = []
     for path in args.paths:
         try:
-            removed.append(disk.remove(path, dry_run=args.dry_run))
+            removed.append(disk.remove(path, dry_run=args.dry_run, storage_options=args.options or None))
         except (OSError, ValueError):
             if removed:  # say what went before the one that failed
                 _removals(args, removed, "removed")
@@ -469,27 +537,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("ls", _ls, "list the caches under ROOTs and the working copies in $NBKIT_CACHE_DIR",
                 description="List the caches under each ROOT, and the working copies of remote caches in $NBKIT_CACHE_DIR "
                             "(default ~/.cache/nbkit). With no ROOT it lists only those working copies: nbkit ls DIR lists "
-                            "the caches under DIR, nbkit ls . those under this directory.")
-    p.add_argument("roots", nargs="*", metavar="ROOT", help="a directory to look for caches in (and below it)")
-    p.add_argument("--max-depth", type=int, default=LS_MAX_DEPTH, help="directories to look down (default %(default)s)")
+                            "the caches under DIR, nbkit ls . those under this directory. A ROOT that is a URL "
+                            "(gs://bucket/caches) lists the parts an unfinished build uploaded there.", parents=(common, remote))
+    p.add_argument("roots", nargs="*", type=_url, metavar="ROOT",
+                   help="a directory to look for caches in (and below it), or a bucket URL")
+    p.add_argument("--max-depth", type=_whole_number(0, MAX_LS_DEPTH, "--max-depth 3", "directories to look down"),
+                   default=LS_MAX_DEPTH, metavar="N", help="directories to look down (default %(default)s)")
     p = command("info", _info, "schema, fields, source fingerprint and completeness of one cache")
-    p.add_argument("path")
+    p.add_argument("path", type=_path, metavar="PATH")
     p = command("verify", _verify, "check every stored sample's checksum (exit 1 if any is damaged)", (common, remote))
-    p.add_argument("path", help="a cache directory or URL")
+    p.add_argument("path", type=_cache_location, metavar="PATH", help="a cache directory or URL")
     p = command("export", _export, "write a cache into one tar file", (common, remote))
-    p.add_argument("path")
-    p.add_argument("tar", help="the tar file to write (.tar, .tar.gz, .tar.zst; any fsspec URL)")
+    p.add_argument("path", type=_path, metavar="PATH")
+    p.add_argument("tar", type=_url, metavar="TAR", help="the tar file to write (.tar, .tar.gz, .tar.zst; any fsspec URL)")
     p = command("import", _import, "unpack a tar made by export into a cache directory", (common, remote))
-    p.add_argument("tar")
-    p.add_argument("path")
+    p.add_argument("tar", type=_url, metavar="TAR")
+    p.add_argument("path", type=_path, metavar="PATH")
     p = command("push", _push, "copy a cache to a URL (gs://...); resumable, published last", (common, remote))
-    p.add_argument("path")
-    p.add_argument("url")
+    p.add_argument("path", type=_path, metavar="PATH")
+    p.add_argument("url", type=_url, metavar="URL")
     p = command("pull", _pull, "copy a cache from a URL into a local directory, every file checked", (common, remote))
-    p.add_argument("url")
-    p.add_argument("path")
-    p = command("rm", _rm, "remove cache directories (never one in use, never through a link)")
-    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("url", type=_url, metavar="URL")
+    p.add_argument("path", type=_path, metavar="PATH")
+    p = command("rm", _rm, "remove cache directories (never one in use, never through a link), and parts of unfinished builds",
+                parents=(common, remote))
+    p.add_argument("paths", nargs="+", type=_url, metavar="PATH",
+                   help="a cache directory, a leftover, or the parts of an unfinished build (CACHE.parts, or gs://…/CACHE.parts)")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p = command("build", _build, "fill a cache with the workers of an engine (processes, ray, dask); resumable",
                 description="Fill the cache at CACHE with every sample of the dataset SOURCE returns, computed in parts by "
@@ -499,14 +572,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "finished part is kept, and the same command resumes.")
     p.add_argument("source", type=parse_source, metavar="SOURCE",
                    help="MODULE:CALLABLE returning the dataset, e.g. my_data:make_train (runs your code)")
-    p.add_argument("cache", metavar="CACHE", help="the cache directory to fill")
+    p.add_argument("cache", type=_cache_location, metavar="CACHE", help="the cache directory to fill")
     p.add_argument("--engine", choices=("processes", "ray", "dask"), default="processes",
                    help="what runs the parts (default %(default)s; ray needs: pip install ray; dask needs: pip install 'dask[distributed]')")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="worker processes (default: one per CPU; on a cluster: parts run at once)")
+    p.add_argument("--workers", type=_whole_number(1, MAX_CLUSTER_WORKERS, "--workers 4", "worker processes"), default=None,
+                   metavar="N", help="worker processes (default: one per CPU; on a cluster: parts run at once)")
     p.add_argument("--address", default=None, metavar="ADDR",
                    help="join this cluster instead of starting a local one (ray: auto or ray://host:10001; dask: tcp://host:8786)")
-    p.add_argument("--part-size", type=int, default=BUILD_PART_SIZE, metavar="N", help="samples per part (default %(default)s)")
+    p.add_argument("--part-size", type=_whole_number(1, MAX_PART_SIZE, "--part-size 4096", "samples per part"),
+                   default=BUILD_PART_SIZE, metavar="N", help="samples per part (default %(default)s)")
     p = command("prune", _prune, "remove working copies in $NBKIT_CACHE_DIR unused for a while or beyond a size")
     p.add_argument("--older-than", type=parse_duration, metavar="AGE", help="unused for AGE (7d, 12h, 30m)")
     p.add_argument("--max-size", type=parse_size, metavar="SIZE", help="keep at most SIZE (10GB), least recently used go first")

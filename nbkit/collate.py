@@ -121,6 +121,30 @@ def collate_columns(schema, columns: list, var_values: list | None, n: int):
     return _rebuild(schema.structure, iter(leaf_batches))
 
 
+def rebuild_batch(structure, batches: list):
+    """The batch made of one batch per leaf (in schema order) in ``default_collate``'s structure for
+    samples of ``structure``: what :func:`collate_columns` returns; :func:`leaf_batches` is its inverse."""
+    return _rebuild(structure, iter(batches))
+
+
+def leaf_batches(structure, batch) -> list | None:
+    """The per-leaf batches of ``batch`` (built for samples of ``structure``), in schema order;
+    ``None`` when ``batch`` has another structure (a batch of free-form samples that do not fit the schema)."""
+    out: list = []
+
+    def walk(s, b) -> bool:
+        if s == "*":
+            out.append(b)
+            return True
+        if s[0] == "D":
+            return (isinstance(b, dict) and list(b) == list(s[1])
+                    and all(walk(child, b[key]) for key, child in zip(s[1], s[2])))
+        children = s[2] if s[0] == "N" else s[1]
+        return (isinstance(b, (list, tuple)) and len(b) == len(children)
+                and all(walk(child, part) for child, part in zip(children, b)))
+    return out if walk(structure, batch) else None
+
+
 def _rebuild(structure, it, in_sequence: bool = False):
     # default_collate returns a list for tuples and lists and a dict for dicts; a batch of strings
     # comes back as the list it was given, or as a tuple (from zip) when it sits inside a sequence.

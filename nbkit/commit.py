@@ -78,7 +78,7 @@ LEFTOVER_OPS = {
     "trash": "an interrupted removal (of a cache removed, pruned or replaced)",
     "create": "an interrupted creation of a cache",
     "export": "an interrupted export (a tar being written)",
-    "build": "an interrupted build of a part (a worker of nbkit.build killed or stopped while writing it)",
+    "build": "an interrupted build of a part (a worker of nbkit.cluster killed or stopped while writing it)",
 }
 _LEFTOVER = re.compile(r"\.(?P<target>.+)\.nbkit-(?P<op>[a-z]+)-(?P<tag>[0-9a-f]{8,32})\Z", re.S)
 _TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>[0-9]{1,10})\.(?P<tid>[0-9]+)\.(?P<tag>[0-9a-f]{8})\.tmp\Z", re.S)
@@ -441,31 +441,64 @@ class Dir:
         finally:
             self.unlink(tmp)
 
+    #: Directories :meth:`remove_tree` holds open at once: a deeper one is first moved up into the
+    #: top of the tree being removed (one rename, same filesystem), so an untrusted tree of any depth
+    #: (a 3,000-level chain in a leftover) needs neither recursion nor a descriptor per level.
+    REMOVE_DEPTH = 64
+
     def remove_tree(self, name: str) -> None:
         """Remove the entry ``name`` and, if it is a directory, everything below it, through
         descriptors: a link is removed itself, never followed; a name swapped for a link meanwhile is
-        removed as the link."""
+        removed as the link. Iterative: an explicit stack of at most :data:`REMOVE_DEPTH` directories."""
         st = self.lstat(name)
         if st is None:
             return
         if not stat.S_ISDIR(st.st_mode):
             self.unlink(name)
             return
+        top = self._enter(name)
+        if top is None:
+            return
+        stack = [(self, name, top, iter(top.names()))]  # (parent, name in it, the directory held, names left)
         try:
-            sub = Dir(name, parent=self)
+            while stack:
+                parent, here, d, names = stack[-1]
+                child = next(names, None)
+                if child is None:
+                    again = d.names()  # what was moved up into the top meanwhile
+                    if again:
+                        stack[-1] = (parent, here, d, iter(again))
+                        continue
+                    stack.pop()
+                    d.close()
+                    try:
+                        os.rmdir(parent._p(here), **parent._at(here))
+                    except FileNotFoundError:
+                        pass
+                    continue
+                cst = d.lstat(child)
+                if cst is None:
+                    continue
+                if not stat.S_ISDIR(cst.st_mode):
+                    d.unlink(child)
+                elif len(stack) >= self.REMOVE_DEPTH:
+                    d.rename(child, f".nbkit-deep-{uuid.uuid4().hex}", into=top)
+                elif (sub := d._enter(child)) is not None:
+                    stack.append((d, child, sub, iter(sub.names())))
+        finally:
+            for _, _, d, _ in stack:
+                d.close()
+
+    def _enter(self, name: str) -> "Dir | None":
+        """The directory ``name`` held open, or ``None``: gone, or swapped for a link or a file
+        since it was seen (that entry is then removed itself)."""
+        try:
+            return Dir(name, parent=self)
         except (OSError, ValueError) as e:
             if isinstance(e, FileNotFoundError):
-                return
-            # Swapped for a link or a file between the lstat and the open: remove that entry itself.
+                return None
             self.unlink(name)
-            return
-        with sub:
-            for child in sub.names():
-                sub.remove_tree(child)
-        try:
-            os.rmdir(self._p(name), **self._at(name))
-        except FileNotFoundError:
-            pass
+            return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,13 +29,12 @@ import uuid
 import warnings
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from . import format as fmt
 from .stores import registry
 from .stores.base import Store, new_generation
-from .trust import MAX_FINGERPRINT_SAMPLES, check_bool, check_int, check_size
+from .trust import MAX_FINGERPRINT_SAMPLES, check_bool, check_index, check_indices, check_int, check_size
 from .codec import array_to_leaf, decode_freeform, encode_freeform, infer_schema
 from .collate import BatchHandle, DeferredBatch, SampleBatch, TensorBatch, collate, register_gatherer
 from .errors import CorruptCacheError, MissingSampleError
@@ -338,11 +337,11 @@ class CachedDataset(Dataset):
         encoders unchanged, its own files untouched (a rebuilt cache is still refused: the generation
         check runs as always).
 
-        Package-internal (a part build, :func:`nbkit.build.part.build_part`), not notebook API.
+        Package-internal (a part build, :func:`nbkit.cluster.part.build_part`), not notebook API.
 
         Example:
             >>> import tempfile, torch, nbkit
-            >>> from nbkit.build.part import PartStore, part_meta
+            >>> from nbkit.cluster.part import PartStore, part_meta
             >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
             >>> part = PartStore(tempfile.mkdtemp(), part_meta(ds.store.meta, 4, 8), 4, writable=True, create=True)
             >>> with ds.writing_into(part):
@@ -366,7 +365,7 @@ class CachedDataset(Dataset):
         ``stat`` of ``nbkit.json``; at most every ``every`` seconds); reopen the store if its files
         were replaced by a copy of the same build.
 
-        Package-internal (the engine's reads and writes, :mod:`nbkit.build.warmup`), not notebook API.
+        Package-internal (the engine's reads and writes, :mod:`nbkit.cluster.warmup`), not notebook API.
 
         Example:
             >>> import torch, tempfile, nbkit
@@ -407,24 +406,18 @@ class CachedDataset(Dataset):
     # -- reads -----------------------------------------------------------------------------------------
 
     def _index_array(self, indices) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx.size:
-            lo, hi = idx.min(), idx.max()
-            if lo < 0 or hi >= self._length:
-                if lo >= -self._length and hi < self._length:
-                    idx = np.where(idx < 0, idx + self._length, idx)
-                else:
-                    bad = int(lo if (lo < -self._length) else hi)
-                    raise IndexError(f"index {bad} is out of range for a cache of {self._length} samples")
-        return idx
+        return check_indices(indices, self._length)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(self._length))]
-        if isinstance(index, torch.Tensor):
-            index = index.item()
+        if isinstance(index, (list, tuple, range, np.ndarray)):  # several indices: their samples, as a list
+            self.check_generation(every=_READ_CHECK_SECONDS)
+            batch = self._fetch(self._index_array(index), single=False)
+            return batch.samples() if isinstance(batch, SampleBatch) else list(batch)
+        i = check_index(index, self._length)
         self.check_generation(every=_READ_CHECK_SECONDS)
-        return self._fetch(self._index_array([index]), single=True)
+        return self._fetch(np.array([i], dtype=np.int64), single=True)
 
     def __getitems__(self, indices):
         """Fetch a batch: one vectorised gather per fixed-shape field (used by DataLoader).
@@ -718,7 +711,7 @@ class CachedDataset(Dataset):
         """Compute ``indices`` from the source and store them; return ``{i: sample}`` for those the
         store refused (a full Redis server, say), which callers serve without reading them back.
 
-        Package-internal (misses, repairs, :mod:`nbkit.build.warmup`'s chunks and parts), not notebook API.
+        Package-internal (misses, repairs, :mod:`nbkit.cluster.warmup`'s chunks and parts), not notebook API.
 
         Example:
             >>> import torch, tempfile, nbkit
@@ -837,7 +830,7 @@ class CachedDataset(Dataset):
                 this handle opened it.
 
         Returns:
-            A :class:`nbkit.build.report.WarmupReport`.
+            A :class:`nbkit.cluster.report.WarmupReport`.
 
         Example:
             >>> import torch, tempfile, nbkit
@@ -846,7 +839,7 @@ class CachedDataset(Dataset):
             10
         """
         from .progress import as_callback
-        from .build.warmup import run_warmup
+        from .cluster.warmup import run_warmup
 
         report = run_warmup(self, num_workers=num_workers, callback=callback, shard=shard, chunk_size=chunk_size,
                             multiprocessing_context=multiprocessing_context)

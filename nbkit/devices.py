@@ -54,6 +54,8 @@ def resolve(device=None, *, caller: str = "device") -> torch.device:
     try:
         dev = device if isinstance(device, torch.device) else torch.device(device)
     except (RuntimeError, TypeError) as e:
+        if isinstance(device, str) and device.split(":")[0] == "tpu":
+            raise ValueError(f"{caller}: device={device!r} is TorchTPU's device, and it is not here: {_no_tpu()}") from e
         raise ValueError(
             f"{caller}: device={device!r} is not a device. Use 'cuda', 'cuda:1', 'cpu', None (host tensors) "
             "or an XLA device (torch_xla.device())."
@@ -66,6 +68,20 @@ def resolve(device=None, *, caller: str = "device") -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def _no_tpu() -> str:
+    """Why TorchTPU's ``"tpu"`` device does not exist in this process, and the fix."""
+    import os
+
+    from .tpu import runtime, torchtpu
+
+    version = torchtpu.version()
+    if version is not None:
+        return torchtpu.no_device_reason(version, runtime.describe().is_tpu, os.environ)
+    return (f"torch_tpu (TorchTPU, which needs {torchtpu.torch_range()}) is not installed; on a TPU runtime run "
+            f"nbkit.tpu.setup(stack='torch_tpu', install=True) or: {torchtpu.install_display(torch.__version__)}, then "
+            "restart the runtime. For torch_xla's device pass device='xla'")
 
 
 def step_done(dev: torch.device) -> None:

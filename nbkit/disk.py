@@ -24,14 +24,15 @@ import dataclasses
 import datetime
 import errno
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass
 
 from . import format as fmt
 from . import trust
-from .cachedir import allocated, interrupted, in_use, remove_cache, stored_count, unused
-from .commit import Dir, is_claimed, leftover_of
+from .cachedir import PARTS_SUFFIX, PartsListing, allocated, is_part_name, interrupted, in_use, parts_listing, remove_cache, stored_count, unused
+from .commit import Dir, is_claimed, leftover_of, staging_name
 from .stores.mirror import ORIGIN_SUFFIX, cache_dir, read_origin
 from .stores.readthrough.location import AREA_SUFFIX
 from .text import (Table, fill, fix as fix_for, format_age, format_bytes, format_count, format_list, plural,
@@ -195,19 +196,75 @@ def _first_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).splitlines()[0]
 
 
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 def _tree_bytes(path: str) -> int:
-    """Bytes allocated by ``path`` and everything below it (links not followed)."""
+    """Bytes allocated by ``path`` and everything below it, links not followed.
+
+    The tree is untrusted (a leftover, a part of a stranger's: a 3,000-level directory chain, paths
+    past ``PATH_MAX``): it is walked with an explicit stack of names, one directory descriptor held
+    at a time, each name resolved against it; going back up opens ``..`` and checks it is the very
+    directory it came from (a tree moved meanwhile ends the count, which stands as far as it got).
+    """
     try:
         st = os.lstat(path)
     except OSError:
         return 0
     total = allocated(st)
-    if stat.S_ISDIR(st.st_mode):
-        try:
-            names = os.listdir(path)
-        except OSError:
-            return total
-        total += sum(_tree_bytes(os.path.join(path, n)) for n in names)
+    if not stat.S_ISDIR(st.st_mode):
+        return total
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError:
+        return total
+    try:
+        mine = os.fstat(fd)
+        ids = [(mine.st_dev, mine.st_ino)]
+        pending = [os.listdir(fd)]  # names still to visit, one list per level
+    except OSError:
+        os.close(fd)
+        return total
+    try:
+        while pending:
+            if not pending[-1]:  # this level is done: back up to its parent, the same one as before
+                pending.pop()
+                ids.pop()
+                if not pending:
+                    break
+                up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = up
+                there = os.fstat(fd)
+                if (there.st_dev, there.st_ino) != ids[-1]:
+                    break
+                continue
+            name = pending[-1].pop()
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            total += allocated(st)
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            try:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                names = os.listdir(sub)
+                there = os.fstat(sub)
+            except OSError:
+                os.close(sub)
+                continue
+            os.close(fd)
+            fd = sub
+            ids.append((there.st_dev, there.st_ino))
+            pending.append(names)
+    except OSError:
+        pass  # unreadable below here: what was counted stands
+    finally:
+        os.close(fd)
     return total
 
 
@@ -220,19 +277,27 @@ def leftover_problem(path: str) -> str | None:
         >>> leftover_problem(left).split(";")[0]
         'leftover of an interrupted pull (a copy being downloaded or the cache it replaced)'
     """
+    return _leftover_problem(path, path)
+
+
+def _leftover_problem(path: str, at: str) -> str | None:
+    """:func:`leftover_problem` of ``path``, read through ``at`` (a path naming the same entry by
+    descriptor: ``/proc/self/fd/N/<name>``, any length)."""
     left = leftover_of(os.path.basename(path))
     if left is not None:
         what = left[1]
-    elif os.path.isdir(path) and not os.path.islink(path) and (marked := interrupted(path)) is not None:
+    elif os.path.isdir(at) and not os.path.islink(at) and (marked := interrupted(at)) is not None:
         what = f"{marked} (its files are no cache and are never reused)"
     else:
         return None
-    busy = " (still being written by a running process)" if is_claimed(path) else ""
+    busy = " (still being written by a running process)" if is_claimed(at) else ""
     return f"leftover of {what}{busy}; {fix_for('remove', path=path)} removes it"
 
 
-def describe(root: str) -> CacheInfo:
-    """The :class:`CacheInfo` of one directory holding ``nbkit.json`` (never raises for a broken one).
+def describe(root: str, *, at: str | None = None) -> CacheInfo:
+    """The :class:`CacheInfo` of one directory holding ``nbkit.json`` (never raises for a broken one),
+    a leftover, or a build's parts directory; read through ``at`` when given (the same entry named by
+    a directory descriptor, ``/proc/self/fd/N/<name>``: a path of any length, resolved once).
 
     Example:
         >>> import tempfile
@@ -240,27 +305,31 @@ def describe(root: str) -> CacheInfo:
         >>> describe(d).problem.split(" (")[0]
         '.../nbkit.json is not valid JSON'
     """
+    at = root if at is None else at
     working_copy = os.path.dirname(root) == cache_dir()
-    leftover = leftover_problem(root)
+    parts = _parts_at(root, at)
+    leftover = _leftover_problem(root, at) or (None if parts is None else _parts_problem(root, parts))
     if leftover is not None:
         try:
-            mtime = os.lstat(root).st_mtime
+            mtime = os.lstat(at).st_mtime
         except OSError:
             mtime = None
-        return CacheInfo(path=root, url=None, working_copy=working_copy, stored=None, length=None, bytes=_tree_bytes(root),
-                         version=None, last_used=mtime, in_use=is_claimed(root), problem=leftover)
+        busy = is_claimed(at) or (parts is not None and parts.claimed > 0)
+        return CacheInfo(path=root, url=None, working_copy=working_copy, stored=None, length=None, bytes=_tree_bytes(at),
+                         version=None, last_used=mtime, in_use=busy, problem=leftover)
+    root, shown = at, root  # every read below goes through ``at``
     try:
         files = _files_of(root)
     except OSError as e:  # unreadable (permissions), or removed meanwhile
-        return CacheInfo(path=root, url=None, working_copy=working_copy, stored=None, length=None, bytes=0,
+        return CacheInfo(path=shown, url=None, working_copy=working_copy, stored=None, length=None, bytes=0,
                          version=None, last_used=None, in_use=False, problem=_first_line(e))
     size = sum(allocated(st) for _, st in files)
     last_used = max((st.st_mtime for _, st in files), default=None)
     url = None
     if working_copy:
         try:
-            url = read_origin(root)["url"]
-            last_used = max(last_used or 0.0, os.lstat(root + ORIGIN_SUFFIX).st_mtime)
+            url = read_origin(shown)["url"]
+            last_used = max(last_used or 0.0, os.lstat(shown + ORIGIN_SUFFIX).st_mtime)
         except (OSError, ValueError):
             pass  # a copy made before nbkit recorded its origin, or a damaged origin file: no URL
     stored = length = version = None
@@ -277,31 +346,107 @@ def describe(root: str) -> CacheInfo:
             stored, length = stored_count(root)
         except (OSError, ValueError) as e:  # CorruptCacheError is a ValueError
             problem = _first_line(e)
-    return CacheInfo(path=root, url=url, working_copy=working_copy, stored=stored, length=length, bytes=size,
+    return CacheInfo(path=shown, url=url, working_copy=working_copy, stored=stored, length=length, bytes=size,
                      version=version, last_used=last_used, in_use=busy, problem=problem)
 
 
-def _walk(root: str, depth: int, found: list) -> None:
-    if os.path.lexists(os.path.join(root, fmt.META)) or interrupted(root):
-        found.append(root)  # a cache, or what an interrupted removal or creation left of one
-        return  # a cache holds no caches
-    if depth <= 0:
-        return
+def _parts_at(root: str, at: str) -> PartsListing | None:
+    """What ``root`` (read through ``at``) holds if it is a build's parts directory (``<cache>.parts``,
+    :mod:`nbkit.cluster`: parts not merged yet, and leftovers of part builds); else ``None``."""
+    if not root.endswith(PARTS_SUFFIX) or os.path.islink(at) or not os.path.isdir(at):
+        return None
     try:
-        with os.scandir(root) as it:
-            entries = [(e.path, e.name, e.is_dir(follow_symlinks=False)) for e in it]
-    except (PermissionError, FileNotFoundError, NotADirectoryError):
-        return  # not ours to read, or gone meanwhile
-    for path, name, is_dir in sorted(entries):
-        if leftover_of(name) is not None:
-            found.append(path)  # a staged copy or temporary file an interrupted operation left
-        elif is_dir and not name.endswith(AREA_SUFFIX):
-            _walk(path, depth - 1, found)
+        with Dir(at) as d:
+            return parts_listing(d)
+    except (OSError, ValueError):
+        return None
 
 
-def caches(*roots, max_depth: int = MAX_DEPTH) -> CacheList:
+def _parts_problem(root: str, listing: PartsListing) -> str:
+    held = f", {plural(listing.claimed, 'part')} being built by a running process" if listing.claimed else ""
+    return (f"leftover of an unfinished build of {root[: -len(PARTS_SUFFIX)]}: {plural(listing.parts, 'part')} not "
+            f"merged yet, {plural(listing.builds, 'interrupted part build')}{held}; rerun the build to merge them, or "
+            f"{fix_for('remove', path=root)} removes them")
+
+
+#: Directory entries a search (:func:`caches`) looks at, at most: an untrusted tree of millions of
+#: names is cut short, not walked for hours.
+MAX_ENTRIES = 1_000_000
+
+
+def _walk(root: str, depth: int, found: dict) -> None:
+    """Describe into ``found`` (path: :class:`CacheInfo`) every cache, leftover and parts directory
+    under ``root``, ``depth`` levels down at most: an explicit stack of directories held open (never
+    more than ``depth + 1`` descriptors), each name resolved against its parent's descriptor (no
+    path is resolved twice, none is limited by ``PATH_MAX``), links never followed."""
+
+    def add(path: str, at: str) -> None:
+        if path not in found:
+            found[path] = describe(path, at=at)
+
+    def is_found(d: Dir, parts: bool = True) -> bool:
+        """A cache, what an interrupted removal or creation left, or (``parts``) a build's parts directory."""
+        return (d.exists(fmt.META) or interrupted(d.anchor) is not None
+                or (parts and d.path.endswith(PARTS_SUFFIX) and parts_listing(d) is not None))
+
+    try:
+        top = Dir(root)
+    except (OSError, ValueError):
+        return  # not ours to read, a link, or gone meanwhile
+    if is_found(top, parts=False):  # a parts directory given as the root: its parts and leftovers, one by one
+        add(root, root)
+        top.close()
+        return  # a cache holds no caches
+    stack, seen = [], 0
+    try:
+        if depth > 0:
+            try:
+                stack.append((top, iter(top.names()), depth))
+            except OSError:
+                top.close()
+        else:
+            top.close()
+        while stack:
+            d, names, left = stack[-1]
+            name = next(names, None)
+            seen += 1
+            if name is None or seen > MAX_ENTRIES:
+                stack.pop()
+                d.close()
+                continue
+            if leftover_of(name) is not None:  # a staged copy or temporary file an interrupted operation left
+                add(d.join(name), os.path.join(d.anchor, name))
+                continue
+            st = d.lstat(name)
+            if st is None or not stat.S_ISDIR(st.st_mode) or name.endswith(AREA_SUFFIX):
+                continue
+            try:
+                sub = Dir(name, parent=d)
+            except (OSError, ValueError):
+                continue  # not ours to read, swapped for a link, or gone meanwhile
+            if is_found(sub):
+                add(sub.path, os.path.join(d.anchor, name))  # by its parent's descriptor: the name is no link
+                sub.close()
+            elif left > 1:
+                try:
+                    stack.append((sub, iter(sub.names()), left - 1))
+                except OSError:
+                    sub.close()
+            else:
+                sub.close()
+    finally:
+        for d, _, _ in stack:
+            d.close()
+
+
+def caches(*roots, max_depth: int = MAX_DEPTH, storage_options: dict | None = None) -> CacheList:
     """The caches under ``roots`` (directories searched, links never followed, at most ``max_depth``
     levels down) and every working copy under ``$NBKIT_CACHE_DIR`` (default ``~/.cache/nbkit``).
+
+    The parts an unfinished build left beside a cache (``<cache>.parts``, :mod:`nbkit.cluster`) are
+    one entry (a leftover :func:`remove` removes); given as a root, its parts and leftovers are listed
+    one by one. A root that is a URL (``gs://bucket/caches``, with ``storage_options``) lists the
+    parts prefixes an unfinished build uploaded under it.
 
     Returns:
         A :class:`CacheList` of :class:`CacheInfo`, least recently used first; it prints as a table.
@@ -312,7 +457,9 @@ def caches(*roots, max_depth: int = MAX_DEPTH) -> CacheList:
         True
     """
     max_depth = trust.check_int(max_depth, "max_depth", min=0, max=64)
-    dirs = [os.path.abspath(os.path.expanduser(trust.check_path(r, "root"))) for r in roots]
+    roots = [trust.check_path(r, "root") for r in roots]
+    urls = [trust.check_url(r, "root") for r in roots if _is_url(r)]
+    dirs = [os.path.abspath(os.path.expanduser(r)) for r in roots if not _is_url(r)]
     for d in dirs:
         if not os.path.isdir(d):
             why = not_a_directory(d, "look for caches in it")
@@ -320,13 +467,14 @@ def caches(*roots, max_depth: int = MAX_DEPTH) -> CacheList:
                 raise NotADirectoryError(why)
             raise FileNotFoundError(f"no directory {d} to look for caches in; check the path ({fix_for('list caches')} "
                                     "alone lists the working copies in $NBKIT_CACHE_DIR)")
-    found: list = []
+    found: dict = {}
+    for url in urls:
+        for info in _remote_parts(url, storage_options):
+            found.setdefault(info.path, info)
     for d in dirs + [cache_dir()]:
         if os.path.isdir(d):
             _walk(d, max_depth, found)
-    unique = list(dict.fromkeys(found))
-    infos = [describe(p) for p in unique]
-    return CacheList(sorted(infos, key=lambda c: (c.last_used or 0.0, c.path)))
+    return CacheList(sorted(found.values(), key=lambda c: (c.last_used or 0.0, c.path)))
 
 
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tzst")
@@ -374,12 +522,15 @@ def _refuse_special(path: str) -> None:
                          f"directory itself (see {fix_for('list caches')}).")
 
 
-def remove(path, *, dry_run: bool = False) -> Removal:
-    """Remove one cache directory: its cache files, then the directory if nothing else is in it.
+def remove(path, *, dry_run: bool = False, storage_options: dict | None = None) -> Removal:
+    """Remove one cache directory: its cache files, then the directory if nothing else is in it, and
+    the parts of its unfinished build beside it (``<cache>.parts``); or such a parts directory, or a
+    leftover of an interrupted operation; or, at a URL (``gs://…/cache.parts``, with
+    ``storage_options``), the parts an unfinished build uploaded.
 
     Refuses anything that is not an nbkit cache (a readable ``nbkit.json``), a cache a process has
-    open, a path that is a symbolic link, ``/`` and the home directory. Links inside are removed
-    themselves, never what they point to.
+    open, parts a running build is writing, a path that is a symbolic link, ``/`` and the home
+    directory. Links inside are removed themselves, never what they point to.
 
     Returns:
         A :class:`Removal`: bytes freed, and the names left behind (not cache files).
@@ -396,6 +547,8 @@ def remove(path, *, dry_run: bool = False) -> Removal:
     """
     path = trust.check_path(path, "path")
     dry_run = trust.check_bool(dry_run, "dry_run")
+    if _is_url(path):
+        return _remove_remote_parts(trust.check_url(path, "path"), dry_run, storage_options)
     root = os.path.abspath(os.path.expanduser(path))
     _refuse_special(root)
     try:
@@ -408,6 +561,8 @@ def remove(path, *, dry_run: bool = False) -> Removal:
                          "follows links. Remove the link itself with rm, or pass the cache directory it points to.")
     if leftover_problem(root) is not None:  # a leftover file too (a tar an interrupted export was writing)
         return _remove_leftover(root, dry_run)
+    if _parts_at(root, root) is not None:
+        return _remove_parts(root, dry_run)
     if stat.S_ISREG(st.st_mode):
         raise NotADirectoryError(not_a_directory(root, "remove it"))
     if not stat.S_ISDIR(st.st_mode):
@@ -430,13 +585,140 @@ def remove(path, *, dry_run: bool = False) -> Removal:
             files = _files_of(here)
             size = sum(allocated(s) for name, s in files if trust.is_cache_file(name) or name == fmt.LOCK
                        or leftover_of(name) is not None)
-            if dry_run:
-                return Removal(root, size)
-            remove_cache(d)  # metadata first, durably; never follows a link
-        left = tuple(d.names())
-        if not left:
+            if not dry_run:
+                remove_cache(d)  # metadata first, durably; never follows a link
+        left = () if dry_run else tuple(d.names())
+        if not dry_run and not left:
             _rmdir_if(d, root)
+    # The parts of its unfinished build beside it: of no use without it (their generation names it).
+    parts = root + PARTS_SUFFIX
+    if _parts_at(parts, parts) is not None:
+        try:
+            size += _remove_parts(parts, dry_run).bytes
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            left += (f"{os.path.basename(parts)} (beside it: {_first_line(e).split(': ', 1)[-1]})",)
     return Removal(root, size, left)
+
+
+def _remove_parts(root: str, dry_run: bool) -> Removal:
+    """Remove the parts directory ``root`` of a build (:mod:`nbkit.cluster`) whole: refused while a
+    running build writes into it; renamed to a removal leftover first (one step: from then on no
+    build finds a part there, and a crash leaves a name ``nbkit ls`` lists), then deleted through
+    descriptors (links removed, never followed; a tree of any depth)."""
+    parent, name = os.path.split(root)
+    with Dir(parent) as p:
+        try:
+            d = Dir(name, parent=p)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"nothing to remove at {root}: no such directory") from None
+        with d:
+            listing = parts_listing(d)
+            if listing is None:
+                raise ValueError(f"refusing to remove {root}: it holds more than parts and their leftovers; delete it "
+                                 "yourself")
+            if listing.claimed:
+                raise OSError(errno.EBUSY, f"refusing to remove {root}: a running build is writing "
+                              f"{plural(listing.claimed, 'part')} into it. Let it finish or stop it (its finished parts "
+                              "are kept), then remove it again.")
+            mine = os.fstat(d.fd)
+        size = _tree_bytes(os.path.join(p.anchor, name))
+        if dry_run:
+            return Removal(root, size)
+        st = p.lstat(name)
+        if st is None or (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+            raise FileNotFoundError(f"{root} changed while it was being removed; nothing was removed. List it again "
+                                    f"({fix_for('list caches')})")
+        trash = staging_name(name, "trash")
+        p.rename(name, trash)
+        p.sync()
+        p.remove_tree(trash)
+        p.sync()
+    return Removal(root, size)
+
+
+def _is_url(path: str) -> bool:
+    return re.match(r"[A-Za-z][A-Za-z0-9+.\-]*://", path) is not None
+
+
+def _parts_prefix(fs, root: str) -> tuple[int, int, int] | None:
+    """``(parts, objects, bytes)`` under the prefix ``root`` (on ``fs``) if it holds a build's parts
+    only (``part-<start>-<stop>/`` and compose's scratch ``.compose/``); else ``None``."""
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return None
+    parts = 0
+    for e in entries:
+        name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+        if e.get("type") != "directory" or not (is_part_name(name) or name == ".compose"):
+            return None
+        parts += is_part_name(name)
+    found = fs.find(root, detail=True)
+    return parts, len(found), sum(int(e.get("size") or 0) for e in found.values())
+
+
+def _remote_parts(url: str, storage_options: dict | None) -> list:
+    """A :class:`CacheInfo` (a leftover) for each build's parts prefix at or directly under ``url``."""
+    from .transfer.remote import check_bucket, connect, remote_errors
+
+    url = check_bucket(url, "root").rstrip("/")
+    fix = f"{fix_for('list caches')} again once the storage answers"
+    fs, root = connect(url, storage_options, doing="listing the parts under", fix=fix)
+    out = []
+    with remote_errors(fs, url, "listing the parts under", fix):
+        fs.invalidate_cache()
+        if url.endswith(PARTS_SUFFIX):
+            candidates = [(url, root)]
+        else:
+            try:
+                entries = fs.ls(root, detail=True)
+            except FileNotFoundError:
+                entries = []
+            candidates = []
+            for e in entries:
+                name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+                if e.get("type") == "directory" and name.endswith(PARTS_SUFFIX):
+                    candidates.append((f"{url}/{name}", f"{root}/{name}"))
+        for where, prefix in candidates:
+            held = _parts_prefix(fs, prefix)
+            if held is None:
+                continue
+            parts, objects, size = held
+            problem = (f"leftover of an unfinished build of {where[: -len(PARTS_SUFFIX)]}: {plural(parts, 'part')} uploaded, "
+                       f"not composed yet; rerun the build to compose them, or {fix_for('remove', path=where)} removes them")
+            out.append(CacheInfo(path=where, url=None, working_copy=False, stored=None, length=None, bytes=size,
+                                 version=None, last_used=None, in_use=False, problem=problem))
+    return out
+
+
+def _remove_remote_parts(url: str, dry_run: bool, storage_options: dict | None) -> Removal:
+    """Remove the parts an unfinished build uploaded under ``url`` (``<cache>.parts``), and only those:
+    a prefix holding anything else is refused. A build running meanwhile finds its parts gone and
+    builds them again."""
+    from .transfer.remote import check_bucket, connect, remote_errors
+
+    url = check_bucket(url, "path").rstrip("/")
+    if not url.endswith(PARTS_SUFFIX):
+        raise ValueError(f"refusing to remove {url}: nbkit removes a remote cache's parts ({url}{PARTS_SUFFIX}, what an "
+                         f"unfinished build uploaded), never a remote cache. {fix_for('list caches')} with the URL of "
+                         "their folder lists them.")
+    fix = f"{fix_for('remove', path=url)} again once the storage answers"
+    fs, root = connect(url, storage_options, doing="removing the parts at", fix=fix, write=not dry_run)
+    with remote_errors(fs, url, "removing the parts at", fix):
+        fs.invalidate_cache()
+        held = _parts_prefix(fs, root)
+        if held is None:
+            if not fs.exists(root):
+                raise FileNotFoundError(f"nothing to remove at {url}: no parts there. See what there is: "
+                                        f"{fix_for('list caches')}")
+            raise ValueError(f"refusing to remove {url}: it holds more than a build's parts (part-<start>-<stop>/); "
+                             "delete it yourself")
+        if not dry_run:
+            fs.rm(root, recursive=True)
+            fs.invalidate_cache()
+    return Removal(url, held[2])
 
 
 def _rmdir_if(d: Dir, root: str) -> None:
@@ -455,7 +737,7 @@ def _rmdir_if(d: Dir, root: str) -> None:
             raise
         if parent == cache_dir():  # a working copy's files beside it
             for suffix in (ORIGIN_SUFFIX, ".lock"):
-                p.unlink(name + suffix)
+                p.remove_tree(name + suffix)  # a file, or whatever replaced it (a directory): never followed
         p.sync()
 
 
@@ -481,13 +763,19 @@ def _remove_leftover(root: str, dry_run: bool) -> Removal:
     return Removal(root, size, left)
 
 
+_MAX_AGE = datetime.timedelta.max.total_seconds()  # what a timedelta holds; beyond it, inf, NaN: refused
+
+
 def _seconds(older_than) -> float | None:
     if older_than is None:
         return None
     if isinstance(older_than, datetime.timedelta):
         older_than = older_than.total_seconds()
-    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or older_than < 0:
+    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)):
         raise TypeError(f"older_than must be seconds (a number >= 0) or a datetime.timedelta, got {trust.shown(older_than)}")
+    if not 0 <= older_than <= _MAX_AGE:  # NaN compares false: it would keep every copy, silently
+        raise ValueError(f"older_than must be a number of seconds in [0, {_MAX_AGE:.0f}] (e.g. 7 * 86400 for a week) or a "
+                         f"datetime.timedelta, got {trust.shown(older_than)}")
     return float(older_than)
 
 

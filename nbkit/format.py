@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import zlib
@@ -175,6 +176,79 @@ def row_crc(rows, blob: bytes = b"") -> int:
     if blob:
         c = zlib.crc32(blob, c)
     return c
+
+
+#: A heap blob longer than this is checked in pieces of this size before any memory is taken for
+#: it: a record's length is a claim from the input (a sparse heap is as long as it says and holds nothing).
+BLOB_PIECE = 16 << 20
+
+
+def _crc_zeros(crc: int, n: int) -> int:
+    """``zlib.crc32(bytes(n), crc)`` in ``O(log n)``: a hole of a sparse file reads as zeros, and
+    appending zeros is a linear map of the CRC's register (the square-and-multiply of zlib's
+    ``crc32_combine``)."""
+    def times(mat, vec):
+        out, k = 0, 0
+        while vec:
+            if vec & 1:
+                out ^= mat[k]
+            vec >>= 1
+            k += 1
+        return out
+
+    def square(mat):
+        return [times(mat, m) for m in mat]
+
+    one_bit = [0xEDB88320] + [1 << k for k in range(31)]  # the register after one zero bit
+    reg = crc ^ 0xFFFFFFFF
+    bits = 8 * n
+    mat = one_bit
+    while bits:
+        if bits & 1:
+            reg = times(mat, reg)
+        bits >>= 1
+        if bits:
+            mat = square(mat)
+    return reg ^ 0xFFFFFFFF
+
+
+def range_crc(fd: int, off: int, n: int, crc: int = 0) -> int | None:
+    """CRC-32 (continuing ``crc``) of bytes ``off .. off + n`` of the file ``fd``, read in pieces of
+    :data:`BLOB_PIECE` (holes of a sparse file computed, not read); ``None`` when the file ends first.
+
+    Example:
+        >>> import tempfile
+        >>> f = tempfile.TemporaryFile(); _ = f.write(b"abc"); _ = f.truncate(1 << 20); f.flush()  # a hole after "abc"
+        >>> range_crc(f.fileno(), 1, 1 << 19) == zlib.crc32(b"bc" + bytes((1 << 19) - 2))
+        True
+        >>> range_crc(f.fileno(), 1 << 19, 1 << 20) is None   # past the file's end
+        True
+    """
+    pos, end = off, off + n
+    if end > os.fstat(fd).st_size:
+        return None
+    seek = hasattr(os, "SEEK_DATA")
+    while pos < end:
+        data, data_end = pos, end
+        if seek:
+            try:
+                data = min(os.lseek(fd, pos, os.SEEK_DATA), end)
+                data_end = min(os.lseek(fd, data, os.SEEK_HOLE), end) if data < end else end
+            except OSError as e:
+                if e.errno != errno.ENXIO:  # EINVAL: this file system cannot tell; read every byte
+                    seek = False
+                    continue
+                data = end  # ENXIO: nothing but a hole up to the file's end
+        if data > pos:
+            crc = _crc_zeros(crc, data - pos)
+            pos = data
+        while pos < data_end:
+            piece = os.pread(fd, min(BLOB_PIECE, data_end - pos), pos)
+            if not piece:
+                return None
+            crc = zlib.crc32(piece, crc)
+            pos += len(piece)
+    return crc
 
 
 def admission_slots(length: int, capacity: int, seed: int) -> np.ndarray:

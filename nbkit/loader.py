@@ -32,9 +32,12 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import queue
+import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -46,7 +49,7 @@ from .collate import collate, collate_columns, column_tensor, iter_tensors, map_
 from .gather import auto_threads, pinned_rows
 from .samplers import STATE_VERSION, EpochSampler, check_resume_state
 from .stores.base import store_of
-from .trust import MAX_PREFETCH, MAX_SAMPLES, MAX_WORKERS, check_bool, check_int
+from .trust import MAX_EPOCH, MAX_PREFETCH, MAX_SAMPLES, MAX_WORKERS, check_bool, check_int
 from .stats import Consumed
 
 __all__ = ["DeviceLoader"]
@@ -219,9 +222,13 @@ class DeviceLoader:
         """
         state = check_resume_state(state, "nbkit.DeviceLoader", self._settings(), len(self))
         epoch, position = state["epoch"], state["position"]
-        self._resume, self._progress = (epoch, position), [epoch, position]
         # A finished epoch: the next pass is the next epoch (set_epoch(epoch) still gives its empty rest).
-        self.sampler.set_epoch(epoch + 1 if position == len(self) else epoch)
+        # Checked before anything changes: a refused state (the last epoch there is, finished) leaves
+        # the loader as it was.
+        following = check_int(epoch + 1 if position == len(self) else epoch, "the state's next epoch", min=0,
+                              max=MAX_EPOCH, fix="the state is at the end of the last epoch nbkit counts: start over")
+        self.sampler.set_epoch(following)
+        self._resume, self._progress = (epoch, position), [epoch, position]
 
     def _settings(self) -> dict:
         s = self.sampler
@@ -280,6 +287,18 @@ class _Failure:
 
 _DONE = object()
 
+# The read-ahead threads still running. A process that exits inside a pass (a script's loop left at a
+# `break`) stops them before the interpreter shuts down: a daemon thread caught there in native code
+# (a jax.device_put, a CUDA copy) can abort the process.
+_RUNNING: "weakref.WeakSet[_Pipeline]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running() -> None:
+    for pipeline in list(_RUNNING):
+        if pipeline.thread.is_alive():  # not in a forked child, which has the set but not the threads
+            pipeline.close()
+
 
 class _Pipeline:
     """The producer side of one epoch: a thread filling a bounded queue. Holds no reference to
@@ -298,6 +317,7 @@ class _Pipeline:
         if self.kind == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
         self.thread = threading.Thread(target=self._run, name="nbkit-device-loader", daemon=True)
+        _RUNNING.add(self)
         self.thread.start()
 
     # -- producer ------------------------------------------------------------------------------
@@ -456,6 +476,7 @@ class _Pipeline:
         return batch, reads
 
     def close(self) -> None:
+        _RUNNING.discard(self)
         self.stop.set()
         while True:  # unblock a producer waiting on a full queue
             try:
@@ -517,5 +538,8 @@ class _Epoch:
             self._pipeline.close()
             self._pipeline = None
 
-    def __del__(self):
-        self.close()
+    def __del__(self, _finalizing=sys.is_finalizing):
+        # At interpreter exit (a pass left half-read in a script) module globals are already None:
+        # nothing to close then: _stop_running stopped the read-ahead thread before the shutdown.
+        if not _finalizing():
+            self.close()

@@ -35,8 +35,10 @@ import errno
 import json
 import math
 import numbers
+import operator
 import os
 import re
+import reprlib
 import stat
 
 import numpy as np
@@ -144,6 +146,66 @@ def check_bool(value, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {_got(value)}")
     return bool(value)
+
+
+def check_index(value, length: int, name: str = "index") -> int:
+    """One sample index: an integer or an integer-like (``operator.index``: numpy integers, a one-element
+    integer tensor), in ``[-length, length)``; a negative one counts from the end.
+
+    Example:
+        >>> check_index(-1, 10)
+        9
+        >>> check_index(1.5, 10)
+        Traceback (most recent call last):
+        ...
+        TypeError: index must be an integer (or integer-like: operator.index), got 1.5 (float)
+    """
+    try:
+        i = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer (or integer-like: operator.index), got {_got(value)}") from None
+    if not -length <= i < length:
+        got = i if i.bit_length() <= 256 else f"an int of {i.bit_length()} bits"
+        raise IndexError(f"{name} {got} is out of range for {length} samples")
+    return i + length if i < 0 else i
+
+
+def check_indices(values, length: int, name: str = "indices") -> np.ndarray:
+    """Sample indices (a sequence or an array of integers or integer-likes) as an int64 array in ``[0, length)``.
+
+    Floats, strings and other types are refused with a ``TypeError`` naming the type (``[1.5]`` is not
+    sample 1), out-of-range values of any size with an ``IndexError``; negative ones count from the end.
+
+    Example:
+        >>> check_indices([0, -1, np.int32(2)], 10)
+        array([0, 9, 2])
+        >>> check_indices(["3"], 10)
+        Traceback (most recent call last):
+        ...
+        TypeError: indices must be integers (or integer-likes: operator.index), got '3' (str)
+    """
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of integers, got {_got(values)}")
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        arr = None
+    if arr is not None and arr.dtype.kind in "iu" and arr.ndim >= 1:
+        arr = arr.reshape(-1)
+        if arr.size and (arr.min() < -length or arr.max() >= length):
+            bad = arr.min() if arr.min() < -length else arr.max()
+            raise IndexError(f"index {int(bad)} is out of range for {length} samples")
+        idx = arr.astype(np.int64, copy=False)
+        return np.where(idx < 0, idx + length, idx) if idx.size and idx.min() < 0 else idx
+    if arr is not None and arr.ndim == 0:
+        raise TypeError(f"{name} must be a sequence of integers, got {_got(values)}")
+    out = []
+    for v in values:
+        try:
+            out.append(check_index(v, length, "index"))
+        except TypeError:
+            raise TypeError(f"{name} must be integers (or integer-likes: operator.index), got {_got(v)}") from None
+    return np.array(out, dtype=np.int64)
 
 
 def check_path(value, name: str) -> str:
@@ -481,8 +543,23 @@ def shown(value, limit: int = 80) -> str:
         >>> shown("x" * 100, 10)
         "'xxxxxx..."
     """
-    text = repr(value)
+    if isinstance(value, int) and value.bit_length() > 256:  # repr() of a huge int is slow, or refused
+        return f"an int of {value.bit_length()} bits"
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        text = _SHORT_REPR.repr(value)  # a few levels and items: a state nested 200,000 deep is no RecursionError
+    else:
+        text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _short_repr():
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset, r.maxfrozenset = 3, 4, 4, 4, 4, 4
+    r.maxstring, r.maxother, r.maxlong = 40, 40, 40
+    return r
+
+
+_SHORT_REPR = _short_repr()
 
 
 def load_json(raw: bytes, where: str, fix: str, *, format_name: str, what: str, version: int | None = None) -> dict:
@@ -610,12 +687,37 @@ def check_stored_key(kb, max_len: int, where: str, fix: str) -> bytes:
     return kb
 
 
-__all__ += ["check_bound", "check_sample_values", "check_hello", "check_stored_key"]
+__all__ += ["check_bound", "check_sample_values", "check_hello", "check_stored_key", "check_index", "check_indices"]
 
 
 #: The longest ``Requires-Dist`` line of an installed package's metadata that nbkit reads.
 MAX_REQUIREMENT_CHARS = 200
-_SPECIFIER = re.compile(r"(?:(?:==|!=|<=|>=|~=|<|>)\s*[0-9][0-9A-Za-z.*+!-]*\s*,?\s*)+")
+#: Two-character operators first, so ``<=`` is not read as ``<`` and ``=1``.
+_OPERATORS = ("==", "!=", "<=", ">=", "~=", "<", ">")
+#: One version, matched alone (one character class, no nesting): linear in its length.
+_VERSION = re.compile(r"[0-9][0-9A-Za-z.*+!-]*\Z")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _specifiers(rest: str):
+    """The specifiers of ``>=2.11.0, <=2.15.0`` as ``[">=2.11.0", "<=2.15.0"]``, or ``None`` if malformed.
+
+    Split on commas, then each piece read by hand: every character is looked at a bounded number of
+    times (a nested regex over this text backtracked exponentially)."""
+    pieces = rest.split(",")
+    if pieces[-1].strip() == "":
+        pieces.pop()  # one trailing comma, as before
+    out = []
+    for piece in pieces:
+        piece = piece.strip()
+        op = next((o for o in _OPERATORS if piece.startswith(o)), None)
+        if op is None:
+            return None
+        version = piece[len(op):].strip()
+        if not _VERSION.match(version):
+            return None
+        out.append(op + version)
+    return out or None
 
 
 def requirement_specifier(lines, name: str):
@@ -634,17 +736,18 @@ def requirement_specifier(lines, name: str):
     for line in lines or ():
         if not isinstance(line, str) or len(line) > MAX_REQUIREMENT_CHARS:
             continue
-        head = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*)$", line)
-        if not head or re.sub(r"[-_.]+", "-", head.group(1)).lower() != name.lower():
+        line = line.lstrip()
+        head = _NAME.match(line)
+        if not head or re.sub(r"[-_.]+", "-", head.group(0)).lower() != name.lower():
             continue
-        rest = head.group(2).strip()
+        rest = line[head.end():].strip()
         if ";" in rest or "[" in rest or "@" in rest:
             return None  # markers, extras or URLs: not the plain range nbkit reads
         rest = rest.strip("()").strip()
-        if not rest or not _SPECIFIER.fullmatch(rest):
+        parts = _specifiers(rest) if rest else None
+        if parts is None:
             return None
-        parts = sorted((p.strip() for p in rest.split(",") if p.strip()), key=lambda p: p[0] != ">")
-        found = ",".join(p.replace(" ", "") for p in parts)
+        found = ",".join(sorted(parts, key=lambda p: p[0] != ">"))
     return found
 
 

@@ -7,6 +7,7 @@ import shutil
 import tempfile
 
 import pytest
+from collection_record import COLLECTED
 
 # Scripts the tests run in subprocesses (they do real work at import): never collected.
 collect_ignore = ["tpu_scripts", "notebooks", "widgets7"]
@@ -48,3 +49,17 @@ def mnist_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("mnist")
     write_mnist(root, n_train=2000, n_test=500)
     return root
+
+
+# Every item this run collects, before `-m` deselects any (make test-newest leaves out one_stack
+# tests): tests/test_collection.py checks from it that no test file and no doctest module is skipped
+# by the collection rules (pytest's norecursedirs skips folders named build, dist, venv, ...). The key
+# lives in tests/collection_record.py: `import conftest` can find another folder's conftest.py.
+
+
+def pytest_configure(config):
+    config.stash[COLLECTED] = set()
+
+
+def pytest_itemcollected(item):
+    item.config.stash[COLLECTED].add(str(item.path))

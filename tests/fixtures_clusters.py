@@ -5,8 +5,8 @@ per test session, each with 2 workers (starting Ray costs ~15-18 s and ~1 GiB he
 Import them with ``from fixtures_clusters import ray_engine, dask_engine``. Each skips, saying so,
 when its package is not installed (``pip install 'nbkit-cache[ray]'`` / ``[dask]``).
 
-The workers import the calls the tests send from ``tests/build/engine_calls.py``: the fixtures put
-``tests/build`` and the checkout on ``PYTHONPATH`` before the cluster starts (Ray's workers inherit
+The workers import the calls the tests send from ``tests/cluster/engine_calls.py``: the fixtures put
+``tests/cluster`` and the checkout on ``PYTHONPATH`` before the cluster starts (Ray's workers inherit
 the environment; Dask's spawned workers also get this process's ``sys.path``).
 """
 
@@ -20,13 +20,13 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-__all__ = ["ray_engine", "dask_engine", "worker_pythonpath"]
+__all__ = ["ray_engine", "dask_engine", "worker_pythonpath", "worker_env"]
 
 
 def worker_pythonpath():
-    """Put the checkout and tests/build on PYTHONPATH (what worker processes import from); returns the old value."""
+    """Put the checkout and tests/cluster on PYTHONPATH (what worker processes import from); returns the old value."""
     old = os.environ.get("PYTHONPATH")
-    parts = [ROOT, os.path.join(HERE, "build"), HERE] + ([old] if old else [])
+    parts = [ROOT, os.path.join(HERE, "cluster"), HERE] + ([old] if old else [])
     os.environ["PYTHONPATH"] = os.pathsep.join(parts)
     return old
 
@@ -55,7 +55,7 @@ def ray_engine():
     def make():
         import ray
 
-        from nbkit.build.ray import RayEngine
+        from nbkit.cluster.ray import RayEngine
         for attempt in range(3):
             try:
                 return RayEngine(num_workers=2)
@@ -73,9 +73,20 @@ def ray_engine():
 def dask_engine():
     """A DaskEngine over a LocalCluster of 2 worker processes (1 thread each), started once per session."""
     def make():
-        from nbkit.build.dask import DaskEngine
+        from nbkit.cluster.dask import DaskEngine
         return DaskEngine(num_workers=2)
 
     engine = _started("distributed", "dask", make)
     yield engine
     engine.close()
+
+
+@pytest.fixture
+def worker_env():
+    """The workers' PYTHONPATH for a test that starts a cluster of its own (one that breaks it)."""
+    old = worker_pythonpath()
+    yield
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old

@@ -423,6 +423,24 @@ def test_fuzz_forged_key_records(keyed_template, tmp_path_factory, key, off, len
 
 
 @pytest.mark.fuzz
+@given(key=st.sampled_from(list(FUZZ_VALUES)), sparse=st.sampled_from([keyed.KEYS, keyed.VALUES]),
+       off=st.integers(0, 2**41) | st.sampled_from([0, 1 << 39]),
+       length=st.integers(0, 2**41) | st.sampled_from([(16 << 20) + 1, 8 << 30, 1 << 39]), crc=st.integers(0, 2**32 - 1))
+def test_fuzz_forged_key_records_in_sparse_files(keyed_template, tmp_path_factory, key, sparse, off, length, crc):
+    # A copied or planted directory: a file as long as it claims (1 TiB of holes), so every claim
+    # passes a size check; none may size a read or a buffer.
+    import shutil
+
+    path = tmp_path_factory.mktemp("kvsparse") / "kv"
+    shutil.copytree(keyed_template, path)
+    _forge_record(str(path), key, off, length, crc)
+    with open(path / sparse, "r+b") as f:
+        f.truncate(max(1 << 40, os.path.getsize(path / sparse)))
+    _read_all(path, repair=False)
+    _read_all(path, repair=True)
+
+
+@pytest.mark.fuzz
 @given(meta=st.dictionaries(st.sampled_from(["format", "version", "shards", "x"]),
                             st.none() | st.booleans() | st.integers() | st.text(max_size=12) | st.just("nbkit-keyed")
                             | st.lists(st.integers(), max_size=2), max_size=4))

@@ -84,6 +84,99 @@ def test_usage_errors_exit_2_and_help_exits_0(env):
     assert "Exit codes" in out.stdout and all(c in out.stdout for c in ("ls", "verify", "prune", "push"))
 
 
+# Each: a wrong argument, and what its usage error must say. None may create anything (issue 37: a
+# --part-size 0 build exited 1 after creating the cache).
+WRONG_ARGUMENTS = [
+    (["build", "sources:TupleSource", "c", "--part-size", "0"], "argument --part-size: '0' is out of range"),
+    (["build", "sources:TupleSource", "c", "--part-size", str(2**70)], "from 1 to 1,099,511,627,776 (samples per part)"),
+    (["build", "sources:TupleSource", "c", "--part-size", "2**70"], "'2**70' is not a whole number"),
+    (["build", "sources:TupleSource", "c", "--part-size", "9" * 5000], "is out of range"),
+    (["build", "sources:TupleSource", "c", "--workers", "-1"], "argument --workers: '-1' is out of range"),
+    (["build", "sources:TupleSource", "c", "--workers", "0"], "argument --workers: '0' is out of range"),
+    (["build", "sources:TupleSource", "c", "--workers", "1.5"], "e.g. --workers 4"),
+    (["build", "sources:TupleSource", "c", "--workers", "257"], "give at most 256 (about one per CPU), or join a cluster"),
+    (["build", "sources:TupleSource", "c", "--workers", "300", "--engine", "dask"], "give at most 256"),
+    (["build", "sources:TupleSource", "c", "--address", "tcp://x:1"], "argument --address: the processes engine runs on"),
+    (["build", "sources:TupleSource", ""], "argument CACHE: the path or URL is empty"),
+    (["build", "sources:TupleSource", "gs:/bucket/c"], "write 'gs://bucket/c'"),
+    (["ls", "--max-depth", "-1", "."], "argument --max-depth: '-1' is out of range: give a whole number from 0 to 64"),
+    (["ls", "--max-depth", "65", "."], "from 0 to 64"),
+    (["ls", ""], "argument ROOT: the path is empty"),
+    (["info", ""], "argument PATH: the path is empty"),
+    (["verify", "nosuch://b/c"], "argument PATH: the path or URL 'nosuch://b/c' has the unknown scheme"),
+    (["verify", ""], "argument PATH: the path or URL is empty"),
+    (["export", "c", ""], "argument TAR: the path or URL is empty"),
+    (["export", "", "c.tar"], "argument PATH: the path is empty"),
+    (["import", "gs:/b/c.tar", "c"], "argument TAR: the path or URL 'gs:/b/c.tar' looks like a URL"),
+    (["import", "c.tar", ""], "argument PATH: the path is empty"),
+    (["push", "c", "gs:bucket"], "argument URL: the path or URL 'gs:bucket' looks like a URL"),
+    (["pull", "gs://b/c", ""], "argument PATH: the path is empty"),
+    (["pull", "nosuch://b/c", "c"], "unknown scheme"),
+    (["rm", "c", ""], "argument PATH: the path is empty"),
+    (["prune", "--max-size=-1GB"], "argument --max-size: '-1GB' is not a size"),
+    (["prune", "--older-than", "nan"], "argument --older-than: 'nan' is not a duration"),
+]
+
+
+def test_wrong_arguments_are_usage_errors_before_anything_is_created(tmp_path, monkeypatch, capsys):
+    from nbkit.cli import USAGE, main
+
+    monkeypatch.setenv("NBKIT_CACHE_DIR", str(tmp_path / "nbkit-cache-dir"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for argv, needle in WRONG_ARGUMENTS:
+        assert main(argv) == USAGE, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines[0].startswith(f"usage: nbkit {argv[0]}") and lines[-1].startswith(f"nbkit {argv[0]}: error: argument "), lines
+        assert needle in lines[-1], (argv, lines[-1])
+        assert os.listdir(work) == [] and not os.path.exists(tmp_path / "nbkit-cache-dir"), argv
+
+
+def test_argument_bounds_are_the_librarys(tmp_path, monkeypatch):
+    from nbkit import cli, disk, trust
+
+    assert (cli.MAX_PART_SIZE, cli.MAX_LOCAL_WORKERS, cli.MAX_CLUSTER_WORKERS) == (
+        trust.MAX_SAMPLES, trust.MAX_WORKERS, trust.MAX_WORLD_SIZE)
+    monkeypatch.setenv("NBKIT_CACHE_DIR", str(tmp_path))
+    disk.caches(tmp_path, max_depth=cli.MAX_LS_DEPTH)
+    with pytest.raises(ValueError, match="max_depth"):
+        disk.caches(tmp_path, max_depth=cli.MAX_LS_DEPTH + 1)
+
+
+@pytest.mark.fuzz
+def test_fuzz_any_number_text_reads_in_bounds_or_is_a_usage_error():
+    import argparse
+
+    from hypothesis import given, strategies as st
+
+    from nbkit.cli import _whole_number
+
+    parse = _whole_number(1, 2**40, "--part-size 4096", "samples per part")
+
+    @given(st.one_of(st.text(max_size=30), st.integers(min_value=-2**80, max_value=2**80).map(str)))
+    def check(t):
+        try:
+            value = parse(t)
+        except argparse.ArgumentTypeError as e:
+            assert "give a whole number from 1 to 1,099,511,627,776" in str(e)
+            return
+        assert type(value) is int and 1 <= value <= 2**40, (t, value)
+
+    check()
+
+
+def test_a_usage_error_imports_no_torch(tmp_path):
+    """A wrong number or path is refused while parsing, before a command imports what it uses."""
+    code = ("import sys; from nbkit.cli import main; "
+            "rcs = [main(['build', 'absent_module:make', 'c', '--part-size', '0']), main(['verify', 'gs:/b/c'])]; "
+            "print(rcs, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[2, 2] False", out.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_console_script_is_declared_and_import_nbkit_stays_light():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, name = scripts["nbkit"].partition(":")
@@ -525,7 +618,7 @@ def _same_as(path, source) -> None:
 
 
 def test_build_part_size_default_is_the_drivers():
-    from nbkit.build.plan import DEFAULT_PART_SIZE
+    from nbkit.cluster.plan import DEFAULT_PART_SIZE
     from nbkit.cli import BUILD_PART_SIZE
 
     assert BUILD_PART_SIZE == DEFAULT_PART_SIZE
@@ -546,7 +639,7 @@ def test_build_with_worker_processes_shows_each_worker_and_fills_the_cache(tmp_p
     assert (again["computed"], again["skipped"], again["engine"]) == (0, 100, "local processes")
 
 
-def test_build_refuses_a_source_that_names_no_callable(tmp_path, monkeypatch, capsys):
+def test_build_refuses_a_source_that_names_no_callable_or_returns_none(tmp_path, monkeypatch, capsys):
     from nbkit.cli import main
 
     (tmp_path / "mine.py").write_text("NOT_A_FUNCTION = 3\n\ndef never_called():\n    raise AssertionError\n")
@@ -566,7 +659,13 @@ def test_build_refuses_a_source_that_names_no_callable(tmp_path, monkeypatch, ca
     assert "mine has no 'make'" in error("mine:make")
     assert "mine:NOT_A_FUNCTION is not callable (it is 3)" in error("mine:NOT_A_FUNCTION")
     assert "no module 'absent_module'" in error("absent_module:make")
-    assert "joins no cluster" in error("mine:never_called", "--address", "tcp://x:1")  # refused before the source runs
+    assert main(["build", "mine:never_called", str(tmp_path / "c"), "--address", "tcp://x:1"]) == 2  # before the source runs
+    assert "joins no cluster" in capsys.readouterr().err
+    (tmp_path / "nothing.py").write_text("def make():\n    pass\n")
+    monkeypatch.setitem(sys.modules, "nothing", None)
+    del sys.modules["nothing"]
+    said = error("nothing:make")  # not "no nbkit cache at …": CachedDataset(None, path) opens an existing cache
+    assert "nothing:make returned None: SOURCE must return the dataset to cache" in said and "`return dataset`" in said
     assert not os.path.exists(tmp_path / "c")
 
 
@@ -627,3 +726,29 @@ def test_build_on_a_dask_cluster_the_test_started(tmp_path, env, dask_engine):
     assert any(f":{pid}" in out.stderr for pid in worker_pids), (worker_pids, out.stderr)  # the cluster's workers did it
     _same_as(cache, TupleSource())
     assert dask_engine.client.status == "running"  # joined, not closed: the cluster stays the test's
+
+
+def test_ls_and_rm_see_the_parts_an_unfinished_build_uploaded(capsys):
+    """A bucket URL as ROOT lists the parts prefixes under it (shown as given, not as a local path), and
+    `nbkit rm URL.parts` removes them, with -o storage options (issue 37)."""
+    import fsspec
+
+    from nbkit.cli import main
+
+    fs = fsspec.filesystem("memory")
+    base = "memory://nbkit-cli-parts/caches"
+    fs.pipe("/nbkit-cli-parts/caches/c.parts/part-0000000000000-0000000000016/nbkit.json", b"{}")
+    fs.pipe("/nbkit-cli-parts/caches/c.parts/part-0000000000000-0000000000016/col-0.bin", b"x" * 100)
+    try:
+        assert main(["ls", base, "--json", "-o", "skip_instance_cache=true"]) == 0
+        listed = [c["path"] for c in json.loads(capsys.readouterr().out)]
+        assert f"{base}/c.parts" in listed
+        assert main(["ls", base]) == 0
+        out = capsys.readouterr().out
+        assert f"caches under {base}," in out and os.getcwd() not in out.split("\n")[0]
+        assert main(["rm", f"{base}/c.parts", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["bytes"] == 102
+        assert not fs.exists("/nbkit-cli-parts/caches/c.parts")
+    finally:
+        if fs.exists("/nbkit-cli-parts"):
+            fs.rm("/nbkit-cli-parts", recursive=True)

@@ -30,11 +30,18 @@ def values(ds) -> list:
 
 @pytest.fixture
 def old_cache(tmp_path):
-    ds = nbkit.CachedDataset(source(0.0), tmp_path / "c")
-    ds.warmup()
-    root = ds.root
-    del ds
-    return root
+    # A private $NBKIT_CACHE_DIR: nbkit.caches() lists the working copies there too, and other tests'
+    # remote caches leave theirs in the run's shared one. Not monkeypatch's: the tests undo its patches.
+    shared = os.environ["NBKIT_CACHE_DIR"]
+    os.environ["NBKIT_CACHE_DIR"] = str(tmp_path / "working-copies")
+    try:
+        ds = nbkit.CachedDataset(source(0.0), tmp_path / "c")
+        ds.warmup()
+        root = ds.root
+        del ds
+        yield root
+    finally:
+        os.environ["NBKIT_CACHE_DIR"] = shared
 
 
 # -- removal: never adopted ---------------------------------------------------------------------

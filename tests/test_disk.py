@@ -431,3 +431,145 @@ def test_the_origin_file_keeps_no_credential_that_came_with_the_url(tmp_path):
     assert "secret" not in written and "abc" not in written and "pw" not in written and "token" not in written
     assert read_origin(root) == {"format": "nbkit-working-copy", "url": "s3://bucket/cache",
                                  "endpoint": "http://127.0.0.1:9000/"}
+
+
+# -- a build's parts beside a cache; untrusted trees of any depth or path length (issue 37) --------------
+
+
+def _built_parts(tmp_path, n=32):
+    """A cache with the parts of an unfinished build beside it: two whole parts and a staging leftover."""
+    import pickle
+
+    import numpy as np
+
+    from nbkit.cluster.part import build_part, parts_dir
+    from nbkit.commit import staging_name
+
+    ds = nbkit.CachedDataset(TensorDataset(torch.arange(n)), str(tmp_path / "c"))
+    parts = parts_dir(ds.root)
+    for start, stop in [(0, 8), (8, 16)]:
+        build_part(dict(cache=ds.root, parts=parts, start=start, stop=stop, todo=np.arange(start, stop), meta=ds.store.meta,
+                        source=("pickled", "t", pickle.dumps(ds))))
+    stage = os.path.join(parts, staging_name("part-0000000000016-0000000000024", "build"))
+    os.mkdir(stage)  # a killed worker's
+    root = ds.root
+    ds.close()
+    return root, parts, stage
+
+
+def _deep_chain(top: str, levels: int, name: str = "d") -> None:
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir(name, dir_fd=fd)
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def test_a_parts_directory_is_one_listed_leftover_and_nbkit_rm_removes_it(tmp_path, cache_dir):
+    root, parts, _ = _built_parts(tmp_path)
+    found = by_path(disk.caches(str(tmp_path)))
+    assert set(found) == {root, parts}  # the parts inside are not listed one by one
+    info = found[parts]
+    assert info.leftover and not info.in_use and info.bytes > 0
+    assert "unfinished build of " + root in info.problem and "2 parts" in info.problem and "1 interrupted part build" in info.problem
+    assert disk.remove(parts, dry_run=True).bytes == info.bytes and os.path.isdir(parts)
+    removed = disk.remove(parts)
+    assert removed.bytes == info.bytes and sorted(os.listdir(tmp_path)) == ["c", "nbkit-cache-dir"]
+    assert set(by_path(disk.caches(str(tmp_path)))) == {root}
+
+
+def test_removing_a_cache_removes_its_parts_and_a_running_build_is_refused(tmp_path, cache_dir):
+    from nbkit.commit import claim, release
+
+    root, parts, stage = _built_parts(tmp_path)
+    claim(stage)  # a live worker writes this part
+    try:
+        assert by_path(disk.caches(str(tmp_path)))[parts].in_use
+        with pytest.raises(OSError, match="running build") as got:
+            disk.remove(parts)
+        assert got.value.errno == errno.EBUSY and os.path.isdir(stage)
+        kept = disk.remove(root)  # the cache goes; its parts stay while the build runs, and say so
+        assert not os.path.exists(root) and os.path.isdir(parts) and any("c.parts" in x for x in kept.left)
+    finally:
+        release(stage)
+    root, parts, _ = _built_parts(tmp_path)
+    assert disk.remove(root).bytes > 0 and not os.path.exists(parts) and not os.path.exists(root)
+
+
+def test_nbkit_rm_refuses_a_parts_named_directory_holding_anything_else(tmp_path, cache_dir):
+    other = tmp_path / "notes.parts"
+    other.mkdir()
+    (other / "mine.txt").write_text("keep")
+    assert str(other) not in by_path(disk.caches(str(tmp_path)))
+    with pytest.raises(ValueError, match="not an nbkit cache"):
+        disk.remove(str(other))
+    assert (other / "mine.txt").read_text() == "keep"
+
+
+def test_a_3000_level_chain_in_a_part_leftover_is_listed_and_removed_without_recursion(tmp_path, cache_dir):
+    from nbkit.cli import main
+
+    root, parts, stage = _built_parts(tmp_path)
+    _deep_chain(stage, 3000)  # deeper than Python's recursion limit (1,000)
+    found = by_path(disk.caches(str(tmp_path)))
+    assert found[parts].bytes > 3000 * 512  # every level counted
+    leftover = disk.describe(stage)
+    assert leftover.leftover and leftover.bytes > 3000 * 512
+    assert disk.remove(stage).bytes == leftover.bytes and not os.path.exists(stage)
+    _deep_chain(os.path.join(parts, "part-0000000000000-0000000000008"), 3000, "x")  # inside a whole part too
+    assert main(["ls", str(tmp_path)]) == 0
+    assert main(["rm", parts]) == 0
+    assert not os.path.exists(parts) and os.path.isdir(root)
+
+
+def test_caches_finds_a_cache_below_path_max(tmp_path, cache_dir):
+    top = tmp_path / "long"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for k in range(20):  # 20 names of 243 characters: paths past PATH_MAX (4096)
+            name = f"d{k:02d}" + "x" * 240
+            os.mkdir(name, dir_fd=fd)
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        made = make_cache(tmp_path / "short", 8)
+        os.rename(made, "cache", dst_dir_fd=fd)  # a whole cache, moved where no path reaches
+    finally:
+        os.close(fd)
+    found = [c for c in disk.caches(str(top), max_depth=30) if not c.working_copy]
+    assert [(c.name, c.stored, c.length, c.problem) for c in found] == [("cache", 8, 8, None)]
+    assert len(found[0].path) > 4096 and found[0].bytes > 0
+
+
+def test_remote_parts_are_listed_and_removed_and_nothing_else_is(cache_dir):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    base = "memory://nbkit-test-parts/caches"
+    for name in ("part-0000000000000-0000000000016", "part-0000000000016-0000000000032"):
+        fs.pipe(f"/nbkit-test-parts/caches/c.parts/{name}/nbkit.json", b"{}")
+        fs.pipe(f"/nbkit-test-parts/caches/c.parts/{name}/col-0.bin", b"x" * 100)
+    fs.pipe("/nbkit-test-parts/caches/other.parts/notes.txt", b"mine")  # named like parts, holding something else
+    fs.pipe("/nbkit-test-parts/caches/c/nbkit.json", b"{}")  # the cache itself: never removed by nbkit rm
+    try:
+        found = [c for c in nbkit.caches(base) if not c.working_copy]
+        assert [c.path for c in found] == [f"{base}/c.parts"]
+        assert found[0].leftover and found[0].bytes == 204 and "2 parts uploaded" in found[0].problem
+        assert [c.path for c in nbkit.caches(f"{base}/c.parts") if not c.working_copy] == [f"{base}/c.parts"]
+        assert nbkit.remove(f"{base}/c.parts", dry_run=True).bytes == 204 and fs.exists("/nbkit-test-parts/caches/c.parts")
+        with pytest.raises(ValueError, match="never a remote cache"):
+            nbkit.remove(f"{base}/c")
+        with pytest.raises(ValueError, match="more than a build's parts"):
+            nbkit.remove(f"{base}/other.parts")
+        assert nbkit.remove(f"{base}/c.parts").bytes == 204
+        assert not fs.exists("/nbkit-test-parts/caches/c.parts") and fs.exists("/nbkit-test-parts/caches/c/nbkit.json")
+        with pytest.raises(FileNotFoundError, match="no parts there"):
+            nbkit.remove(f"{base}/c.parts")
+    finally:
+        fs.rm("/nbkit-test-parts", recursive=True)

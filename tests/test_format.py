@@ -437,6 +437,24 @@ def test_fuzz_index_records(fuzz_cache, tmp_path_factory, sample, field, value):
 
 
 @pytest.mark.fuzz
+@given(sample=st.integers(0, 9), sparse=st.sampled_from([1 << 30, 1 << 40]),
+       off=st.integers(0, 2**41) | st.sampled_from([0, 1 << 20, 1 << 39]),
+       length=st.integers(0, 2**41) | st.sampled_from([fmt.BLOB_PIECE + 1, 8 << 30, 1 << 39]))
+def test_fuzz_index_records_in_a_sparse_heap(fuzz_cache, tmp_path_factory, sample, sparse, off, length):
+    # A copied cache or a planted part: the heap is a sparse file as long as it claims, holding
+    # nothing, so a record's claim passes every size check; it must never size a read or a buffer.
+    base, root = fuzz_copy(fuzz_cache, tmp_path_factory)
+    with open(root / "heap.bin", "r+b") as f:
+        f.truncate(sparse)
+    rec = _records(root)
+    rec["off"][sample], rec["len"][sample] = off, length
+    rec.flush()
+    del rec
+    open_and_read_all(root)
+    assert open_and_read_all(root, FUZZ_SOURCE) is None
+
+
+@pytest.mark.fuzz
 @given(schema=json_values | st.fixed_dictionaries({"structure": json_values, "leaves": st.lists(
     st.fixed_dictionaries({"kind": st.sampled_from(["int", "tensor", "ndarray", "str", "pil", "none", "x"]),
                            "store": st.sampled_from(["col", "var", "const", "?"])},

@@ -148,7 +148,7 @@ def test_a_disk_that_fills_while_a_warmup_appends_to_the_heap(disk):
 
 
 def test_a_disk_full_in_warmup_workers(disk):
-    from nbkit.build.part import list_parts, parts_dir, parse_part_name
+    from nbkit.cluster.part import list_parts, parts_dir, parse_part_name
 
     path = str(disk / "c")
     ds = nbkit.CachedDataset(Varying(), path)

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nbkit"
 # The layers below the engine (nbkit.dataset): none of them may import it, directly or through others.
 BELOW_DATASET = ("nbkit.errors", "nbkit.devices", "nbkit.extras", "nbkit.progress", "nbkit.stats", "nbkit.commit", "nbkit.codec",
                  "nbkit.fingerprint", "nbkit.collate", "nbkit.transfer", "nbkit.transforms", "nbkit.format",
-                 "nbkit.cachedir", "nbkit.stores", "nbkit.disk", "nbkit.build")
+                 "nbkit.cachedir", "nbkit.stores", "nbkit.disk", "nbkit.cluster")
 # The layers of docs/DESIGN.md ("Layers"): a module imports only its own layer or lower ones.
 # Modules not listed (notebook front ends: widgets, tpu, bench, …) are the top layer.
 LAYERS = {
@@ -32,7 +32,7 @@ LAYERS = {
     4: ("nbkit.transfer.manifest",),
     5: ("nbkit.transfer.sync", "nbkit.transfer.archive"),
     6: ("nbkit.stores", "nbkit.disk"),
-    7: ("nbkit.build", "nbkit.dataset", "nbkit.samplers", "nbkit.loader", "nbkit.cacheloader"),
+    7: ("nbkit.cluster", "nbkit.dataset", "nbkit.samplers", "nbkit.loader", "nbkit.cacheloader"),
 }
 TOP = max(LAYERS) + 1
 # Packages whose __init__ imports no nbkit module when it runs (its names load on first use):

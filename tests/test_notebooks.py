@@ -449,7 +449,7 @@ def torch_load(path):
 def test_05_builds_the_mnist_cache_on_a_local_cluster(tmp_path, engine):
     """A real local cluster (Dask's LocalCluster of 2 worker processes, or the process pool) builds the
     cache part by part; the result verifies, equals the source, and a second run computes nothing.
-    Ray's local instance (~15 s, 1 GiB) is tested in tests/build/test_ray.py, not here."""
+    Ray's local instance (~15 s, 1 GiB) is tested in tests/cluster/test_ray.py, not here."""
     if engine == "dask":
         pytest.importorskip("distributed", reason="pip install 'dask[distributed]' (make setup installs it)")
     path, out = execute("05_build_on_a_cluster", tmp_path, engine_name=engine)

@@ -447,7 +447,7 @@ def test_a_build_on_two_worker_processes_reports_each_worker_and_parts_done():
     import multiprocessing as mp
 
     import nbkit
-    from nbkit.build import LocalEngine, run
+    from nbkit.cluster import LocalEngine, run
 
     if "fork" not in mp.get_all_start_methods():
         pytest.skip("needs fork (the source is defined in this test module)")

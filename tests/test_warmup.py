@@ -1,4 +1,4 @@
-"""nbkit.build.warmup (``ds.warmup()``): every missing sample once, in this process or in workers; a stop
+"""nbkit.cluster.warmup (``ds.warmup()``): every missing sample once, in this process or in workers; a stop
 or a crash keeps what was stored, and the next warmup resumes from there."""
 
 import multiprocessing as mp
@@ -191,7 +191,7 @@ def test_a_crashed_worker_says_what_happened_and_what_to_do_and_a_rerun_resumes(
 
 
 def test_parts_a_parallel_warmup_left_are_merged_by_the_next_warmup_in_process(tmp_path):
-    from nbkit.build.part import parts_dir
+    from nbkit.cluster.part import parts_dir
 
     n = 200
     ds = nbkit.CachedDataset(workers.FailingSource(n, bad=150), tmp_path / "c", fingerprint_samples=0)

@@ -150,7 +150,9 @@ def kill_at_signal(args, signal_file, env, *, timeout=120):
     import subprocess
     import time
 
-    child = subprocess.Popen(args, env=env)
+    # A process group of its own: what the child started (Grain's worker processes, which outlive a
+    # SIGKILLed parent) is killed with the group afterwards, not left running for the rest of the session.
+    child = subprocess.Popen(args, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         while not os.path.exists(signal_file):
@@ -161,4 +163,8 @@ def kill_at_signal(args, signal_file, env, *, timeout=120):
     finally:
         child.kill()
         child.wait(timeout=60)
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert child.returncode == -signal.SIGKILL

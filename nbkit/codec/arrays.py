@@ -45,6 +45,11 @@ class NdarrayKind(Kind):
     def from_array(self, dtype_name: str, arr: np.ndarray):
         return arr
 
+    def collate_values(self, values: list):
+        if values and all(v.dtype.kind in "SU" for v in values) and len({v.shape for v in values}) == 1:
+            return np.stack(values)  # string arrays: default_collate refuses them, no tensor holds them
+        return super().collate_values(values)
+
     def matcher(self, leaf: Leaf):
         dtype, shape = np.dtype(leaf.dtype), leaf.shape
 

@@ -107,6 +107,23 @@ def native(arr: np.ndarray) -> np.ndarray:
     return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
 
 
+def value_array(values) -> np.ndarray:
+    """A batch of values no tensor holds as one 1-D numpy array: numpy strings (``str_``) for
+    strings, else an object array (bytes, ``None``, pickled objects: numpy's ``S`` dtype would drop
+    trailing zero bytes).
+
+    Example:
+        >>> value_array(("a", "bc")), value_array([b"\\x00", None])
+        (array(['a', 'bc'], dtype='<U2'), array([b'\\x00', None], dtype=object))
+    """
+    values = list(values)
+    if values and all(isinstance(v, str) for v in values):
+        return np.array(values, dtype=str)
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
 def numpy_dtype(dtype_name: str) -> np.dtype:
     """The numpy dtype a cache names ``dtype_name``, from the allow-list (numbers, bools, fixed-size
     strings); anything else raises :class:`CorruptCacheError`."""
@@ -240,7 +257,7 @@ class Kind:
     def numpy_values(self, leaf: Leaf, col: np.ndarray) -> list:
         """Per-sample leaves from a gathered column, as numpy users (JAX, Grain) take them: what
         :meth:`column_values` gives, in this machine's byte order. A kind whose leaves are not numpy
-        (tensors) gives numpy arrays on the column's memory instead."""
+        (tensors, PIL images) gives numpy arrays on the column's memory instead (docs/jax.md, "What comes out")."""
         return self.column_values(leaf, native(col))
 
     # -- var payloads ------------------------------------------------------------------------
@@ -291,10 +308,12 @@ class Kind:
         import torch
 
         if not isinstance(col, torch.Tensor):
-            if col.dtype.kind in "SU":  # fixed-width numpy strings: default_collate decides
+            if col.dtype.kind in "SU":  # fixed-width numpy strings: no tensor holds them
+                if col.ndim > 1:  # a string array per sample: default_collate refuses those, the column is the batch
+                    return native(col)
                 from torch.utils.data import default_collate
 
-                return default_collate(list(col))
+                return default_collate(list(col))  # one string per sample: a list of them, as torch batches strings
             col = self.column_tensor(leaf, col)
         return col
 
@@ -303,6 +322,14 @@ class Kind:
         from torch.utils.data import default_collate
 
         return default_collate(values)
+
+    def numpy_batch(self, leaf: Leaf, batch):
+        """A collated batch of ``leaf`` (what :meth:`collate_column` or :meth:`collate_values` gave) as
+        numpy readers (``nbkit.jax.JaxLoader``) take it: the rows stacked as this kind's samples come
+        out of :meth:`numpy_values`, so that a batch of ``n`` is ``np.stack`` of ``n`` numpy samples.
+        The default keeps ``batch`` (a tensor becomes its numpy array afterwards); a batch of values
+        torch leaves as a list (strings, bytes, objects) becomes a 1-D array (:func:`value_array`)."""
+        return value_array(batch) if isinstance(batch, (list, tuple)) else batch
 
     def collate_types(self) -> dict:
         """``{type: collate_fn}`` for ``default_collate``'s map, for values of this kind that torch

@@ -174,6 +174,14 @@ class PilKind(Kind):
     def column_values(self, leaf: Leaf, col: np.ndarray) -> list:
         return [pil_from_pixels(leaf.mode, row) for row in col]
 
+    def numpy_values(self, leaf: Leaf, col: np.ndarray) -> list:
+        # The stored pixels, as np.asarray(image) gives them: no PIL image is made.
+        return list(native(col))
+
+    def numpy_batch(self, leaf: Leaf, batch):
+        # (N, C, H, W) from collate back to the samples' layout: (N, H, W, C), (N, H, W) for one band.
+        return batch[:, 0] if batch.shape[1] == 1 else batch.permute(0, 2, 3, 1)
+
     def encode_var(self, leaf: Leaf, value) -> bytes | None:
         return pil_to_bytes(value)
 

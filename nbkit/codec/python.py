@@ -262,3 +262,6 @@ class PickleKind(PayloadKind):
         if not allow_pickle:
             raise pickle_refused(where)
         return pickle.loads(data)
+
+    def collate_values(self, values: list):
+        return list(values)  # default_collate refuses arbitrary objects: the batch keeps them, as it keeps strings

@@ -3,7 +3,7 @@
 It is :class:`nbkit.DeviceLoader` with another last step: the same shuffle and shards
 (:class:`nbkit.samplers.EpochSampler`), the same read-ahead thread gathering whole batches from the
 memory-mapped columns, the same ``state_dict()`` / ``load_state_dict()`` resume at the exact batch;
-then, still in that thread, each batch becomes numpy (:func:`nbkit.jax.numpy_tree`, no copy) and is
+then, still in that thread, each batch becomes numpy (:func:`nbkit.jax.trees.numpy_batch`, no copy) and is
 placed: with ``jax.device_put`` in one process (on ``sharding``, or JAX's default device), with
 ``jax.make_array_from_process_local_data`` when several processes feed one global batch (each
 process reads its own shard: ``rank=jax.process_index()``, ``world_size=jax.process_count()``).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ..extras import require
 from ..loader import DeviceLoader
-from .trees import INSTALL, numpy_tree
+from .trees import INSTALL, numpy_batch, numpy_tree
 
 __all__ = ["JaxLoader", "place", "batch_sharding"]
 
@@ -47,7 +47,8 @@ class JaxLoader(DeviceLoader):
             :class:`nbkit.DeviceLoader` (``drop_last=True`` keeps every batch the same shape, so a
             jitted step compiles once and a sharded batch always divides over the devices).
 
-    Fields that JAX cannot hold (strings) stay numpy arrays or lists on the host.
+    Fields that JAX cannot hold stay numpy arrays on the host: strings a ``str_`` array, bytes,
+    ``None`` and pickled objects an object array (docs/jax.md, "What comes out").
 
     Example:
         >>> import tempfile, numpy as np, jax, nbkit
@@ -78,7 +79,10 @@ class JaxLoader(DeviceLoader):
         self.sharding = sharding if sharding is not None or jax.process_count() == 1 else batch_sharding()
 
     def place(self, batch):
-        """``batch`` as numpy, then on JAX's devices (runs in the read-ahead thread)."""
+        """``batch`` as numpy, each field as its samples come out of :class:`GrainSource`
+        (:func:`nbkit.jax.trees.numpy_batch`), then on JAX's devices (runs in the read-ahead thread)."""
+        if self._columnar:  # a cache's own samples (no transform): their kinds give the numpy form
+            batch = numpy_batch(self.dataset.schema, batch)
         return place(batch, self.sharding)
 
     def __repr__(self) -> str:

@@ -23,15 +23,13 @@ Example:
 
 from __future__ import annotations
 
-import operator
 import os
 import threading
-
-import numpy as np
 
 from ..collate import SampleBatch
 from ..dataset import CachedDataset
 from ..samplers import cache_identity, content_identity
+from ..trust import check_indices
 from .trees import numpy_rows, numpy_tree
 
 __all__ = ["GrainSource"]
@@ -80,7 +78,7 @@ class GrainSource:
             with lock:
                 ds.store  # this process's files, opened (and checked) by one thread
             self._opened = None
-        idx = np.fromiter((operator.index(i) for i in indices), dtype=np.int64)
+        idx = check_indices(indices, len(ds))  # integers only; [1.5] or ["3"] is a TypeError, 2**70 an IndexError
         if ds.transform is None:
             # Stored samples of fixed-shape fields: rows of the verified columns, no tensor made.
             columns = ds.read_columns(idx)

@@ -20,13 +20,13 @@ from ..codec.kind import native
 from ..codec.structure import is_namedtuple, unflatten_columns
 from ..codec.table import BY_NAME
 from ..codec.tensor import BITS, numpy_dtype, numpy_twin, torch_dtype
-from ..collate import plain_sample
+from ..collate import leaf_batches, plain_sample, rebuild_batch
 from ..extras import is_tensor
 
 #: How to install what nbkit.jax needs (nbkit-cache's ``jax`` extra).
 INSTALL = "pip install jax grain"
 
-__all__ = ["numpy_tree", "numpy_rows", "tensor_array", "INSTALL"]
+__all__ = ["numpy_tree", "numpy_rows", "numpy_batch", "tensor_array", "INSTALL"]
 
 
 def numpy_tree(value):
@@ -54,6 +54,27 @@ def numpy_tree(value):
     if type(value).__module__.startswith("PIL."):
         return np.asarray(value)  # (H, W) or (H, W, C), as JAX image code expects
     return value
+
+
+def numpy_batch(schema, batch):
+    """A collated batch of a cache's samples (``nbkit.collate``'s structure) as numpy, each field
+    stacked as its samples come out of :func:`numpy_rows`: images ``(N, H, W[, C])``, strings a numpy
+    ``str_`` array, bytes, ``None`` and pickled objects an object array, the rest numpy arrays.
+    Each leaf's kind decides (:meth:`nbkit.codec.kind.Kind.numpy_batch`).
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset([(torch.ones(2), "cat"), (torch.zeros(2), "dog")], tempfile.mkdtemp())
+        >>> _ = ds.warmup()
+        >>> numpy_batch(ds.schema, nbkit.collate([ds[0], ds[1]]))
+        [array([[1., 1.],
+               [0., 0.]], dtype=float32), array(['cat', 'dog'], dtype='<U3')]
+    """
+    fields = leaf_batches(schema.structure, batch)
+    if fields is None:  # free-form samples of another structure: no kinds to ask
+        return numpy_tree(batch)
+    return numpy_tree(rebuild_batch(schema.structure, [BY_NAME[leaf.kind].numpy_batch(leaf, b)
+                                                       for leaf, b in zip(schema.leaves, fields)]))
 
 
 def tensor_array(t) -> np.ndarray:

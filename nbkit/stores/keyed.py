@@ -36,6 +36,7 @@ from .. import format as fmt
 from .. import trust
 from ..errors import CorruptCacheError, UnsafeArchiveError
 from ..commit import atomic_write, file_lock, write_all
+from ..gather import physical_memory
 from .base import KeyedStore
 
 __all__ = ["KEYS_META", "KEYS", "VALUES", "KEYS_LOCK", "FORMAT_NAME", "RECORD", "key_bytes", "key_of", "LocalKeyed"]
@@ -258,6 +259,14 @@ class LocalKeyed(KeyedStore):
                     f"the record of key {key_of(kb)!r} in {os.path.join(self.root, KEYS)} points at bytes {off}..{off + length} "
                     f"of {os.path.join(self.root, VALUES)}, which holds {self._values_size}: the record is damaged."
                 )
+        if length > fmt.BLOB_PIECE:  # a claim: checked piece by piece (a sparse values.bin holds nothing) first
+            where = f"the record of key {key_of(kb)!r} in {os.path.join(self.root, KEYS)}"
+            if length > physical_memory() // 2:
+                raise CorruptCacheError(f"{where} claims a value of {length:,} bytes, more than half of this machine's "
+                                        "memory: the record is damaged.")
+            if fmt.range_crc(self._values, off, length) != crc:
+                raise CorruptCacheError(f"{where} points at {length:,} bytes of {os.path.join(self.root, VALUES)} that "
+                                        "fail its checksum: the record is damaged.")
         return crc, os.pread(self._values, length, off)
 
     def put(self, kb: bytes, crc: int, value: bytes, *, replace: bool = False) -> bool:
@@ -269,12 +278,18 @@ class LocalKeyed(KeyedStore):
                 return False
             off = os.fstat(self._values).st_size
             head = RECORD.pack(MAGIC, len(kb), off, len(value), crc, 0)[:-4]
-            # At the end of the file, after any bytes a killed writer left (readers skip them).
-            end = os.fstat(self._keys).st_size
+            record = head + struct.pack("<I", fmt.row_crc([head, kb])) + kb
+            # At the end of the file, after any bytes a killed writer left (readers skip them) ...
+            end = size = os.fstat(self._keys).st_size
+            if size - self._pos + len(record) > _READ:
+                # ... unless a reader, which reads a bounded piece past the last whole record, could never
+                # reach it (a sparse or damaged tail): then over those bytes, which hold no record.
+                end = self._pos
             try:
                 write_all(self._values, value, off, path=os.path.join(self.root, VALUES))
-                write_all(self._keys, head + struct.pack("<I", fmt.row_crc([head, kb])) + kb, end,
-                          path=os.path.join(self.root, KEYS))
+                write_all(self._keys, record, end, path=os.path.join(self.root, KEYS))
+                if end + len(record) < size:
+                    os.ftruncate(self._keys, end + len(record))
             except OSError:
                 # A full disk: no torn tail is left for the next append to follow.
                 os.ftruncate(self._keys, end)

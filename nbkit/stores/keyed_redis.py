@@ -71,7 +71,7 @@ class RedisKeyed(KeyedStore):
             return self.location.call(k, fn, *args, **kwargs)
         except require("redis", extra="redis", feature="redis:// caches").exceptions.ResponseError as e:
             if not is_oom(e):
-                raise
+                raise self._not_ours(k, e) from e
             if not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -83,10 +83,23 @@ class RedisKeyed(KeyedStore):
                 )
             return None
 
+    def _read(self, k: int, fn, *args):
+        """A read of the values hash on server ``k``; a key of another type there (a string, a list planted
+        under nbkit's name) is a ``CorruptCacheError`` naming it, not the server's raw WRONGTYPE error."""
+        try:
+            return self.location.call(k, fn, *args)
+        except require("redis", extra="redis", feature="redis:// caches").exceptions.ResponseError as e:
+            raise self._not_ours(k, e) from e
+
+    def _not_ours(self, k: int, e: Exception) -> CorruptCacheError:
+        return CorruptCacheError(f"{self._hash} on the Redis server {self.location.addresses[k]} is not a CacheLoader's "
+                                 f"values (the server says: {trust.shown(str(e))}). Delete that key (DEL {self._hash}) "
+                                 "and let the CacheLoader fill again.")
+
     def get(self, kb: bytes, *, fresh: bool = False):
         """``(crc, value)`` of a stored key, or ``None`` (always read from the server: ``fresh`` changes nothing)."""
         k = self._server(kb)
-        raw = self.location.call(k, self._clients[k].hget, self._hash, kb)
+        raw = self._read(k, self._clients[k].hget, self._hash, kb)
         if raw is None:
             return None
         if not isinstance(raw, bytes) or len(raw) < _CRC.size:  # its size first, then (by the caller) its checksum
@@ -97,7 +110,7 @@ class RedisKeyed(KeyedStore):
 
     def contains(self, kb: bytes) -> bool:
         k = self._server(kb)
-        return bool(self.location.call(k, self._clients[k].hexists, self._hash, kb))
+        return bool(self._read(k, self._clients[k].hexists, self._hash, kb))
 
     def put(self, kb: bytes, crc: int, value: bytes, *, replace: bool = False) -> bool:
         """Store ``value`` under ``kb`` unless another process stored the key first (or ``replace``);
@@ -109,13 +122,13 @@ class RedisKeyed(KeyedStore):
         return bool(done)
 
     def count(self) -> int:
-        return sum(int(self.location.call(k, c.hlen, self._hash)) for k, c in enumerate(self._clients))
+        return sum(int(self._read(k, c.hlen, self._hash)) for k, c in enumerate(self._clients))
 
     def keys(self) -> list:
         """Every stored key, in stored form."""
         fix = "Delete the CacheLoader's Redis keys and let it fill again."
         return [trust.check_stored_key(kb, MAX_KEY, f"{self._hash} on the Redis server {self.location.addresses[k]}", fix)
-                for k, c in enumerate(self._clients) for kb in self.location.call(k, c.hkeys, self._hash)]
+                for k, c in enumerate(self._clients) for kb in self._read(k, c.hkeys, self._hash)]
 
     def __repr__(self) -> str:
         return f"RedisKeyed({self.root!r})"

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 import urllib.parse
 import uuid
@@ -30,7 +31,7 @@ from .. import format as fmt
 from .. import trust
 from ..cachedir import stored_count
 from ..errors import CorruptCacheError
-from ..commit import atomic_write, file_lock
+from ..commit import Dir, file_lock
 from ..transfer.manifest import LEASE, sha256_file, trusted_remote_manifest
 from ..transfer.remote import connect, remote_errors
 from ..text import fix
@@ -85,8 +86,13 @@ def _record_origin(root: str, url: str, storage_options: dict) -> None:
     endpoint = storage_options.get("endpoint_url")
     body = {"format": _ORIGIN_FORMAT, "url": without_secrets(url),
             "endpoint": without_secrets(endpoint) if isinstance(endpoint, str) else None}
-    os.makedirs(os.path.dirname(root), exist_ok=True)
-    atomic_write(root + ORIGIN_SUFFIX, json.dumps(body).encode())
+    parent, name = os.path.split(root + ORIGIN_SUFFIX)
+    os.makedirs(parent, exist_ok=True)
+    with Dir(parent) as d:
+        st = d.lstat(name)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            d.remove_tree(name)  # not a file nbkit wrote (a directory, a link): ours to replace, never followed
+        d.write(name, json.dumps(body).encode())
 
 
 def read_origin(root: str) -> dict:

@@ -270,10 +270,17 @@ class RedisLocation(Location):
     def get_small(self, k: int, key: str, fix: str) -> bytes | None:
         """The value of ``key`` (metadata) on server ``k``, or ``None``; its size is checked before it is read."""
         c = self.clients()[k]
-        size = self.call(k, c.strlen, key)
-        trust.check_bound(size, trust.MAX_JSON_BYTES, f"{key} on the Redis server {self.addresses[k]}", "bytes",
-                          "far more than any nbkit metadata", fix)
-        return self.call(k, c.get, key) if size else None
+        where = f"{key} on the Redis server {self.addresses[k]}"
+        try:
+            size = self.call(k, c.strlen, key)
+            trust.check_bound(size, trust.MAX_JSON_BYTES, where, "bytes", "far more than any nbkit metadata", fix)
+            raw = self.call(k, c.get, key) if size else None
+        except _redis().exceptions.ResponseError as e:  # WRONGTYPE: a list, hash or set under nbkit's key
+            raise CorruptCacheError(f"{where} is not nbkit metadata (the server says: {trust.shown(str(e))}). {fix}") from e
+        if raw is not None and not isinstance(raw, bytes):  # an array or an integer where a string was asked for
+            raise CorruptCacheError(f"{where} is not nbkit metadata: the server answered {type(raw).__name__} "
+                                    f"{trust.shown(raw)}, not a string. {fix}")
+        return raw
 
     def unreachable(self, k: int, e: Exception) -> ConnectionError:
         """The error for server ``k`` refusing or dropping the connection."""

@@ -1,6 +1,6 @@
 """Run a cached dataset on every TPU process of a host: :func:`spawn` starts ``fn(index, *args)``
 once per device (what each prints comes back as whole lines, prefixed with its index); inside it, :func:`warmup_shared` fills one shared cache (each process computing
-only its shard; on a pod slice, every host's processes as the ranks of :func:`nbkit.build.run_ranks`) and :func:`device_loader` feeds the process's device from its own sampler shard.
+only its shard; on a pod slice, every host's processes as the ranks of :func:`nbkit.cluster.run_ranks`) and :func:`device_loader` feeds the process's device from its own sampler shard.
 
 Two stacks run them: TorchTPU (``torch_tpu``, where its ``"tpu"`` device is registered: processes
 started by ``torch.multiprocessing`` after ``torch.tpu.distributed.set_tpu_launch_env``, joined in
@@ -48,7 +48,7 @@ def _require_xla(feature: str = "nbkit.tpu"):
         raise RuntimeError(
             f"{feature} runs one process per TPU chip on TorchTPU's 'tpu' device or on torch_xla, and has neither "
             f"here: {torchtpu.no_device_reason(version, describe().is_tpu, os.environ)}. For several processes "
-            "without a TPU, start a torch.distributed job (gloo or nccl) and build with nbkit.build.run_ranks(ds)")
+            "without a TPU, start a torch.distributed job (gloo or nccl) and build with nbkit.cluster.run_ranks(ds)")
     install = (f"{pip_display(xla_requirements(torch.__version__, True))} (torch_xla matching torch "
                f"{torch.__version__}; without a TPU, drop [tpu])")
     if past_xla(torch.__version__):
@@ -418,13 +418,13 @@ def _rendezvous(name: str) -> None:
 
 def xla_ranks():
     """This replica's place among every replica of the job, on every host: ``xr.global_ordinal()``
-    of ``xr.world_size()``, with ``xm.rendezvous`` as the barrier (an :class:`nbkit.build.ranks.Ranks`).
+    of ``xr.world_size()``, with ``xm.rendezvous`` as the barrier (an :class:`nbkit.cluster.ranks.Ranks`).
 
     On a TPU pod slice the rendezvous is a collective over every chip of every host; it has no
     timeout of its own, so a host that died makes the others wait until the job is torn down.
     Untested on a real pod slice here (XLA:CPU has no collectives and runs one host).
     """
-    from nbkit.build.ranks import Ranks
+    from nbkit.cluster.ranks import Ranks
 
     _, _, xr, _, _ = _require_xla()
     return Ranks(int(xr.global_ordinal()), int(xr.world_size()), _rendezvous)
@@ -443,7 +443,7 @@ def warmup_shared(ds, *, callback=None, stall_timeout: float = 600.0, poll_inter
 
     **Several hosts** (a TPU pod slice: ``xr.world_size()`` replicas, more than this host's): the
     cache must be on storage every host reaches, a ``gs://`` URL or a directory mounted at the same
-    path on every host. Every replica is one rank of :func:`nbkit.build.run_ranks`: all plan the same
+    path on every host. Every replica is one rank of :func:`nbkit.cluster.run_ranks`: all plan the same
     parts at a rendezvous, replica ``g`` of ``n`` (global ordinals) builds the parts ``g::n``, replica 0
     merges them (or composes them server-side on ``gs://``), and after a last rendezvous every
     replica reads the complete cache. A host lost mid-build leaves its parts missing, and rerunning
@@ -455,16 +455,16 @@ def warmup_shared(ds, *, callback=None, stall_timeout: float = 600.0, poll_inter
         stall_timeout: one host: seconds without any newly stored sample after which waiting fails.
         poll_interval: one host: first delay between checks of the other replicas' progress.
         part_size: several hosts: samples per part (default
-            :data:`nbkit.build.plan.DEFAULT_PART_SIZE`); a few parts per replica balance the work.
+            :data:`nbkit.cluster.plan.DEFAULT_PART_SIZE`); a few parts per replica balance the work.
 
     Returns:
         One host: this replica's ``WarmupReport``. Several hosts: its
-        :class:`nbkit.build.ranks.RanksReport`, whose ``dataset`` is the handle to read from (for a
+        :class:`nbkit.cluster.ranks.RanksReport`, whose ``dataset`` is the handle to read from (for a
         ``gs://`` cache, reopened on the pulled working copy).
 
     Raises:
         TimeoutError: one host: other replicas stopped storing samples for ``stall_timeout`` seconds.
-        nbkit.build.ranks.RanksIncomplete: several hosts: the parts of some replicas are missing.
+        nbkit.cluster.ranks.RanksIncomplete: several hosts: the parts of some replicas are missing.
 
     Example:
         >>> def train(index, ds):
@@ -473,7 +473,7 @@ def warmup_shared(ds, *, callback=None, stall_timeout: float = 600.0, poll_inter
     """
     replica = _current_replica()
     if replica is not None:
-        from nbkit.build.ranks import torch_ranks
+        from nbkit.cluster.ranks import torch_ranks
 
         rank, world = replica.local_rank, replica.local_world
         ranks = torch_ranks()  # the group the replica joined: its rank and world, dist.barrier()
@@ -481,8 +481,8 @@ def warmup_shared(ds, *, callback=None, stall_timeout: float = 600.0, poll_inter
         rank, world = _local_shard()
         ranks = xla_ranks()
     if ranks.world > world:  # replicas on more than one host
-        from nbkit.build.plan import DEFAULT_PART_SIZE
-        from nbkit.build.ranks import run_ranks
+        from nbkit.cluster.plan import DEFAULT_PART_SIZE
+        from nbkit.cluster.ranks import run_ranks
 
         return run_ranks(ds, rank=ranks.rank, world=ranks.world, barrier=ranks.barrier, callback=callback,
                          part_size=DEFAULT_PART_SIZE if part_size is None else part_size)

@@ -16,6 +16,7 @@ import importlib.util
 import math
 import os
 import platform
+import shlex
 import sys
 import urllib.error
 import urllib.request
@@ -29,9 +30,10 @@ from nbkit.text import Table
 
 from . import torchtpu
 
-__all__ = ["RuntimeInfo", "describe", "drive_path", "KINDS", "XLA_LAST"]
+__all__ = ["RuntimeInfo", "describe", "drive_path", "choose_stack", "shell_command", "KINDS", "STACKS", "XLA_LAST"]
 
 KINDS = ("colab-tpu", "kaggle-tpu", "tpu-vm", "gpu", "cpu")
+STACKS = ("auto", "torch_xla", "torch_tpu")  # what setup(stack=...) and describe(stack=...) take
 
 # torch_xla's last release: it stopped at 2.9.0 (2025-11), and each release needs the torch of the
 # same major.minor. A newer torch has no torch_xla: on a TPU the XLA path needs torch 2.9, or
@@ -76,6 +78,8 @@ class RuntimeInfo:
         runtime_initialized: this process already started the XLA runtime (spawning will fail).
         warnings: known-bad states, each naming its fix.
         notes: what to know that is not wrong (e.g. TorchTPU is installed and how nbkit uses it).
+        stack: the TPU stack the advice is for (:func:`choose_stack`): ``"torch_xla"``, ``"torch_tpu"``
+            or ``None`` (neither needed: a GPU or CPU runtime on a torch newer than torch_xla's last release).
 
     Example:
         >>> info = describe(environ={"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_SKIP_MDS_QUERY": "1"}, root="/nonexistent")
@@ -96,6 +100,7 @@ class RuntimeInfo:
     warnings: tuple = ()
     torch_tpu: Optional[str] = None
     notes: tuple = ()
+    stack: Optional[str] = None
 
     @property
     def is_tpu(self) -> bool:
@@ -131,7 +136,7 @@ class RuntimeInfo:
         return out
 
 
-def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> RuntimeInfo:
+def describe(*, environ: Optional[Mapping[str, str]] = None, root="/", stack: str = "auto") -> RuntimeInfo:
     """Say what runtime this is, without importing torch_xla and without blocking.
 
     The GCE metadata server is asked for the TPU type only on a Google Cloud VM (GCE, Colab,
@@ -141,6 +146,9 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
         environ: the environment to read (default ``os.environ``); tests pass a fake one.
         root: the file-system root under which ``/sys``, ``/proc`` and ``/dev`` are probed
             (default ``/``); tests pass a temporary directory laid out like a Colab or TPU VM.
+        stack: the TPU stack to advise on (``"auto"``, ``"torch_xla"``, ``"torch_tpu"``, as
+            :func:`nbkit.tpu.setup` takes it): the install commands in the warnings are that stack's
+            only, so that advice for torch_xla never downgrades the torch TorchTPU needs.
 
     Returns:
         A :class:`RuntimeInfo`; ``print(info)`` gives a text table, a notebook shows an HTML one.
@@ -150,6 +158,8 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
         >>> (info.kind, info.platform)
         ('cpu', 'local')
     """
+    if stack not in STACKS:
+        raise ValueError(f"stack={stack!r}: choose one of {', '.join(map(repr, STACKS))}")
     env = os.environ if environ is None else environ
     root = Path(root)
     warnings: list = []
@@ -182,16 +192,17 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
     xla_version = dist_version("torch_xla")  # importlib.metadata normalises "-" and "_"
     libtpu = libtpu_version(env)
     tpu_version = torch_tpu_version()
+    chosen = choose_stack(stack, torch_version, tpu_version, is_tpu)
     notes = []
     if tpu_version:
         spec = torchtpu.torch_specifier()
         notes.append(TORCH_TPU_NOTE.format(version=tpu_version, spec=torchtpu.torch_range(spec)))
-        if not torchtpu.torch_fits(torch_version, spec):
-            commands = " && ".join(pip_display(c[4:]) for c in torchtpu.install_commands(torch_version))
+        if chosen == "torch_tpu" and not torchtpu.torch_fits(torch_version, spec):
             warnings.append(f"torch_tpu {tpu_version} needs {torchtpu.torch_range(spec)}, not torch {torch_version}; run "
-                            f"nbkit.tpu.setup(install=True) or: {commands}, then restart the runtime")
+                            f"nbkit.tpu.setup(install=True) or: {torchtpu.install_display(torch_version)}, then restart "
+                            "the runtime")
     mismatch = _version_mismatch(torch_version, xla_version)
-    if mismatch and tpu_version:  # TorchTPU replaces it: never suggest pulling torch back for torch_xla
+    if mismatch and chosen == "torch_tpu":  # TorchTPU replaces it: never suggest pulling torch back for torch_xla
         notes.append(f"torch_xla {xla_version} does not match torch {torch_version}, and TorchTPU does not need it "
                      "(pip uninstall -y torch_xla removes it)")
     elif mismatch:
@@ -206,7 +217,11 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
     pjrt = env.get("PJRT_DEVICE") or None
     if pjrt == "TPU" and not is_tpu:
         warnings.append("PJRT_DEVICE=TPU but no TPU was found; run nbkit.tpu.setup() to fall back to PJRT_DEVICE=CPU")
-    if is_tpu and not tpu_version and (xla_version is None or libtpu is None):
+    if is_tpu and chosen == "torch_tpu" and not tpu_version:
+        call = "nbkit.tpu.setup(install=True)" if stack == "auto" else f"nbkit.tpu.setup(stack={stack!r}, install=True)"
+        warnings.append(f"TorchTPU (torch-tpu, needs {torchtpu.torch_range()}) is not installed; run {call} or: "
+                        f"{torchtpu.install_display(torch_version)}, then restart the runtime")
+    elif is_tpu and chosen == "torch_xla" and (xla_version is None or libtpu is None):
         what = "torch_xla is not installed" if xla_version is None else "libtpu (torch_xla's TPU runtime) is not installed"
         warnings.append(f"{what}; run nbkit.tpu.setup(install=True) or: {pip_display(xla_requirements(torch_version, True))}"
                         + (_past_xla(torch_version) if past_xla(torch_version) else ""))
@@ -228,7 +243,26 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/") -> Runtim
         warnings=tuple(warnings),
         torch_tpu=tpu_version,
         notes=tuple(notes),
+        stack=chosen,
     )
+
+
+def choose_stack(stack: str, torch_version: str, torch_tpu: Optional[str], is_tpu: bool) -> Optional[str]:
+    """The TPU stack nbkit sets up: ``stack`` when it names one; for ``"auto"``, TorchTPU where
+    ``torch_tpu`` is installed or a TPU runs a torch newer than torch_xla's last release (2.9), else
+    torch_xla where this torch has one, else ``None`` (a GPU or CPU runtime on a newer torch needs neither).
+
+    Example:
+        >>> choose_stack("auto", "2.9.0+cpu", None, True), choose_stack("auto", "2.15.0", None, True)
+        ('torch_xla', 'torch_tpu')
+        >>> choose_stack("auto", "2.11.0", None, False) is None
+        True
+    """
+    if stack == "torch_tpu" or (stack == "auto" and bool(torch_tpu or (is_tpu and past_xla(torch_version)))):
+        return "torch_tpu"
+    if stack == "torch_xla" or not past_xla(torch_version):
+        return "torch_xla"
+    return None
 
 
 def drive_path(path, *, mount_point: str = "/content/drive", folder: str = "nbkit") -> tuple:
@@ -443,11 +477,33 @@ def xla_requirements(torch_version: str, tpu: bool) -> tuple:
 
 
 def pip_display(requirements) -> str:
-    """A pip command for a person to read, each argument quoted (an option as it is).
+    """A pip command for a person to paste into a shell or a ``!`` cell: each requirement quoted
+    (``>``, ``<`` and ``[`` are special there), an option and a URL as they are.
 
     Example:
         >>> pip_display(["torch>=2.11", "--index-url", "https://download.pytorch.org/whl/cpu"])
         "pip install 'torch>=2.11' --index-url https://download.pytorch.org/whl/cpu"
     """
-    return "pip install " + " ".join(r if r.startswith("-") or r.startswith("https://") else f"'{r}'" for r in requirements)
+    return "pip install " + " ".join(_quoted(r) for r in requirements)
+
+
+def shell_command(argv) -> str:
+    """A whole command line (``[python, "-m", "pip", "install", ...]``), quoted as :func:`pip_display`
+    quotes it, ready to paste into a shell.
+
+    Example:
+        >>> shell_command(["/usr/bin/python3", "-m", "pip", "install", "torch>=2.11,<=2.15", "--upgrade"])
+        "/usr/bin/python3 -m pip install 'torch>=2.11,<=2.15' --upgrade"
+    """
+    argv = list(argv)
+    if argv[1:4] == ["-m", "pip", "install"]:
+        return shlex.quote(argv[0]) + " -m pip install " + " ".join(_quoted(a) for a in argv[4:])
+    return shlex.join(argv)
+
+
+def _quoted(arg: str) -> str:
+    # A requirement is always quoted, so that every command reads alike; shlex for what needs more than quotes.
+    if arg.startswith("-") or (arg.startswith("https://") and shlex.quote(arg) == arg):
+        return arg
+    return f"'{arg}'" if "'" not in arg else shlex.quote(arg)
 

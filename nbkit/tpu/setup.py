@@ -25,7 +25,8 @@ from nbkit.text import Table
 from nbkit.extras import DISTRIBUTION
 
 from . import torchtpu
-from .runtime import RuntimeInfo, describe, dist_version, libtpu_version, past_xla, pip_display, xla_requirements
+from .runtime import (STACKS, RuntimeInfo, describe, dist_version, libtpu_version, past_xla, pip_display, shell_command,
+                      xla_requirements)
 
 __all__ = ["SetupReport", "setup"]
 
@@ -89,6 +90,11 @@ class SetupReport:
     messages: list = field(default_factory=list)
     no_device: Optional[str] = None
 
+    def commands(self) -> str:
+        """The commands that install what is missing, for a person to paste into a shell or a ``!``
+        cell (each argument quoted), ``""`` when nothing is missing."""
+        return " && ".join(pip_display(c[4:]) for c in (self.torch_command, self.pip_command) if c)
+
     @property
     def ok(self) -> bool:
         """True when nothing is missing and the verification did not fail."""
@@ -102,7 +108,7 @@ class SetupReport:
         return [
             ("runtime", f"{self.info.kind} ({self.info.platform})"),
             ("to install", " ".join(self.missing) or "nothing"),
-            ("pip command", " && ".join(" ".join(c) for c in commands) or "-"),
+            ("pip command", " && ".join(shell_command(c) for c in commands) or "-"),  # pasteable: quoted
             ("installed now", "yes" if self.installed else "no"),
             ("environment", ", ".join(f"{k}={v}" for k, v in self.env.items()) or "-"),
             ("device check", verified),
@@ -167,13 +173,12 @@ def setup(
     if stack not in STACKS:
         raise ValueError(f"setup(stack={stack!r}): choose one of {', '.join(map(repr, STACKS))}")
     env = os.environ if environ is None else environ
-    info = describe(environ=env, root=root)
+    info = describe(environ=env, root=root, stack=stack)  # its advice is for the stack chosen here
     messages: list = []
 
     # torch_xla stopped at 2.9: TorchTPU (on torch 2.11+) is the TPU stack past it. A GPU or CPU
     # runtime on a newer torch needs neither.
-    use_tpu = stack == "torch_tpu" or (stack == "auto" and bool(info.torch_tpu or (info.is_tpu and past_xla(info.torch))))
-    need_xla = stack == "torch_xla" or (not use_tpu and not past_xla(info.torch))
+    use_tpu, need_xla = info.stack == "torch_tpu", info.stack == "torch_xla"
     if use_tpu:
         stack_requirements = (*(() if torchtpu.torch_fits(info.torch) else (f"torch{torchtpu.torch_specifier()}",)),
                               torchtpu.DISTRIBUTION)
@@ -235,8 +240,7 @@ def setup(
         if torch_command:
             messages.append(f"torch {info.torch} was already imported in this process: restart the runtime to use the new torch")
     else:
-        commands = " && ".join(pip_display(c[4:]) for c in (torch_command, pip_command) if c)
-        messages.append(f"missing: {' '.join(missing)}; install with setup(install=True) or: {commands}")
+        messages.append(f"missing: {' '.join(missing)}; install with setup(install=True) or: {report.commands()}")
 
     report.env = _set_pjrt_device(env, info, messages)
 
@@ -249,6 +253,12 @@ def setup(
             messages.append("device check not possible: torch_tpu is not installed; run setup(stack='torch_tpu', install=True)")
         elif torch_command and report.installed:
             messages.append("device check skipped: restart the runtime first (torch was replaced), then run setup() again")
+        elif not torchtpu.torch_fits(info.torch):
+            # torch_tpu cannot import on this torch: the check would only show its traceback.
+            report.verified = False
+            messages.append(f"device check not possible: torch_tpu {tpu_version} needs {torchtpu.torch_range()}, not "
+                            f"torch {info.torch}; run setup(stack='torch_tpu', install=True) or: {report.commands()}, "
+                            "then restart the runtime and run setup() again")
         else:
             _verify(report, env, messages, code=torchtpu.VERIFY_CODE, tpu_version=tpu_version)
     elif not need_xla:
@@ -312,7 +322,7 @@ def _run_pip(command: list) -> None:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"pip failed (exit {done.returncode}) running {' '.join(command)}:\n{tail}")
+        raise RuntimeError(f"pip failed (exit {done.returncode}) running {shell_command(command)}:\n{tail}")
 
 
 def _set_pjrt_device(env: MutableMapping[str, str], info: RuntimeInfo, messages: list) -> dict:
@@ -342,8 +352,7 @@ x = torch.arange(6.0).reshape(2, 3).to(device)
 result = (x @ x.T).sum().item()
 print("NBKIT-VERIFY " + json.dumps({"device": str(device), "device_type": xr.device_type(), "result": result}))
 """
-_VERIFY_EXPECTED = 83.0
-STACKS = ("auto", "torch_xla", "torch_tpu")  # [[0,1,2],[3,4,5]] @ its transpose = [[5,14],[14,50]]
+_VERIFY_EXPECTED = 83.0  # [[0,1,2],[3,4,5]] @ its transpose = [[5,14],[14,50]]
 
 
 def _verify(report: SetupReport, env: Mapping[str, str], messages: list, code: str = _VERIFY_CODE,
@@ -364,8 +373,11 @@ def _verify(report: SetupReport, env: Mapping[str, str], messages: list, code: s
     if done.returncode != 0 or line is None:
         report.verified = False
         tail = "\n".join(done.stderr.strip().splitlines()[-8:])
-        if report.missing:
-            hint = f" (install the missing packages first: {pip_display(report.pip_command[4:])})"
+        if report.missing and report.commands():
+            hint = f" (install the missing packages first: {report.commands()})"
+        elif report.stack == "torch_tpu":
+            hint = (f" (torch_tpu did not import: it needs {torchtpu.torch_range()} and a libtpu; this is torch "
+                    f"{report.info.torch})")
         elif report.info.is_tpu:
             hint = " (is another process, e.g. an old notebook kernel, holding the TPU?)"
         else:

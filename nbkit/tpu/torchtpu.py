@@ -27,8 +27,8 @@ from typing import Mapping, Optional
 
 from nbkit.trust import requirement_specifier
 
-__all__ = ["DEVICE", "BACKEND", "version", "torch_specifier", "torch_fits", "install_commands", "registered",
-           "no_device_reason", "torch_range"]
+__all__ = ["DEVICE", "BACKEND", "version", "torch_specifier", "torch_fits", "install_commands", "install_display",
+           "registered", "no_device_reason", "torch_range"]
 
 DISTRIBUTION = "torch-tpu"
 DEVICE = "tpu"  # the name torch_tpu._loader gives PrivateUse1 (torch.utils.rename_privateuse1_backend)
@@ -127,6 +127,19 @@ def install_commands(torch_version: str, *, python: str = sys.executable, torchv
                          "--index-url", CPU_INDEX, "--upgrade"])
     commands.append([python, "-m", "pip", "install", DISTRIBUTION])
     return commands
+
+
+def install_display(torch_version: str) -> str:
+    """:func:`install_commands` as a person pastes them into a shell or a ``!`` cell: each quoted,
+    joined by ``&&``.
+
+    Example:
+        >>> install_display("2.15.0")
+        "pip install 'torch-tpu'"
+    """
+    from .runtime import pip_display  # runtime imports this module
+
+    return " && ".join(pip_display(c[4:]) for c in install_commands(torch_version))
 
 
 def registered() -> bool:

@@ -96,8 +96,8 @@ class WarmupPanel(View):
     Args:
         ds: the :class:`nbkit.CachedDataset` to show.
         num_workers: worker processes for warmup (0 = in this process).
-        engine: build the cache with this :class:`nbkit.build.engine.Engine` instead (local processes,
-            a Ray or Dask cluster: :func:`nbkit.build.engine.engine_for`); the panel then shows each
+        engine: build the cache with this :class:`nbkit.cluster.engine.Engine` instead (local processes,
+            a Ray or Dask cluster: :func:`nbkit.cluster.engine.engine_for`); the panel then shows each
             worker's rate and the slowest. The caller closes it.
         part_size: samples per part of an ``engine`` build.
         tar_path: initial value of the Export tar field.
@@ -216,7 +216,7 @@ class WarmupPanel(View):
 
     @property
     def warmup_report(self):
-        """The last warmup's :class:`~nbkit.build.report.WarmupReport`, or ``None`` before one ended."""
+        """The last warmup's :class:`~nbkit.cluster.report.WarmupReport`, or ``None`` before one ended."""
         return self._report("warmup")
 
     @property
@@ -263,7 +263,7 @@ class WarmupPanel(View):
         """What Warm up runs: a warmup in this process or its workers, or a build on :attr:`engine`."""
         if self.engine is None:
             return self.ds.warmup(num_workers=self.num_workers, callback=cb)
-        from nbkit.build import run  # imported when first used
+        from nbkit.cluster import run  # imported when first used
 
         sizes = {} if self.part_size is None else {"part_size": self.part_size}
         return run(self.ds, self.engine, callback=cb, **sizes)

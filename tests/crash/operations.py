@@ -330,7 +330,7 @@ def _part_spec(ds, todo):
     import pickle
 
     import numpy as np
-    from nbkit.build.part import parts_dir
+    from nbkit.cluster.part import parts_dir
 
     return dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=N, todo=np.asarray(todo, dtype=np.int64),
                 meta=ds.store.meta, source=("pickled", "crash", pickle.dumps(ds)))
@@ -348,9 +348,9 @@ def _setup_part_build(work):
 
 def _run_part_build(work):
     import nbkit
-    from nbkit.build.part import build_part
+    from nbkit.cluster.part import build_part
 
-    # What a worker of nbkit.build does: one part written beside the cache, the cache itself untouched.
+    # What a worker of nbkit.cluster does: one part written beside the cache, the cache itself untouched.
     ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
     build_part(_part_spec(ds, range(N)))
     ds.close()
@@ -358,7 +358,7 @@ def _run_part_build(work):
 
 def _setup_part_merge(work):
     import nbkit
-    from nbkit.build.part import build_part
+    from nbkit.cluster.part import build_part
 
     bystander(work)
     build_cache(_p(work, "parent", "cache"), 1, stored=N // 4)
@@ -369,9 +369,9 @@ def _setup_part_merge(work):
 
 def _run_part_merge(work):
     import nbkit
-    from nbkit.build.merge import merge
+    from nbkit.cluster.merge import merge
 
-    # What the driver of nbkit.build does with each finished part: verify, merge in place, remove.
+    # What the driver of nbkit.cluster does with each finished part: verify, merge in place, remove.
     ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
     merge(ds.store, _p(work, "parent", "cache.parts", PART))
     ds.close()
@@ -388,6 +388,9 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in [
               Expect(2, whole=False), absent_ok=True, inputs=_BY, power_loss=True),
     Operation("remove", _setup_whole_cache, _run_remove, "parent/cache", "cache", Expect(1), None, absent_ok=True,
               inputs=_BY),
+    # A cache with the parts of its unfinished build beside it: nbkit rm removes both (issue 37).
+    Operation("remove_with_parts", _setup_part_merge, _run_remove, "parent/cache", "cache", Expect(1, whole=False), None,
+              absent_ok=True, inputs=_BY, entries=("cache.parts",)),
     Operation("prune", _setup_prune, _run_prune, f"parent/{OLD_COPY}", "cache", Expect(1), None, absent_ok=True,
               inputs=_BY + (f"parent/{YOUNG_COPY}", f"parent/{YOUNG_COPY}.origin.json"),
               entries=(f"{OLD_COPY}.origin.json", f"{OLD_COPY}.lock", YOUNG_COPY, f"{YOUNG_COPY}.origin.json"),

@@ -1,8 +1,8 @@
 """One process of tests/jax/test_build_ranks.py: ``python build_ranks.py CACHE PORT RANK N OUT``.
 
 Two such processes form one JAX job on the CPU (``jax.distributed``, no torch.distributed): each
-calls ``nbkit.build.run_ranks`` with no ranks given, so the build takes them from JAX
-(:func:`nbkit.build.ranks.jax_ranks`: ``process_index``/``process_count`` and a barrier over every
+calls ``nbkit.cluster.run_ranks`` with no ranks given, so the build takes them from JAX
+(:func:`nbkit.cluster.ranks.jax_ranks`: ``process_index``/``process_count`` and a barrier over every
 process's devices); then each reads the whole cache back and writes its report to OUT.
 """
 
@@ -10,12 +10,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cluster"))
 
 import jax
 
 import nbkit
-from nbkit.build.ranks import current_ranks, run_ranks
+from nbkit.cluster.ranks import current_ranks, run_ranks
 
 from buildsources import Named, same
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nbkit.build.part import parts_dir
+from nbkit.cluster.part import parts_dir
 
 from jax_samples import child_env
 from servers import free_port

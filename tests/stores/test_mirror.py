@@ -303,3 +303,26 @@ def test_any_lease_object_reads_as_a_dict(body):
     assert isinstance(got, dict)
     if body == b'{"time": 1, "token": "t"}':
         assert got == {"time": 1, "token": "t"}
+
+
+def test_an_origin_file_that_is_a_directory_is_replaced_on_open_and_removed_with_the_copy(tmp_path, monkeypatch):
+    """A tampered working copy (issue 37): its ``.origin.json`` is a directory holding a file. Opening the
+    remote cache writes the origin again; removing the copy removes it; neither raises IsADirectoryError."""
+    host(monkeypatch, tmp_path, "host-a")
+    url = f"memory://nbkit-tests/{uuid.uuid4().hex}/cache"
+    ds = nbkit.CachedDataset(TupleSource(n=8), url)
+    ds.warmup()
+    origin = ds.root + mirror.ORIGIN_SUFFIX
+    os.remove(origin)
+    os.makedirs(os.path.join(origin, "inside"))
+    open(os.path.join(origin, "inside", "f"), "w").close()
+    again = nbkit.CachedDataset(TupleSource(n=8), url)
+    assert os.path.isfile(origin) and mirror.read_origin(again.root)["url"] == url
+    for i in range(8):
+        assert_equal(again[i], TupleSource(n=8)[i])
+    os.remove(origin)
+    os.makedirs(os.path.join(origin, "inside"))
+    ds.close()
+    again.close()
+    nbkit.remove(again.root)
+    assert not os.path.lexists(origin) and not os.path.lexists(again.root)

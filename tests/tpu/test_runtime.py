@@ -57,7 +57,9 @@ def test_describe_kaggle_tpu_uses_environment_without_network(tmp_path, metadata
     assert (info.accelerator, info.accelerator_count) == ("v3-8", 4)
     assert server.requests == []
     assert info.libtpu is None
-    missing = "libtpu" if info.torch_xla else "torch_xla is not installed"  # torch_xla: only on Colab's TPU stack
+    # torch_xla: only on Colab's TPU stack; a torch past torch_xla's last release is told TorchTPU's install instead
+    missing = ("libtpu" if info.torch_xla else "TorchTPU (torch-tpu" if runtime.past_xla(info.torch)
+               else "torch_xla is not installed")
     assert any(missing in w and "setup(install=True)" in w for w in info.warnings)
 
 

@@ -5,6 +5,8 @@ run on any stack, with or without torch_xla."""
 
 import importlib
 import re
+import shlex
+import subprocess
 
 import pytest
 
@@ -144,3 +146,91 @@ def test_colab_tpu_moved_to_torch_tpu_gets_pytorch_orgs_install(stack, tmp_path)
     assert " && " in dict(report.rows())["pip command"]
     with pytest.raises(ValueError, match=r"setup\(stack='jax'\): choose one of 'auto', 'torch_xla', 'torch_tpu'"):
         tpu.setup(dry_run=True, environ=env, stack="jax")
+
+
+def _shell_words(command: str) -> list:
+    """``command`` as a POSIX shell splits it; a ``>`` or ``<`` left unquoted would be a redirection."""
+    words = shlex.split(command)
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    assert not {"<", ">", ">=", "<=", "<<", ">>"} & set(lexer), f"unquoted redirection in {command!r}"
+    return words
+
+
+def test_every_command_shown_is_quoted_for_a_shell(stack, tmp_path):
+    """Colab's TPU runtime moved to TorchTPU: the table's pip command, the missing-packages message and
+    describe()'s warning each paste into a shell (or a ``!`` cell) as the very commands setup() runs."""
+    env = {**COLAB, **stack("2.9.0+cpu", torch_xla="2.9.0", torch_tpu=None, gcsfs=None,
+                            ipywidgets="7.7.1", matplotlib="3.10.0")}
+    report = tpu.setup(dry_run=True, environ=env, root=colab_tpu_root(tmp_path), stack="torch_tpu")
+    spec = tpu.torchtpu.torch_specifier()
+    assert report.torch_command[4] == f"torch{spec}" and ">" in spec  # the case that needs quotes
+    row = dict(report.rows())["pip command"]
+    assert _shell_words(row) == [*report.torch_command, "&&", *report.pip_command]
+    message = next(m for m in report.messages if m.startswith("missing: "))
+    pasted = message.split(" or: ", 1)[1]
+    assert _shell_words(pasted) == ["pip", "install", *report.torch_command[4:], "&&", "pip", "install",
+                                    *report.pip_command[4:]]
+    assert subprocess.run(["sh", "-n", "-c", pasted]).returncode == 0
+    # describe()'s advice when torch_tpu is installed on a torch it does not support
+    env = {**COLAB, **stack("2.9.0+cpu", torch_xla=None, torch_tpu="0.2.0", gcsfs="2026.10.1")}
+    info = tpu.describe(environ=env, root=colab_tpu_root(tmp_path / "installed"))
+    warning = next(w for w in info.warnings if w.startswith("torch_tpu 0.2.0 needs"))
+    pasted = warning.split(" or: ", 1)[1].removesuffix(", then restart the runtime")
+    assert _shell_words(pasted)[:3] == ["pip", "install", f"torch{spec}"]
+    assert runtime.shell_command(["/a b/python", "-m", "pip", "install", "it's"]) == "'/a b/python' -m pip install 'it'\"'\"'s'"
+
+
+def test_torch_tpu_on_a_tpu_vm_without_libtpu_never_advises_torch_xla(stack, tmp_path):
+    """A Cloud TPU VM with torch 2.9 and neither torch_xla nor libtpu: setup(stack='torch_tpu') advises
+    TorchTPU's install only (describe()'s torch_xla command would pin torch back to 2.9); the torch_xla
+    stack still gets its own."""
+    stack("2.9.0+cpu", torch_xla=None, libtpu=None, libtpu_nightly=None, torch_tpu=None, gcsfs="2026.10.1")
+    env = {"TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_SKIP_MDS_QUERY": "1"}
+    report = tpu.setup(dry_run=True, environ=dict(env), root=fake_root(tmp_path), stack="torch_tpu")
+    assert report.info.kind == "tpu-vm" and report.info.stack == "torch_tpu" and report.stack == "torch_tpu"
+    text = everything(report)
+    assert "pip install 'torch_xla" not in text and "torch==2.9.0" not in text and "torch_xla[tpu]" not in text
+    warning = next(w for w in report.info.warnings if w.startswith("TorchTPU (torch-tpu"))
+    assert "setup(stack='torch_tpu', install=True)" in warning and "pip install 'torch-tpu'" in warning
+    xla = tpu.setup(dry_run=True, environ=dict(env), root=fake_root(tmp_path / "xla"), stack="auto")
+    assert xla.stack == "torch_xla" and any("pip install 'torch_xla[tpu]~=2.9.0'" in w for w in xla.info.warnings)
+    with pytest.raises(ValueError, match=r"stack='jax': choose one of"):
+        tpu.describe(environ={}, root="/nonexistent", stack="jax")
+
+
+def _broken_torch_tpu(tmp_path) -> str:
+    """A torch_tpu that is installed but does not import (as on a torch it does not support, or without its libtpu)."""
+    package = tmp_path / "broken" / "torch_tpu"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('raise ImportError("libtpu.so: cannot open shared object file")\n')
+    return str(package.parent)
+
+
+def test_a_torch_tpu_that_does_not_import_gives_a_report_naming_the_fix(stack, tmp_path, monkeypatch):
+    path = _broken_torch_tpu(tmp_path)
+    monkeypatch.syspath_prepend(path)  # found (not imported) by setup(); the check's subprocess gets PYTHONPATH
+    monkeypatch.setattr(tpu.torchtpu, "version", lambda: "0.2.0")
+    # On a torch it does not support: no check to run, the report names the torch range and the commands.
+    env = {**COLAB, "PYTHONPATH": path, **stack("2.9.0+cpu", torch_xla=None, torch_tpu="0.2.0", gcsfs="2026.10.1",
+                                                ipywidgets="7.7.1", matplotlib="3.10.0")}
+    report = tpu.setup(environ=env, root=colab_tpu_root(tmp_path / "old"))
+    assert report.stack == "torch_tpu" and report.pip_command is None and report.torch_command
+    assert report.verified is False and not report.ok
+    reason = next(m for m in report.messages if m.startswith("device check not possible: torch_tpu 0.2.0 needs"))
+    assert f"not torch 2.9.0+cpu; run setup(stack='torch_tpu', install=True) or: {report.commands()}, then" in reason
+    assert "torch_xla" not in report.commands()
+    # On a torch it supports, yet it fails to import: the check's failure says what it needs.
+    # (torch's autoload off: where the real torch-tpu is installed, its entry point would import the broken one)
+    env = {**COLAB, "PYTHONPATH": path, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+           **stack("2.15.0", torch_xla=None, torch_tpu="0.2.0", gcsfs="2026.10.1", ipywidgets="7.7.1", matplotlib="3.10.0")}
+    report = tpu.setup(environ=env, root=colab_tpu_root(tmp_path / "new"), extras=())
+    assert report.verified is False and report.missing == ()
+    failure = next(m for m in report.messages if m.startswith("device check failed"))
+    assert "torch_tpu did not import: it needs torch " in failure and "libtpu.so: cannot open" in failure
+    # The hint of a failed check with only torch's command to run (what raised TypeError before).
+    report.missing, report.pip_command = ("torch>=2.11",), None
+    report.torch_command = tpu.torchtpu.install_commands("2.9.0+cpu", torchvision=False)[0]
+    monkeypatch.setattr(setup_py.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "boom"))
+    setup_py._verify(report, env, report.messages)
+    assert report.commands().startswith("pip install 'torch>=")
+    assert f"install the missing packages first: {report.commands()}" in report.messages[-1]

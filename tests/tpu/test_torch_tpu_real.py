@@ -93,7 +93,7 @@ def test_the_helpers_without_a_tpu_device_say_what_is_missing(autoload, monkeypa
         message = str(e.value)
         assert message.startswith(f"nbkit.tpu.{name} runs one process per TPU chip on TorchTPU's 'tpu' device or on "
                                   f"torch_xla, and has neither here: torch_tpu {REAL} is installed"), message
-        assert why in message and "nbkit.build.run_ranks(ds)" in message
+        assert why in message and "nbkit.cluster.run_ranks(ds)" in message
 
 
 def test_spawn_runs_replicas_in_a_torch_distributed_group(tmp_path):

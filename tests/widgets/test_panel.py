@@ -650,7 +650,7 @@ def test_an_engine_build_shows_each_worker_and_the_slowest(tmp_path):
     import multiprocessing as mp
     import socket
 
-    from nbkit.build import LocalEngine
+    from nbkit.cluster import LocalEngine
 
     if "fork" not in mp.get_all_start_methods():
         pytest.skip("needs fork (the source is defined in this test module)")
@@ -676,8 +676,8 @@ def test_an_engine_build_shows_each_worker_and_the_slowest(tmp_path):
 def test_stop_cancels_the_parts_not_built_and_keeps_every_finished_one(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from nbkit.build.engine import ExecutorEngine
-    from nbkit.build.part import list_parts, parts_dir
+    from nbkit.cluster.engine import ExecutorEngine
+    from nbkit.cluster.part import list_parts, parts_dir
 
     source = _NamedGate(1000, str(tmp_path), at=250)  # the third part of 100 waits; the other worker builds the rest
     reached, release = _GATES[source.name]

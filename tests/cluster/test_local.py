@@ -1,0 +1,75 @@
+"""LocalEngine: worker processes under each start method, a lost worker seen as lost, Stop ends running calls."""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from nbkit.cluster import LocalEngine
+
+METHODS = [m for m in ("fork", "spawn", "forkserver") if m in mp.get_all_start_methods()]
+
+
+def test_calls_run_in_other_processes():
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        pids = {f.result() for f in [engine.submit(os.getpid) for _ in range(6)]}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2
+
+
+def test_a_killed_worker_is_lost_and_the_next_submit_starts_fresh():
+    with LocalEngine(1, multiprocessing_context="fork") as engine:
+        f = engine.submit(time.sleep, 30)
+        deadline = time.monotonic() + 30
+        while not engine.processes() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(engine.processes()[0].pid, signal.SIGKILL)
+        with pytest.raises(Exception) as e:
+            f.result(timeout=30)
+        assert engine.worker_lost(e.value)
+        assert engine.submit(pow, 3, 2).result(timeout=60) == 9
+        assert not engine.worker_lost(ValueError("a source's own error"))
+
+
+def test_cancel_ends_running_calls_at_once():
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        futures = [engine.submit(time.sleep, 60) for _ in range(3)]
+        deadline = time.monotonic() + 30
+        while not all(f.running() for f in futures[:2]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        engine.cancel(futures)
+        assert time.monotonic() - t0 < 10 and engine.processes() == []
+        assert all(f.done() for f in futures)  # cancelled, or ended with its worker
+        assert engine.submit(pow, 2, 5).result(timeout=60) == 32
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="workers"):
+        LocalEngine(0)
+    with pytest.raises(ValueError, match="multiprocessing_context must be one of"):
+        LocalEngine(1, multiprocessing_context="threads")
+    assert set(METHODS) >= {"fork"}
+
+
+def test_a_local_engine_gives_each_worker_the_source_once_and_the_parts_only_its_token(tmp_path):
+    import nbkit
+    from nbkit.cluster import run
+    from buildsources import Named, check_cache
+
+    ds = nbkit.CachedDataset(Named(64), str(tmp_path / "cache"))
+    sent = []
+    with LocalEngine(2) as engine:
+        submit = engine.submit
+
+        def recording(fn, spec):
+            sent.append(spec["source"])
+            return submit(fn, spec)
+
+        engine.submit = recording
+        report = run(ds, engine, part_size=8)
+    assert report.computed == 64 and len(sent) == 8
+    assert all(kind == "shared" and payload is None for kind, _, payload in sent)  # no part carries the pickled source
+    ds.close()
+    check_cache(ds.root, Named(64))
