@@ -8,6 +8,10 @@ import tempfile
 
 import pytest
 from collection_record import COLLECTED
+# The clusters the build engines' tests share: registered here, once. A fixture imported into several
+# test modules is a fixture of each module, so a "session" cluster would start once per module and
+# stay up until the session ends (four idle Dask clusters and Ray instances per run).
+from fixtures_clusters import dask_engine, ray_engine
 
 # Scripts the tests run in subprocesses (they do real work at import): never collected.
 collect_ignore = ["tpu_scripts", "notebooks", "widgets7"]

@@ -2,8 +2,10 @@
 per test session, each with 2 workers (starting Ray costs ~15-18 s and ~1 GiB here, Dask ~1.5 s and
 ~200 MiB: docs/notes/issue29-engines.md), so few tests start a cluster and none starts two.
 
-Import them with ``from fixtures_clusters import ray_engine, dask_engine``. Each skips, saying so,
-when its package is not installed (``pip install 'nbkit-cache[ray]'`` / ``[dask]``).
+tests/conftest.py registers them once for every test: never import them into a test module (a
+fixture imported into a module is that module's own, so each module would start its own cluster and
+keep it until the session ends). Each skips, saying so, when its package is not installed
+(``pip install 'nbkit-cache[ray]'`` / ``[dask]``).
 
 The workers import the calls the tests send from ``tests/cluster/engine_calls.py``: the fixtures put
 ``tests/cluster`` and the checkout on ``PYTHONPATH`` before the cluster starts (Ray's workers inherit

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures_clusters import dask_engine
 from fixtures_gcs import gcs, gcs_server
 from torch.utils.data import TensorDataset
 

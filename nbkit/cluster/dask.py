@@ -172,11 +172,14 @@ class DaskEngine(Engine):
 
     def _close_local(self) -> None:
         client, cluster, self.client, self._cluster = self.client, self._cluster, None, None
+        pids = _worker_pids(cluster)
         try:
             client.close(timeout=CLOSE_SECONDS)
             cluster.close(timeout=CLOSE_SECONDS)
         except (TimeoutError, OSError, RuntimeError) as e:  # a broken cluster may not close cleanly: it is dropped
             warnings.warn(f"DaskEngine could not close its old local cluster cleanly ({e})", RuntimeWarning, stacklevel=4)
+        finally:
+            _end(pids)  # a close that gave up leaves its worker processes running for good otherwise
 
     def worker_lost(self, error: BaseException) -> bool:
         """Whether ``error`` says the call's workers kept dying (``KilledWorker``: the scheduler gave up
@@ -198,8 +201,43 @@ class DaskEngine(Engine):
         if self._owns_client:
             self.client.close()
         if self._cluster is not None:
-            self._cluster.close()
+            pids = _worker_pids(self._cluster)
+            try:
+                self._cluster.close(timeout=CLOSE_SECONDS)
+            finally:
+                _end(pids)
         self.client = self._cluster = None
+
+
+def _worker_pids(cluster) -> list:
+    """The pids of a local cluster's worker processes (children of this process: their nannies run here)."""
+    pids = []
+    for nanny in list(getattr(cluster, "workers", {}).values()):
+        try:
+            pid = nanny.pid
+        except AttributeError:  # a worker without a nanny runs in this process
+            continue
+        if isinstance(pid, int) and pid > 0:
+            pids.append(pid)
+    return pids
+
+
+def _end(pids: list) -> None:
+    """SIGKILL what is left of the worker processes ``pids`` once their cluster closed (or gave up closing):
+    only processes that are still this process's children, so a reused pid is never signalled."""
+    import signal
+
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone already, or no /proc (macOS): nothing to end
+            continue
+        if parent == os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _settle(out, *, result=None, exception=None):

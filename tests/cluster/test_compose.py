@@ -11,7 +11,6 @@ import torch
 
 import engine_calls
 import nbkit
-from fixtures_clusters import dask_engine, ray_engine
 from fixtures_gcs import gcs, gcs_emulator, gcs_server, short_gcsfs_retries
 from nbkit import format as fmt
 from nbkit.cluster import compose as composing

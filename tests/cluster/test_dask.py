@@ -4,7 +4,7 @@ import time
 
 import engine_checks
 import pytest
-from fixtures_clusters import dask_engine, worker_env
+from fixtures_clusters import worker_env
 
 
 def test_results_come_back(dask_engine):
@@ -83,11 +83,24 @@ def test_a_stop_that_loses_the_workers_of_its_own_cluster_leaves_the_engine_usab
 
     monkeypatch.setattr(dask_module, "RESTART_SECONDS", 3)
     with dask_module.DaskEngine(num_workers=1) as engine:
+        old = dask_module._worker_pids(engine._cluster)
         _break_restarts(engine, engine._cluster)
         t0 = time.monotonic()
         _stop_a_running_call(engine)
         assert engine.unusable is None and time.monotonic() - t0 < 30
         assert engine.submit(engine_calls.square, 3).result(timeout=60) == 9  # a fresh local cluster runs it
+        assert old and not [pid for pid in old if _alive(pid)]  # the replaced cluster's workers are gone
+        new = dask_module._worker_pids(engine._cluster)
+    assert new and not [pid for pid in new if _alive(pid)]  # and close() ends the fresh one's
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie not yet collected counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 def test_a_stop_that_leaves_a_joined_cluster_without_workers_says_so_and_the_next_run_raises(worker_env, monkeypatch):

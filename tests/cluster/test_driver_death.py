@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-from fixtures_clusters import dask_engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -12,7 +12,6 @@ import nbkit
 from nbkit.cluster import LocalEngine, run
 
 from buildsources import Named, same
-from fixtures_clusters import dask_engine, ray_engine
 from fixtures_gcs import gcs, gcs_server
 from test_remote_build import check_remote
 

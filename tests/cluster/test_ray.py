@@ -2,7 +2,6 @@
 
 import engine_checks
 import pytest
-from fixtures_clusters import ray_engine
 
 
 def test_results_come_back(ray_engine):
