@@ -100,7 +100,7 @@ WRONG_ARGUMENTS = [
     (["build", "sources:TupleSource", "gs:/bucket/c"], "write 'gs://bucket/c'"),
     (["ls", "--max-depth", "-1", "."], "argument --max-depth: '-1' is out of range: give a whole number from 0 to 64"),
     (["ls", "--max-depth", "65", "."], "from 0 to 64"),
-    (["ls", ""], "argument ROOT: the path is empty"),
+    (["ls", ""], "argument ROOT: the path or URL is empty"),
     (["info", ""], "argument PATH: the path is empty"),
     (["verify", "nosuch://b/c"], "argument PATH: the path or URL 'nosuch://b/c' has the unknown scheme"),
     (["verify", ""], "argument PATH: the path or URL is empty"),
@@ -111,7 +111,7 @@ WRONG_ARGUMENTS = [
     (["push", "c", "gs:bucket"], "argument URL: the path or URL 'gs:bucket' looks like a URL"),
     (["pull", "gs://b/c", ""], "argument PATH: the path is empty"),
     (["pull", "nosuch://b/c", "c"], "unknown scheme"),
-    (["rm", "c", ""], "argument PATH: the path is empty"),
+    (["rm", "c", ""], "argument PATH: the path or URL is empty"),
     (["prune", "--max-size=-1GB"], "argument --max-size: '-1GB' is not a size"),
     (["prune", "--older-than", "nan"], "argument --older-than: 'nan' is not a duration"),
 ]
