@@ -71,17 +71,13 @@ def resolve(device=None, *, caller: str = "device") -> torch.device:
 
 
 def _no_tpu() -> str:
-    """Why TorchTPU's ``"tpu"`` device does not exist in this process, and the fix."""
-    import os
-
-    from .tpu import runtime, torchtpu
-
-    version = torchtpu.version()
-    if version is not None:
-        return torchtpu.no_device_reason(version, runtime.describe().is_tpu, os.environ)
-    return (f"torch_tpu (TorchTPU, which needs {torchtpu.torch_range()}) is not installed; on a TPU runtime run "
-            f"nbkit.tpu.setup(stack='torch_tpu', install=True) or: {torchtpu.install_display(torch.__version__)}, then "
-            "restart the runtime. For torch_xla's device pass device='xla'")
+    """Why TorchTPU's ``"tpu"`` device may be missing, and the fix. Worded here, not asked of
+    :mod:`nbkit.tpu` (the front layer: this module is below everything); ``nbkit.tpu.describe()``
+    says which of the causes it is."""
+    return ("torch_tpu (TorchTPU) is not installed, found no TPU chips, or its device autoload is off "
+            "(TORCH_DEVICE_BACKEND_AUTOLOAD=0). nbkit.tpu.describe() says which; on a TPU runtime run "
+            "nbkit.tpu.setup(stack='torch_tpu', install=True), then restart the runtime. For torch_xla's device "
+            "pass device='xla'")
 
 
 def step_done(dev: torch.device) -> None:

@@ -89,6 +89,7 @@ _ALLOWED = {
     "tests/testenvs.py": "the builder of the test environments: make setup runs it, tests only read them",
     "tests/tpu/test_setup.py": "runs pip with --no-index on a package that does not exist, to check the error",
     "tests/tpu/test_torch_tpu_real.py": "compares the install commands setup() builds with pytorch.org's; runs none",
+    "tests/tpu/test_stacks.py": "checks that every install command setup() shows is quoted for a shell; runs none",
     "scripts/stamp_notebooks.py": "the notebooks' install cell, which runs on Colab (tests/test_install_cell.py "
                                   "runs it with a stand-in pip, or the real one with PIP_NO_INDEX on a wheel)",
 }

@@ -199,7 +199,7 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/", stack: st
         notes.append(TORCH_TPU_NOTE.format(version=tpu_version, spec=torchtpu.torch_range(spec)))
         if chosen == "torch_tpu" and not torchtpu.torch_fits(torch_version, spec):
             warnings.append(f"torch_tpu {tpu_version} needs {torchtpu.torch_range(spec)}, not torch {torch_version}; run "
-                            f"nbkit.tpu.setup(install=True) or: {torchtpu.install_display(torch_version)}, then restart "
+                            f"nbkit.tpu.setup(install=True) or: {install_display(torch_version)}, then restart "
                             "the runtime")
     mismatch = _version_mismatch(torch_version, xla_version)
     if mismatch and chosen == "torch_tpu":  # TorchTPU replaces it: never suggest pulling torch back for torch_xla
@@ -220,7 +220,7 @@ def describe(*, environ: Optional[Mapping[str, str]] = None, root="/", stack: st
     if is_tpu and chosen == "torch_tpu" and not tpu_version:
         call = "nbkit.tpu.setup(install=True)" if stack == "auto" else f"nbkit.tpu.setup(stack={stack!r}, install=True)"
         warnings.append(f"TorchTPU (torch-tpu, needs {torchtpu.torch_range()}) is not installed; run {call} or: "
-                        f"{torchtpu.install_display(torch_version)}, then restart the runtime")
+                        f"{install_display(torch_version)}, then restart the runtime")
     elif is_tpu and chosen == "torch_xla" and (xla_version is None or libtpu is None):
         what = "torch_xla is not installed" if xla_version is None else "libtpu (torch_xla's TPU runtime) is not installed"
         warnings.append(f"{what}; run nbkit.tpu.setup(install=True) or: {pip_display(xla_requirements(torch_version, True))}"
@@ -485,6 +485,17 @@ def pip_display(requirements) -> str:
         "pip install 'torch>=2.11' --index-url https://download.pytorch.org/whl/cpu"
     """
     return "pip install " + " ".join(_quoted(r) for r in requirements)
+
+
+def install_display(torch_version: str) -> str:
+    """TorchTPU's install commands (:func:`nbkit.tpu.torchtpu.install_commands`) as a person pastes them
+    into a shell or a ``!`` cell: each quoted, joined by ``&&``.
+
+    Example:
+        >>> install_display("2.15.0")
+        "pip install 'torch-tpu'"
+    """
+    return " && ".join(pip_display(c[4:]) for c in torchtpu.install_commands(torch_version))
 
 
 def shell_command(argv) -> str:

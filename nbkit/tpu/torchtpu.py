@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 
 from nbkit.trust import requirement_specifier
 
-__all__ = ["DEVICE", "BACKEND", "version", "torch_specifier", "torch_fits", "install_commands", "install_display",
+__all__ = ["DEVICE", "BACKEND", "version", "torch_specifier", "torch_fits", "install_commands",
            "registered", "no_device_reason", "torch_range"]
 
 DISTRIBUTION = "torch-tpu"
@@ -127,19 +127,6 @@ def install_commands(torch_version: str, *, python: str = sys.executable, torchv
                          "--index-url", CPU_INDEX, "--upgrade"])
     commands.append([python, "-m", "pip", "install", DISTRIBUTION])
     return commands
-
-
-def install_display(torch_version: str) -> str:
-    """:func:`install_commands` as a person pastes them into a shell or a ``!`` cell: each quoted,
-    joined by ``&&``.
-
-    Example:
-        >>> install_display("2.15.0")
-        "pip install 'torch-tpu'"
-    """
-    from .runtime import pip_display  # runtime imports this module
-
-    return " && ".join(pip_display(c[4:]) for c in install_commands(torch_version))
 
 
 def registered() -> bool:
