@@ -3,3 +3,6 @@
 import pytest
 
 COLLECTED = pytest.StashKey[set]()
+#: Test files skipped whole at collection (a module-level ``pytest.importorskip`` of a package this
+#: environment lacks), by their path from the repository root: collected, with nothing to run.
+SKIPPED_FILES: set = set()

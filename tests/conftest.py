@@ -7,7 +7,7 @@ import shutil
 import tempfile
 
 import pytest
-from collection_record import COLLECTED
+from collection_record import COLLECTED, SKIPPED_FILES
 # The clusters the build engines' tests share: registered here, once. A fixture imported into several
 # test modules is a fixture of each module, so a "session" cluster would start once per module and
 # stay up until the session ends (four idle Dask clusters and Ray instances per run).
@@ -67,3 +67,8 @@ def pytest_configure(config):
 
 def pytest_itemcollected(item):
     item.config.stash[COLLECTED].add(str(item.path))
+
+
+def pytest_collectreport(report):
+    if report.skipped and report.nodeid and "::" not in report.nodeid:
+        SKIPPED_FILES.add(report.nodeid)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from collection_record import COLLECTED
+from collection_record import COLLECTED, SKIPPED_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
 # Folders of scripts that the tests run in subprocesses (tests/conftest.py's collect_ignore): they
@@ -36,13 +36,15 @@ def expected_files() -> set[str]:
 
 def collected_by_a_fresh_run() -> set[str]:
     """The files of ``python -m pytest --collect-only`` from the repository root (the README's command)."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTEST_ADDOPTS": ""})
     files = set()
     for line in out.stdout.splitlines():
-        if "::" in line:
+        if "::" in line and not line.startswith("SKIPPED"):
             files.add(str(ROOT / line.split("::", 1)[0]))
+        elif line.startswith("SKIPPED") and "] " in line:  # a file skipped whole: "SKIPPED [1] tests/x.py:19: why"
+            files.add(str(ROOT / line.split("] ", 1)[1].split(":", 1)[0]))
     assert files, f"pytest --collect-only collected nothing:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return files
 
@@ -59,7 +61,10 @@ def test_no_test_file_sits_in_a_folder_of_scripts():
 
 
 def test_every_test_file_and_doctest_module_is_collected(request):
-    collected = request.config.stash[COLLECTED] if full_run(request.config) else collected_by_a_fresh_run()
+    if full_run(request.config):
+        collected = request.config.stash[COLLECTED] | {str(ROOT / f) for f in SKIPPED_FILES}
+    else:
+        collected = collected_by_a_fresh_run()
     missing = sorted(os.path.relpath(p, ROOT) for p in expected_files() - collected)
     assert not missing, (
         f"{len(missing)} test files or doctest modules are not collected by `make test` (python -m pytest): "
