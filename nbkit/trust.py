@@ -191,12 +191,14 @@ def check_indices(values, length: int, name: str = "indices") -> np.ndarray:
     except (TypeError, ValueError, OverflowError):
         arr = None
     if arr is not None and arr.dtype.kind in "iu" and arr.ndim >= 1:
-        arr = arr.reshape(-1)
-        if arr.size and (arr.min() < -length or arr.max() >= length):
-            bad = arr.min() if arr.min() < -length else arr.max()
-            raise IndexError(f"index {int(bad)} is out of range for {length} samples")
-        idx = arr.astype(np.int64, copy=False)
-        return np.where(idx < 0, idx + length, idx) if idx.size and idx.min() < 0 else idx
+        idx = arr.reshape(-1)
+        if not idx.size:
+            return idx.astype(np.int64)
+        lo, hi = int(idx.min()), int(idx.max())  # one pass each: this runs for every batch
+        if lo < -length or hi >= length:
+            raise IndexError(f"index {lo if lo < -length else hi} is out of range for {length} samples")
+        idx = idx.astype(np.int64, copy=False)
+        return np.where(idx < 0, idx + length, idx) if lo < 0 else idx
     if arr is not None and arr.ndim == 0:
         raise TypeError(f"{name} must be a sequence of integers, got {_got(values)}")
     out = []

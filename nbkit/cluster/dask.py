@@ -227,13 +227,11 @@ def _end(pids: list) -> None:
     only processes that are still this process's children, so a reused pid is never signalled."""
     import signal
 
+    from .reaper import proc_stat
+
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):  # gone already, or no /proc (macOS): nothing to end
-            continue
-        if parent == os.getpid():
+        fields = proc_stat(pid)  # None: gone already, or no /proc (macOS): nothing to end
+        if fields is not None and fields[1] == str(os.getpid()):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -62,18 +62,22 @@ def _running(pid: int) -> bool:
         return False
     except PermissionError:  # alive, and another user's
         return True
-    try:  # an unreaped child ended already: its zombie answers kill(0)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    fields = proc_stat(pid)  # an unreaped child ended already: its zombie answers kill(0)
+    return fields is None or fields[0] != "Z"
 
 
 def _started(pid: int) -> str | None:
     """When ``pid`` started (``/proc``'s start time, in clock ticks), or None: gone, or no ``/proc``."""
+    fields = proc_stat(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None  # field 22 of /proc/PID/stat
+
+
+def proc_stat(pid: int) -> list | None:
+    """The fields of ``/proc/<pid>/stat`` after the process's name (``[0]`` its state, ``[1]`` its
+    parent's pid, ``[19]`` its start time), or None: gone, or no ``/proc`` (macOS)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # field 22; the name, in parentheses, may hold spaces
+            return f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
     except (OSError, IndexError):
         return None
 
