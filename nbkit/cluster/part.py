@@ -627,7 +627,15 @@ def _check_part(path, where, bounds, meta, cache_meta, hashes, fix, refuse) -> V
 
 def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None) -> bool:
     """``flock`` ``fd``, waiting at most ``seconds`` (default :data:`LOCK_SECONDS`); whether it got
-    it. ``True`` where there are no locks (no ``fcntl``, a filesystem without them)."""
+    it. ``True`` where there are no locks (no ``fcntl``, a filesystem without them).
+
+    Example:
+        >>> import tempfile
+        >>> fd = os.open(tempfile.mkdtemp(), os.O_RDONLY)
+        >>> flock_within(fd, seconds=0.1)
+        True
+        >>> os.close(fd)
+    """
     if fcntl is None:
         return True
     deadline = time.monotonic() + (LOCK_SECONDS if seconds is None else seconds)

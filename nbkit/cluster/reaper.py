@@ -74,7 +74,13 @@ def _started(pid: int) -> str | None:
 
 def proc_stat(pid: int) -> list | None:
     """The fields of ``/proc/<pid>/stat`` after the process's name (``[0]`` its state, ``[1]`` its
-    parent's pid, ``[19]`` its start time), or None: gone, or no ``/proc`` (macOS)."""
+    parent's pid, ``[19]`` its start time), or None: gone, or no ``/proc`` (macOS).
+
+    Example:
+        >>> fields = proc_stat(os.getpid())
+        >>> fields is None or fields[1] == str(os.getppid())
+        True
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
