@@ -65,8 +65,12 @@ def pytest_configure(config):
     config.stash[COLLECTED] = set()
 
 
-def pytest_itemcollected(item):
-    item.config.stash[COLLECTED].add(str(item.path))
+# pytest_collection_modifyitems goes through config.hook, which calls this conftest for every item of
+# the session (the doctests of nbkit/ too); pytest_itemcollected would be called only for items under
+# tests/ (a conftest's node hooks are scoped to its folder). tryfirst: before `-m` deselects.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    config.stash[COLLECTED].update(str(item.path) for item in items)
 
 
 def pytest_collectreport(report):
