@@ -33,7 +33,9 @@ from fixtures_browser import (
 )
 from frontends import SCREENSHOTS, CellError, Notebook, clipped, flat, set_parameters
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+# one_stack: the front ends render and click the same on every torch (test_notebooks runs every
+# notebook on both stacks); make test runs these, make test-newest leaves them out.
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.one_stack]
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = Path(__file__).parent / "notebooks" / "warmup_panel.ipynb"
