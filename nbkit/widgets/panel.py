@@ -29,14 +29,14 @@ import sys
 import threading
 import time
 
-from nbkit.progress import Callback, Job, JobState, TextProgress, Workers
+from nbkit.progress import Callback, Job, JobState, TextProgress, WorkerRate, Workers
 from nbkit.stores.mirror import cache_dir
-from nbkit.text import Table, format_amount, format_bytes, format_count, format_rate, format_seconds, speaking_to
+from nbkit.text import Table, format_amount, format_bytes, format_count, format_rate, format_seconds, say, speaking_to
 
 from .poll import wait_until, why_not_live
 from .view import AMBER, GREEN, GREY, RED, RENDER_INTERVAL, View, in_kernel, ipywidgets as _w, status_html, units_html
 
-__all__ = ["WarmupPanel", "PanelState", "OPERATIONS", "disk_text", "workers_html"]
+__all__ = ["WarmupPanel", "PanelState", "OPERATIONS", "disk_text", "workers_html", "settled_workers"]
 
 #: What the panel's buttons run; :meth:`WarmupPanel.run` and :meth:`WarmupPanel.error` take one of these.
 OPERATIONS = ("warmup", "export", "upload")
@@ -322,9 +322,12 @@ class WarmupPanel(View):
         earlier state of the cache, whichever session made it); ``"upload"`` pushes (only the
         files the destination lacks).
 
+        A Stop (the panel's button) ends the wait without an error: the cell prints the panel's
+        sentence (what was kept, and that **Warm up** resumes) and returns the report, whose
+        ``stopped`` is then true (``None`` for a transfer stopped before it reported).
+
         Raises:
             ValueError: the operation cannot start (no tar path, no URL, a cache without source to warm).
-            RuntimeError: it was stopped (Stop clicked, or the kernel interrupted) before it finished.
             TimeoutError: it did not end within ``timeout`` seconds (it goes on in the background).
             Exception: whatever the operation itself raised (e.g. ``OSError`` for an unwritable path).
         """
@@ -341,8 +344,10 @@ class WarmupPanel(View):
             raise error
         job = self._jobs[operation]
         if job.state is JobState.STOPPED:
-            again = "to resume" if operation == "warmup" else f"to {operation} again"
-            raise RuntimeError(f"{self._stopped_text(job)} Run this cell again {again}.")
+            # A Stop is an outcome the user chose, not a failure: the cell ends without a traceback
+            # (Run All goes on) and says, in the panel's own words, what was kept and how to resume.
+            if not self.terminal:  # a terminal already got the panel's line (on stderr)
+                say(self._stopped_status(job))
         return job.report
 
     def _press(self, operation: str) -> bool:
@@ -479,13 +484,16 @@ class WarmupPanel(View):
             missing = format_count(total - int(stats.cached))
             self._set_status(f"Ready: {missing} of {format_count(total)} samples to compute. Click Warm up.")
 
-    def _stopped_text(self, job: Job) -> str:
-        """One sentence: what a stopped operation left (the status and :meth:`run`'s error add the fix)."""
+    def _stopped_status(self, job: Job) -> str:
+        """What a stopped operation left and the one way to resume it: the panel's status line and
+        what :meth:`run` prints, word for word."""
         if job.name == "warmup":
             stats = self.ds.stats
-            return f"The warmup stopped at {format_count(stats.cached)} of {format_count(stats.total)} samples."
+            return (f"The warmup stopped at {format_count(stats.cached)} of {format_count(stats.total)} samples, "
+                    "every one kept in the cache. Click Warm up to resume.")
         where = self.tar_field.value.strip() if job.name == "export" else self.url_field.value.strip()
-        return f"The {job.name} stopped before it finished: {where} holds no complete copy."
+        return (f"The {job.name} stopped before it finished: {where} holds no complete copy. "
+                f"Click {_BUTTON[job.name]} to start it again.")
 
     def _start(self, name: str, unit: str, fn, *, done=None, value=0) -> None:
         with self._lock:
@@ -524,15 +532,14 @@ class WarmupPanel(View):
     def _show_end(self, job: Job, done) -> None:
         with self._lock:
             cb, stats = job.callback, self.ds.stats
-            self._show_workers(cb.workers)  # as the build left them (a throttled last update included)
+            self._show_workers(settled_workers(cb.workers, job.report))  # as the build left them, counts matching the cache
             if job.error is not None:
                 self._show_error(job.error)
                 self._show_idle(stats, ended=job)
                 return
             self._show_idle(stats, ended=job)
             if job.state is JobState.STOPPED:
-                fix = "Click Warm up to resume." if job.name == "warmup" else f"Click {_BUTTON[job.name]} to start it again."
-                self._set_status(f"{self._stopped_text(job)} {fix}", GREY, bold=True)
+                self._set_status(self._stopped_status(job), GREY, bold=True)
             elif job.name == "warmup":
                 seconds = getattr(job.report, "seconds", cb.elapsed())
                 computed = getattr(job.report, "computed", cb.moved)
@@ -641,7 +648,8 @@ def workers_html(workers: Workers, *, rows: int = WORKER_ROWS) -> str:
     ranked = sorted(workers.rows, key=lambda r: (r.seconds <= 0, r.rate))  # slowest first; those yet to finish a part last
     slowest = workers.slowest
     shown = ranked[:rows]
-    table = Table([(r.worker, format_count(r.parts), format_count(r.samples), f"{format_count(r.rate)}/s") for r in shown],
+    table = Table([(r.worker, format_count(r.parts), format_count(r.samples), f"{format_count(r.rate)}/s" if r.seconds > 0 else "–")
+                   for r in shown],
                   header=("worker", "parts", "samples", "rate"), align="lrrr",
                   notes=[f"… and {len(ranked) - rows} more"] if len(ranked) > rows else ())
     styles = [f"color:{AMBER}" if slowest is not None and r is slowest else "" for r in shown]
@@ -649,6 +657,37 @@ def workers_html(workers: Workers, *, rows: int = WORKER_ROWS) -> str:
     body = table.html(style="border-collapse:collapse;font-size:90%", cell_style="padding:0 0.8em 0 0", row_styles=styles,
                       note_style=f"margin:0;padding-left:1.2em;color:{GREY}") if shown else ""
     return f"<div style='overflow-x:auto;max-width:100%'>{summary}{body}</div>"
+
+
+#: The row of a workers table for parts merged when the build ended (a Stop merges the parts that
+#: were finished but not yet merged; which worker built them is not reported).
+MERGED_AT_END = "merged at the end"
+
+
+def settled_workers(workers: Workers | None, report) -> Workers | None:
+    """The workers snapshot a finished build leaves, made to agree with its report: parts done are
+    the parts merged, no part is out, and the samples of parts merged without a worker's report (a
+    Stop merges the finished parts it finds) show in a row of their own, so the rows add up to the
+    samples computed. ``workers`` as it is when there is no build report.
+
+    Example:
+        >>> from nbkit.cluster.report import BuildReport
+        >>> w = Workers(parts_total=4).record("a:1", 100, 1.0).out(2, 3.0)
+        >>> end = settled_workers(w, BuildReport(computed=300, skipped=0, total=400, seconds=2.0, stopped=True, parts=3))
+        >>> end.text(), [(r.worker, r.parts, r.samples) for r in end.rows]
+        ('parts 3/4 · 2 workers', [('a:1', 1, 100), ('merged at the end', 2, 200)])
+    """
+    parts, computed = getattr(report, "parts", None), getattr(report, "computed", None)
+    if workers is None or parts is None or computed is None:
+        return workers
+    rows = workers.rows
+    shown_parts = sum(r.parts for r in rows)
+    shown_samples = sum(r.samples for r in rows)
+    reused = max(0, workers.parts_done - shown_parts)  # parts merged from an earlier build, before any was built
+    unreported = parts - reused - shown_parts
+    if computed > shown_samples and unreported > 0:
+        rows = rows + (WorkerRate(MERGED_AT_END, unreported, computed - shown_samples, 0.0),)
+    return Workers(parts_done=parts, parts_total=max(workers.parts_total, parts), rows=rows)
 
 
 #: An error in the panel: at most this many lines of at most this many characters; the rest is in "details".

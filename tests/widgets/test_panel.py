@@ -68,7 +68,7 @@ def test_stop_then_warm_up_resumes(tmp_path):
     assert panel.last_error is None, panel.last_error
     assert panel.state is PanelState.STOPPED and panel.report.stopped
     assert ds.stats.cached == 512  # the chunk that was running finished; no further one started
-    assert panel.status_text() == "The warmup stopped at 512 of 3,000 samples. Click Warm up to resume."
+    assert panel.status_text() == "The warmup stopped at 512 of 3,000 samples, every one kept in the cache. Click Warm up to resume."
     assert panel.progress.bar_style == "warning"
     assert panel.progress.value == pytest.approx(512 / 3000)
     assert not panel.warmup_button.disabled and panel.stop_button.disabled
@@ -385,19 +385,22 @@ def test_run_raises_its_own_job_error(tmp_path):
     assert isinstance(panel.error("export"), ValueError)
 
 
-def test_run_raises_when_stop_is_clicked_while_it_waits(tmp_path):
+def test_run_returns_a_stopped_report_when_stop_is_clicked_while_it_waits(tmp_path, monkeypatch, capsys):
+    """Stop is an outcome, not an error: the cell ends without a traceback (Run All goes on), and
+    prints the panel's own sentence, what was kept and the one way to resume."""
     import threading
 
     source = GatedSource(3000)
     ds = nbkit.CachedDataset(source, str(tmp_path / "c"))
     panel = WarmupPanel(ds)
+    monkeypatch.setattr(panel, "terminal", False)  # as in a kernel: run() prints the sentence itself
     source.at = 300
     outcome = {}
 
     def cell():
         try:
             outcome["report"] = panel.run("warmup")
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - the test fails on any
             outcome["error"] = e
 
     t = threading.Thread(target=cell)
@@ -406,11 +409,14 @@ def test_run_raises_when_stop_is_clicked_while_it_waits(tmp_path):
     panel.stop_button.click()
     source.release.set()
     t.join(timeout=60)
-    assert "report" not in outcome, outcome
-    # One clean sentence and the fix, not the status line quoted in brackets.
-    assert str(outcome["error"]) == "The warmup stopped at 512 of 3,000 samples. Run this cell again to resume."
+    assert "error" not in outcome, outcome
+    report = outcome["report"]
+    assert report.stopped and report.computed == 512
+    sentence = "The warmup stopped at 512 of 3,000 samples, every one kept in the cache. Click Warm up to resume."
+    assert panel.status_text() == sentence
+    assert " ".join(capsys.readouterr().out.split()) == sentence  # the cell says what the panel says
     source.at = None
-    assert panel.run("warmup").computed == 2488  # running the cell again resumes
+    assert panel.run("warmup").computed == 2488  # Warm up (which run() presses) resumes
 
 
 def test_run_warmup_of_a_cache_without_source_says_why(tmp_path):
@@ -558,7 +564,7 @@ def test_every_idle_state_shows_the_cache_and_what_is_true(tmp_path):
 
     ds, panel = _stopped_midway(tmp_path / "stopped")  # stopped
     _idle_truths(panel, ds)
-    assert panel.status_text() == "The warmup stopped at 512 of 3,000 samples. Click Warm up to resume."
+    assert panel.status_text() == "The warmup stopped at 512 of 3,000 samples, every one kept in the cache. Click Warm up to resume."
     assert panel.progress.bar_style == "warning"
 
     source = FailingSource(1000, bad=700)
@@ -695,10 +701,16 @@ def test_stop_cancels_the_parts_not_built_and_keeps_every_finished_one(tmp_path)
         assert panel.status_text() == "Stopping: cancelling the parts not yet built; every finished part is kept…"
         assert panel.wait(timeout=60)
         assert panel.state is PanelState.STOPPED and panel.warmup_report.stopped
-        assert "parts 9/10" in " ".join(html.unescape(re.sub(r"<[^>]+>", " ", panel.workers_table.value)).split())  # as the build left it
+        shown = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", panel.workers_table.value)).split())
+        assert "parts 9/10" in shown, shown  # the parts in the cache: 900 samples
+        rows = [r for r in panel.job.callback.workers.rows]
+        # The table's rows add up to the samples in the cache (a part merged at the Stop has a row of its own).
+        from nbkit.widgets.panel import settled_workers
+        settled = settled_workers(panel.job.callback.workers, panel.warmup_report)
+        assert sum(r.samples for r in settled.rows) == ds.stats.cached == 900, (rows, settled)
         release.set()  # the part that was running finishes after the stop: kept for the next run
     assert [os.path.basename(p) for p in list_parts(parts_dir(ds.root))] == ["part-0000000000200-0000000000300"]
-    assert panel.status_text() == "The warmup stopped at 900 of 1,000 samples. Click Warm up to resume."
+    assert panel.status_text() == "The warmup stopped at 900 of 1,000 samples, every one kept in the cache. Click Warm up to resume."
 
     with ThreadPoolExecutor(2) as pool:
         panel.engine = ExecutorEngine(pool, workers=2, name="threads", owned=False)
