@@ -22,16 +22,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import html
+import logging
 import re
 import shutil
 import sys
 import textwrap
+import threading
 import unicodedata
 from typing import Sequence
 
 __all__ = ["printable", "format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent",
            "format_list", "fill", "say", "in_kernel", "html_words", "NARROW_COLUMNS", "Table", "plural", "format_age", "shorten_middle",
-           "FRONT_ENDS", "FIXES", "front_end", "speaking_to", "fix"]
+           "FRONT_ENDS", "FIXES", "front_end", "speaking_to", "fix", "quiet_loggers"]
 
 #: The characters of monospaced output that fit a 400-pixel notebook (a phone, Colab's side panel).
 #: Measured in headless Chromium at a 400 px viewport: JupyterLab 4 leaves 276 px for a cell's
@@ -429,3 +431,43 @@ def fix(action: str, **values) -> str:
     """
     words = FIXES[action]
     return words.get(front_end(), words["python"]).format(**values)
+
+
+_quiet_lock = threading.Lock()
+_quieted: dict = {}  # logger name -> [entries still open, its level before the first]
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str, level: int = logging.ERROR):
+    """Within the block, the loggers ``names`` (and their children that set no level of their own)
+    drop records below ``level``; after it, each has its own level back. For nbkit's calls into a
+    library that talks on stderr (Dask's, Ray's start and stop chatter): what matters is said in
+    nbkit's words instead, and the library's errors still show. Blocks may overlap, in any threads:
+    the level is restored when the last one ends.
+
+    Example:
+        >>> import logging
+        >>> log = logging.getLogger("chatty")
+        >>> with quiet_loggers("chatty"):
+        ...     log.isEnabledFor(logging.WARNING), log.isEnabledFor(logging.ERROR)
+        (False, True)
+        >>> log.level == logging.NOTSET
+        True
+    """
+    with _quiet_lock:
+        for name in names:
+            entry = _quieted.setdefault(name, [0, logging.getLogger(name).level])
+            if entry[0] == 0:
+                entry[1] = logging.getLogger(name).level
+                logging.getLogger(name).setLevel(level)
+            entry[0] += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            for name in names:
+                entry = _quieted[name]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    logging.getLogger(name).setLevel(entry[1])
+                    del _quieted[name]

@@ -59,7 +59,17 @@ def execute(name, out_dir, **parameters):
     if failure is not None:
         pytest.fail(f"{name}.ipynb failed in cell {failure.exec_count}: {failure.ename}: {failure.evalue}\n"
                     f"{run_notebooks.text_output(Path(out_dir) / f'{name}.ipynb')[-3000:]}")
+    # Nothing in red: a library's chatter (Dask's large-graph warning, its workers' log lines, Ray's
+    # start-up lines, absl's) stays off the page; what matters is said in nbkit's words, on stdout.
+    assert stderr_outputs(path) == [], f"{name}.ipynb wrote to stderr: {stderr_outputs(path)}"
     return path, run_notebooks.text_output(path)
+
+
+def stderr_outputs(path) -> list:
+    """(cell index, text) of every stream output named stderr in an executed notebook."""
+    nb = nbformat.read(str(path), as_version=4)
+    return [(i, o.get("text", "")) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+            for o in c.outputs if o.get("output_type") == "stream" and o.get("name") == "stderr"]
 
 
 def number(pattern, text):

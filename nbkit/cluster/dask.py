@@ -23,15 +23,18 @@ Example (skipped by the doctest run: it starts a local cluster, ~2 s; tests/clus
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import logging
 import os
 import threading
 import time
 import warnings
 
 from ..extras import require
+from ..text import quiet_loggers
 from .engine import Engine, not_picklable
 
-__all__ = ["DaskEngine"]
+__all__ = ["DaskEngine", "worker_memory"]
 
 FEATURE = "nbkit.cluster.DaskEngine"
 #: Seconds a Stop waits for the workers it restarts to be back, in all (a nanny restarts one in about a second).
@@ -80,9 +83,13 @@ class DaskEngine(Engine):
 
         # Any free port (never a clash with 8787), on loopback only: the dashboard shows the tasks and
         # the workers' state to whoever reaches it, and a notebook runtime's other interfaces are not ours.
-        self._cluster = distributed.LocalCluster(n_workers=self._local, threads_per_worker=1, processes=True,
-                                                 host="127.0.0.1", dashboard_address="127.0.0.1:0")
-        self.client, self._owns_client = distributed.Client(self._cluster), True
+        with _quiet():
+            # silence_logs: the workers' (and their nannies') warnings about calls the Stop cancelled
+            # ("Async instruction ... ended with CancelledError") are not news; their errors still show.
+            self._cluster = distributed.LocalCluster(n_workers=self._local, threads_per_worker=1, processes=True,
+                                                     host="127.0.0.1", dashboard_address="127.0.0.1:0",
+                                                     silence_logs=logging.ERROR)
+            self.client, self._owns_client = distributed.Client(self._cluster), True
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         if self.client is None:
@@ -94,7 +101,8 @@ class DaskEngine(Engine):
                 raise RuntimeError(self.unusable) from None
             self.unusable = None
         try:
-            dfut = self.client.submit(fn, *args, pure=False)
+            with _quiet():
+                dfut = self.client.submit(fn, *args, pure=False)
         except Exception as e:  # distributed raises several types for a call it cannot serialize
             if _is_pickling_error(e):
                 raise not_picklable(fn, args, "Dask", e) from e
@@ -133,10 +141,11 @@ class DaskEngine(Engine):
         if not dfuts or self.client is None:
             return
         keys = {d.key for d in dfuts}
-        busy = [w for w, running in self.client.processing().items() if keys & set(running)]
-        self.client.cancel(dfuts, force=True)
-        if busy:
-            self._restart(busy)
+        with _quiet():  # the nannies report the restarts they were asked for: not news
+            busy = [w for w, running in self.client.processing().items() if keys & set(running)]
+            self.client.cancel(dfuts, force=True)
+            if busy:
+                self._restart(busy)
 
     def _restart(self, busy: list) -> None:
         """Restart the workers ``busy`` and check that the cluster has its workers back, within
@@ -190,6 +199,10 @@ class DaskEngine(Engine):
     def close(self) -> None:
         if self.client is None:
             return
+        with _quiet():  # "Worker process still alive after 4 s, killing": closing is what was asked
+            self._close()
+
+    def _close(self) -> None:
         if self._cluster is not None:  # its own cluster ends now: nothing to restart
             with self._lock:
                 ours, dfuts = list(self._futures), list(self._futures.values())
@@ -207,6 +220,39 @@ class DaskEngine(Engine):
             finally:
                 _end(pids)
         self.client = self._cluster = None
+
+
+def worker_memory(engine: DaskEngine) -> dict:
+    """Each worker's resident memory in bytes (its process's RSS, measured now), by worker address:
+    what the cluster costs this machine, measured rather than guessed.
+
+    Example (skipped by the doctest run: it starts a local cluster):
+        >>> engine = DaskEngine(num_workers=2)            # doctest: +SKIP
+        >>> sorted(worker_memory(engine).values())        # doctest: +SKIP
+        [121634816, 122818560]
+    """
+    if engine.client is None:
+        raise RuntimeError("this DaskEngine is closed: make a new one")
+    with _quiet():
+        return {w: int(m) for w, m in engine.client.run(_rss).items()}
+
+
+def _rss() -> int:
+    """This process's resident memory in bytes (run in each worker; psutil comes with distributed)."""
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+@contextlib.contextmanager
+def _quiet():
+    """nbkit's calls into Dask without Dask's chatter on stderr: its loggers' warnings (nannies
+    restarting or killing the workers a Stop or a close asked them to) and the warning that a call's
+    arguments are large (every part carries the pickled source: expected, and said by nbkit where it
+    matters). Only for the block; Dask's errors still show."""
+    import dask
+
+    with quiet_loggers("distributed"), dask.config.set({"distributed.admin.large-graph-warning-threshold": "100 GiB"}):
+        yield
 
 
 def _worker_pids(cluster) -> list:

@@ -40,8 +40,9 @@ class ProgressBar(TextProgress):
     until ``set_size`` gives a total the bar is indeterminate (full, in the "info" colour, pulsing;
     the text says how many so far), never a bar at 100% of an unknown total; a count past the total
     shows as the total; a total revised upward holds the bar until the work catches up; each
-    :meth:`~nbkit.progress.Callback.start_phase` leaves the last phase's bar as it ended and starts
-    a new bar below it, in the new phase's unit.
+    :meth:`~nbkit.progress.Callback.start_phase` leaves the last phase's bar finished (green) and
+    starts a new bar below it, in the new phase's unit, or removes it when that phase ended short of
+    its total (a bar never stays frozen mid-way).
 
     Args:
         label: what runs, e.g. ``"benchmark"``.
@@ -114,11 +115,21 @@ class ProgressBar(TextProgress):
         self.note.value = status_html(self.text())  # wraps at spaces in a narrow column, never inside a word
 
     def _end_bar(self, *, show: bool = False) -> None:
-        """Draw this phase's bar as it ended (if it is shown, or ``show``): green when its work is all done."""
-        if self._shown or show:
-            self._draw()
-            self.bar.remove_class("nbkit-indeterminate")
-            self.bar.bar_style = "success" if self.finished else ""
+        """Draw this phase's bar as it ended (if it is shown, or ``show``): green when its work is all
+        done. A phase of unknown size is all done when it ends (its count is its size). At a change of
+        phase, a bar whose phase ended short of its total is removed rather than left frozen mid-way:
+        the work goes on in the next phase's bar."""
+        if not (self._shown or show):
+            return
+        if self.size is None and self.value > 0:
+            self.size = self.value
+        if not show and not self.finished:
+            self.bars = [b for b in self.bars if b[0] is not self.widget]
+            self.widget.close()
+            return
+        self._draw()
+        self.bar.remove_class("nbkit-indeterminate")
+        self.bar.bar_style = "success" if self.finished else ""
 
     def start_phase(self, name: str, *, unit: str = "samples", size=None) -> None:
         if self.terminal:

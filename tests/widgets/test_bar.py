@@ -87,3 +87,18 @@ def test_outside_a_notebook_a_phase_is_a_line_of_its_own():
     bar.close()
     finals = [line for line in out.getvalue().splitlines() if "100.0%" in line]
     assert [line.split("  ")[:2] for line in finals] == [["import", "1.0 KB/1.0 KB"], ["import verify", "4/4"]]
+
+
+def test_a_phase_that_ends_short_of_its_total_leaves_no_frozen_bar():
+    """03's training cell: warm-up (ended short: the cache was filled by then), a count of unknown
+    size, then training. Every bar left on the page is finished; none is frozen mid-phase."""
+    w = _run(_in_notebook("training"), [
+        lambda b: b.start_phase("warmup", unit="samples", size=100), lambda b: b.relative_update(40),
+        lambda b: b.start_phase("count", unit="batches"), lambda b: b.relative_update(7),
+        lambda b: b.start_phase("training", unit="batches", size=20), lambda b: b.relative_update(20),
+        lambda b: b.close()])
+    assert [bar.bar_style for _, bar, _ in w.bar.bars] == ["success", "success"]
+    (count_widget, count_bar, count_note), _ = w.bar.bars
+    assert (count_bar.value, count_bar.max) == (7, 7) and "7 of 7 batches" in count_note.value
+    closed = [widget for widget in w.shown if widget not in [b[0] for b in w.bar.bars]]
+    assert len(closed) == 1 and closed[0].comm is None  # the warm-up's bar, removed from the page
