@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import nbformat
@@ -485,6 +486,73 @@ def test_05_builds_the_mnist_cache_on_a_local_cluster(tmp_path, engine):
     # Nothing on stderr: a cluster's log lines (Dask's nanny at close) would overflow a narrow output.
     errors = [o["text"] for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("name") == "stderr"]
     assert errors == [], errors
+
+
+def test_05_a_stopped_build_is_a_result_and_run_all_goes_on(tmp_path, monkeypatch, capsys):
+    """Stop while the build cell waits: the cell ends without an error and says what the panel says;
+    the checks say what they leave for later; the engine stays up for Warm up, and running the
+    notebook again uses it (never a second cluster) and finishes the build, then closes it. The
+    notebook's cells run in this process (as a kernel would), so the test can press Stop."""
+    import threading
+
+    import nbkit.widgets.panel as panel_module
+
+    pytest.importorskip("distributed", reason="pip install 'dask[distributed]' (make setup installs it)")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(panel_module, "in_kernel", lambda: True)  # the panel as in a notebook: run() speaks
+    nb = nbformat.read(str(REPO / "notebooks" / "05_build_on_a_cluster.ipynb"), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    build = next(i for i, c in enumerate(code) if 'panel.run("warmup")' in c.source)
+    ns = {"display": lambda *a, **k: None}
+    small = {**run_notebooks.SMALL["05_build_on_a_cluster"], "offline_samples": 20_000}
+
+    def cells(start, stop=None):
+        for c in code[start:stop]:
+            exec(c.source, ns)
+            if "parameters" in c.metadata.get("tags", []):
+                ns.update(small)
+
+    def said():
+        return flat(capsys.readouterr().out)
+
+    cells(0, build)
+    engine = ns["engine"]
+    ds = ns["ds"]
+
+    def stop_after_a_part():
+        deadline = time.monotonic() + 120
+        while ds.stats.cached < 512 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ns["panel"].stop()
+
+    said()
+    stopper = threading.Thread(target=stop_after_a_part)
+    stopper.start()
+    cells(build, build + 1)  # no exception: a Stop is a result
+    stopper.join()
+    assert ns["report"].stopped, ns["report"]
+    stats = ds.stats
+    assert 0 < stats.cached < stats.total, f"harness: the Stop did not land mid-way ({stats})"
+    sentence = (f"The warmup stopped at {stats.cached:,} of {stats.total:,} samples, every one kept in the cache. "
+                "Click Warm up to resume.")
+    assert ns["panel"].status_text() == sentence
+    out = said()
+    assert sentence in out and "built:" not in out, out
+    cells(build + 1)  # Run All goes on
+    out = said()
+    assert f"cache complete: False ({stats.cached:,} of 20,000 samples" in out, out
+    assert "samples against the source: left for when the cache is complete (Warm up)" in out, out
+    assert "second run: left for when the cache is complete; Warm up in the panel resumes the build" in out, out
+    assert "dask engine kept running: Warm up in the panel needs it to finish the cache" in out, out
+    assert engine.client is not None  # still up, for Warm up
+
+    cells(0)  # Run All again: the same cluster, which finishes the build, then closes
+    out = said()
+    assert "dask: the 2 workers started before are still up; using them" in out, out
+    assert "starting dask" not in out, out
+    assert "samples computed" in out and "merged from parts an earlier run left" in out, out
+    assert "cache complete: True (20,000 of 20,000 samples" in out and "dask engine closed" in out, out
+    assert engine.client is None and ns["engine"] is None
 
 
 def _outputs(path):
