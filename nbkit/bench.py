@@ -43,7 +43,7 @@ from .stats import EpochCounter
 from .text import Table, fill, html_words, format_count, format_percent
 
 __all__ = ["EpochRow", "EpochComparison", "compare_epochs", "TrainingRow", "TrainingComparison", "compare_training",
-           "MIN_TIMED", "NOISE"]
+           "MIN_TIMED", "NOISE", "RULE", "EPOCH_RULE"]
 
 #: Timed epochs (or passes) per feed at the least: fewer give no spread to judge a ratio by, so a
 #: smaller ``epochs`` is raised to this and the result says so.
@@ -53,8 +53,15 @@ MIN_TIMED = 3
 MAX_TIMED = 5
 #: A spread (range / median) wider than this asks for more timed passes while the budget allows.
 WIDE_SPREAD = 0.2
-#: What a feed that beats the on-device limit by more than the run's spread is reported as.
-NOISE = "faster than the on-device limit by more than the run's spread: noise, rerun on a quieter machine"
+#: What a feed that beats the on-device limit beyond both typical ranges is reported as (the numbers
+#: used follow it: :meth:`TrainingComparison.basis`).
+NOISE = "faster than the on-device limit, which nothing can be: noise in this comparison, rerun it on a quieter machine"
+#: How :class:`TrainingComparison` judges a feed against the on-device limit, printed with every verdict.
+RULE = ("rule: each feed's typical pass, median ± MAD (the median absolute deviation of its passes), against "
+        "the limit's: above it, slower; overlapping it, at the limit; touching only at an edge, cannot tell; "
+        "below it, noise")
+#: How :class:`EpochComparison` decides that there is a speedup, printed with it.
+EPOCH_RULE = "rule: a speedup only when the fastest raw epoch is slower than the slowest cached one"
 
 # Colours chosen to stay apart for colour-blind readers and in greyscale.
 _RAW_COLOUR = "#9a9a9a"
@@ -322,8 +329,9 @@ class EpochComparison:
             return ("one timed epoch cannot be compared", " (a single epoch has no spread, and a shared machine's "
                     "noise can exceed any difference)", f"time {MIN_TIMED} or more epochs of each")
         if raw.lo <= cached.hi:
-            return ("raw and cached epochs overlap within this run's spread", "",
-                    "rerun on a quieter machine, or with more epochs")
+            return ("raw and cached epochs overlap within this run's spread",
+                    f" (the fastest raw epoch, {raw.fmt(raw.lo)} s, is not slower than the slowest cached one, "
+                    f"{cached.fmt(cached.hi)} s)", "rerun on a quieter machine, or with more epochs")
         return "", "", ""
 
     def summary(self) -> str:
@@ -337,6 +345,8 @@ class EpochComparison:
                     f"epoch (median and range of {min(raw.n, cached.n)} timed epochs each, interleaved)")
         if not math.isnan(self.filling_seconds):
             text += f"; filling the cache took {_once(self.filling_seconds)} (once)"
+        if raw.n >= 2 and cached.n >= 2:
+            text += f"; {EPOCH_RULE}"
         return text + (f"; {self.note}" if self.note else "")
 
     # --- table -------------------------------------------------------------------------------
@@ -704,6 +714,26 @@ class TrainingComparison:
         wait = self.wait(row)
         return wait.median / 100 if wait is not None else math.nan
 
+    def basis(self, row: TrainingRow) -> str:
+        """The numbers :meth:`verdict` used for ``row``: its typical range and the limit's (median ±
+        MAD, :data:`RULE`); ``""`` for the limit itself or where there is no spread to judge by.
+
+        Example:
+            >>> limit = TrainingRow("on-device limit", 1.0, (1.0, 1.05, 0.95), 100)
+            >>> fast = TrainingRow("nbkit ds.loader", 0.5, (0.5, 0.55, 0.45), 100)
+            >>> TrainingComparison([fast, limit], device="cpu").basis(fast)
+            'median ± MAD 0.5 ± 0.05 s = 0.45–0.55 s, the limit 1 ± 0.05 s = 0.95–1.05 s'
+        """
+        limit = self.limit
+        if limit is None or row is limit or row.spread.n < 2 or limit.spread.n < 2:
+            return ""
+
+        def typical(spread):  # three significant digits: the numbers compared, not a result's precision
+            lo, hi = spread.typical
+            return f"{spread.median:.3g} ± {hi - spread.median:.3g} s = {lo:.3g}–{hi:.3g} s"
+
+        return f"median ± MAD {typical(row.spread)}, the limit {typical(limit.spread)}"
+
     def ratio_text(self, row: TrainingRow) -> str:
         """How ``row`` compares with the limit, in words, with only the digits the spread supports."""
         verdict = self.verdict(row)
@@ -744,10 +774,14 @@ class TrainingComparison:
             text = f"{r.loader} {r.spread.text()}: {self.ratio_text(r)}"
             if self.verdict(r) == "slower":
                 text += f" the limit, waiting for data {self._wait_text(r)} of the time"
+            if self.basis(r):
+                text += f" ({self.basis(r)})"
             parts.append(text)
         limit = self.limit
         if limit is not None:
             parts.append(f"on-device limit {limit.spread.text()}")
+            if limit.spread.n >= 2 and any(self.basis(r) for r in self.rows):
+                parts.append(RULE)
         return f"training on {self.device} ({self.measured}): " + "; ".join(parts)
 
     def _table(self) -> Table:
@@ -803,6 +837,32 @@ class TrainingComparison:
             bars.append((r.loader, s.median, s.lo if s.n > 1 else None, s.hi if s.n > 1 else None, parts, label))
         return bars
 
+    def headline(self) -> str:
+        """The result in one line, a clause per feed (the plot's headline): "noise" qualifies only the
+        feed it concerns.
+
+        Example:
+            >>> limit = TrainingRow("on-device limit", 1.0, (1.0, 1.05, 0.95), 100)
+            >>> slow = TrainingRow("raw DataLoader", 4.0, (4.0, 4.4, 3.8), 100)
+            >>> fast = TrainingRow("nbkit ds.loader", 0.5, (0.5, 0.55, 0.45), 100)
+            >>> TrainingComparison([slow, fast, limit], device="cpu").headline()
+            'raw DataLoader waits for data 75%; nbkit ds.loader faster than the limit: noise, rerun'
+        """
+        said = []
+        for r in self.rows:
+            if r is self.limit:
+                continue
+            verdict = self.verdict(r)
+            if verdict == "slower":
+                said.append(f"{r.loader} waits for data {self.wait(r).short('%')}")
+            elif verdict == "noise":
+                said.append(f"{r.loader} faster than the limit: noise, rerun")
+            elif verdict == "limit":
+                said.append(f"{r.loader} at the limit")
+            else:
+                said.append(f"{r.loader}: cannot tell")
+        return "; ".join(said) or "The on-device limit"
+
     def plot(self, path=None, *, title: str = "", width: float = 4.0):
         """One bar per feed at its median timed pass, a whisker over its fastest to slowest pass,
         labelled as the table prints it. A feed judged slower than the limit is split at the limit's
@@ -821,10 +881,7 @@ class TrainingComparison:
                                 label="waiting for data (beyond the limit's median)"))
         if "noise" in verdicts:
             legend.append(Patch(facecolor=_RAW_COLOUR, edgecolor="black", label="faster than the limit: noise"))
-        headline = ("Noise: rerun on a quieter machine" if "noise" in verdicts
-                    else "Time waiting for data" if "slower" in verdicts
-                    else "Cannot tell from this run's spread" if "unsure" in verdicts
-                    else "No wait beyond this run's spread")
+        headline = self.headline()
         details = [f"on {self.device}"] + ([f"batch {self.batch_size}"] if self.batch_size else [])
         passes = max((r.spread.n for r in self.rows), default=0)
         details.append(f"median of {passes} timed passes, bars show the range")

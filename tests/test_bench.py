@@ -518,11 +518,12 @@ def test_a_feed_within_the_limits_spread_is_at_the_limit(monkeypatch, tmp_path):
     widths = {round(p.get_y() + p.get_height() / 2): p.get_width() for p in ax.patches if p.get_width() > 0}
     assert widths[1] == pytest.approx(0.98) and widths[0] == pytest.approx(1.0)  # each at its own median
     assert "0.98 s, at the limit" in [t.get_text() for t in ax.texts]
-    assert ax.figure._suptitle.get_text() == "Time waiting for data"  # the raw feed waits
+    headline = " ".join(ax.figure._suptitle.get_text().split())  # the result, a clause per feed
+    assert re.fullmatch(r"raw DataLoader waits for data \d+%; nbkit ds\.loader at the limit", headline), headline
     from nbkit.bench import TrainingComparison
 
     alone = TrainingComparison(result.rows[1:], device="cpu")  # only the feed at the limit: no wait to show
-    assert alone.plot()._suptitle.get_text() == "No wait beyond this run's spread"
+    assert alone.plot()._suptitle.get_text() == "nbkit ds.loader at the limit"
 
 
 def test_a_feed_faster_than_the_limit_beyond_the_spread_is_noise_never_a_ratio(monkeypatch, tmp_path):
@@ -540,8 +541,33 @@ def test_a_feed_faster_than_the_limit_beyond_the_spread_is_noise_never_a_ratio(m
     # The noisy feeds are drawn as measured, grey, each labelled as noise (never as a result).
     assert [p.get_width() for p in ax.patches if p.get_width() > 0] == pytest.approx([2.2, 1.16, 4.0])
     assert [t.get_text() for t in ax.texts][:2] == ["2.2 s, noise: rerun", "1.16 s, noise: rerun"]
-    assert fig._suptitle.get_text() == "Noise: rerun on a quieter machine"
+    # The headline states the result; "noise" qualifies each comparison it concerns, not the run.
+    assert " ".join(fig._suptitle.get_text().split()) == (
+        "raw DataLoader faster than the limit: noise, rerun; nbkit ds.loader faster than the limit: noise, rerun")
     _legible_at_400_px(fig)
+
+
+def test_every_verdict_prints_its_rule_and_the_numbers_it_used(monkeypatch, tmp_path):
+    """Issue 39: "faster than the limit by more than the run's spread" while the printed ranges
+    overlapped, and the rule never shown. Now the summary prints the rule once and, with each
+    verdict, the median ± MAD of the feed and of the limit: the reader can check the verdict."""
+    from nbkit.bench import RULE, TrainingComparison, TrainingRow
+
+    # The printed ranges (min–max) overlap: 0.9–1.3 s and 1.0–1.6 s; the typical ranges do not.
+    result = TrainingComparison([TrainingRow(RAW, 0.92, (0.9, 0.92, 1.3), 100),
+                                 TrainingRow(NBKIT, 0.92, (0.92, 1.3, 0.9), 100),
+                                 TrainingRow(LIMIT, 1.2, (1.2, 1.6, 1.0), 100)], device="cpu")
+    summary = result.summary()
+    assert summary.count(RULE) == 1, summary
+    for row in result.rows[:2]:
+        assert result.verdict(row) == "noise", summary
+        basis = re.search(re.escape(row.loader) + r"[^;]*\(median ± MAD ([\d.]+) ± ([\d.]+) s = ([\d.]+)–([\d.]+) s, "
+                          r"the limit ([\d.]+) ± ([\d.]+) s = ([\d.]+)–([\d.]+) s\)", summary)
+        assert basis, summary
+        feed_hi, limit_lo = float(basis.group(4)), float(basis.group(7))
+        assert feed_hi < limit_lo  # the numbers printed are the ones that decided
+        lo, hi = row.spread.typical
+        assert float(basis.group(3)) == pytest.approx(lo, rel=0.01) and feed_hi == pytest.approx(hi, rel=0.01)
 
 
 def test_single_passes_are_never_compared():
