@@ -252,3 +252,36 @@ def test_bench_build_quick_writes_its_tables(tmp_path):
     builds = [ln for ln in table.splitlines() if ln.startswith("| `LocalEngine") or ln.startswith("| Dask")]
     assert builds and all(("| PASS |" in ln) or ("| MISS |" in ln) for ln in builds)
     assert table.count("| reference |") == 2
+
+
+
+@pytest.mark.slow
+def test_bench_hf_quick_compares_nbkit_with_hugging_face_datasets(tmp_path):
+    """benchmarks/bench_hf.py --quick: every build and reader measured, every reader served the right data,
+    with the stack's own datasets (a quick run never installs), and the caches removed."""
+    import datasets
+
+    results, scratch = tmp_path / "results", tmp_path / "scratch"
+    scratch.mkdir()
+    cmd = [sys.executable, str(BENCH / "bench_hf.py"), "--quick", "--only", "mnist", "--data-dir", str(tmp_path / "data"),
+           "--scratch", str(scratch), "--results", str(results)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (results / "hf.md").read_text()
+    assert table.strip() in proc.stdout and "Quick mode" in table
+    for row in ("in-RAM limit", "nbkit `ds.loader(256)`", "nbkit `DataLoader(ds, 256, shuffle=True)`",
+                "HF default: `with_format(\"torch\")`", "`hf[indices]` per batch", "`to_iterable_dataset(64)`",
+                "`Dataset.from_generator`, features inferred", "`Dataset.from_generator(features=Array3D…)`",
+                "`CachedDataset(source, path)` + `warmup()`"):
+        assert row in table, row
+    assert "WRONG DATA" not in table and table.count("| ok |") == 6
+    data = json.loads((results / "hf.json").read_text())
+    assert data["datasets"] == datasets.__version__ and not data["note"]
+    w = data["workloads"]["mnist"]
+    assert w["n"] == 2048 and set(w["builds"]) == {"in-RAM", "nbkit", "HF default", "HF Array3D"}
+    assert all(len(times) == w["repeat"] for times in w["epochs"].values())
+    assert list(scratch.iterdir()) == []
+
+
+def test_run_finds_bench_hf():
+    assert "bench_hf.py" in [s.name for s in bench_run.discover()]
