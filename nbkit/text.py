@@ -36,10 +36,13 @@ __all__ = ["printable", "format_bytes", "format_count", "format_amount", "format
            "FRONT_ENDS", "FIXES", "front_end", "speaking_to", "fix", "quiet_loggers"]
 
 #: The characters of monospaced output that fit a 400-pixel notebook (a phone, Colab's side panel).
-#: Measured in headless Chromium at a 400 px viewport: JupyterLab 4 leaves 276 px for a cell's
-#: printed text (13 px font, 7.8 px a character: 35 columns), the classic Notebook 6 240 px (14 px
-#: font, 8.4 px: 28 columns). Both break a longer line anywhere, mid-word (``word-break: break-all``).
-NARROW_COLUMNS = 28
+#: Measured in headless Chromium at a 400 px viewport (tests/test_browser.py measures it again in
+#: both front ends, short and long outputs): JupyterLab 4 holds 35 columns of a cell's printed text,
+#: the classic Notebook 6 exactly 28 (240 px of a 14 px font). Both break a longer line anywhere,
+#: mid-word. Two columns less than the classic's: a line filled to the last column broke there
+#: ("ther / e", "60,00 / 0") where a glyph came from a wider fallback font ("–", "×", "±") or the
+#: front end's font differs (Colab's), so the room is kept, not assumed.
+NARROW_COLUMNS = 26
 
 
 #: Unicode categories never shown as they are: controls (C0, DEL, C1: ESC starts a terminal escape

@@ -175,3 +175,16 @@ def test_a_panel_operation_runs_speaking_to_the_panel_in_its_worker_thread(tmp_p
         panel.upload_button.click()
         assert panel.wait(timeout=60)
     assert str(panel.error("upload")).endswith("to try again, click Upload again")
+
+
+def test_say_in_a_notebook_leaves_room_in_the_classic_notebooks_400_px_output(monkeypatch, capsys):
+    """The classic Notebook shows 28 columns of printed text at 400 px (tests/test_browser.py measures
+    it); say() fills two fewer, so "there", "60,000" and "188.6 MB" are never broken there."""
+    import nbkit.text as text
+
+    assert text.NARROW_COLUMNS == 26
+    monkeypatch.setattr(text, "in_kernel", lambda: True)
+    said = "cache complete: True (60,000 of 60,000 samples, 188.6 MB); there is nothing left to compute"
+    text.say(said)
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 26 and " ".join(lines) == said, lines
