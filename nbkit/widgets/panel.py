@@ -214,6 +214,13 @@ class WarmupPanel(View):
         job = self._jobs.get(operation)
         return job.error if job is not None else None
 
+    def stopped(self, operation: str) -> bool:
+        """Whether ``operation``'s last run (``"warmup"``, ``"export"``, ``"upload"``) ended by a Stop:
+        what a notebook's later cells ask before using its result (a tar a stopped export never wrote)."""
+        _check_operation(operation)
+        job = self._jobs.get(operation)
+        return job is not None and job.state is JobState.STOPPED and operation not in self._refused
+
     @property
     def warmup_report(self):
         """The last warmup's :class:`~nbkit.cluster.report.WarmupReport`, or ``None`` before one ended."""

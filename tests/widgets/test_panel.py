@@ -415,8 +415,10 @@ def test_run_returns_a_stopped_report_when_stop_is_clicked_while_it_waits(tmp_pa
     sentence = "The warmup stopped at 512 of 3,000 samples, every one kept in the cache. Click Warm up to resume."
     assert panel.status_text() == sentence
     assert " ".join(capsys.readouterr().out.split()) == sentence  # the cell says what the panel says
+    assert panel.stopped("warmup") and not panel.stopped("export")
     source.at = None
     assert panel.run("warmup").computed == 2488  # Warm up (which run() presses) resumes
+    assert not panel.stopped("warmup")
 
 
 def test_run_warmup_of_a_cache_without_source_says_why(tmp_path):
