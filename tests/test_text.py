@@ -188,3 +188,29 @@ def test_say_in_a_notebook_leaves_room_in_the_classic_notebooks_400_px_output(mo
     text.say(said)
     lines = capsys.readouterr().out.splitlines()
     assert max(map(len, lines)) <= 26 and " ".join(lines) == said, lines
+
+
+def test_quiet_loggers_overlapping_in_threads_restore_the_level_once_the_last_ends():
+    import logging
+    import threading
+
+    from nbkit.text import quiet_loggers
+
+    log = logging.getLogger("nbkit-test-chatty")
+    log.setLevel(logging.INFO)
+    inside, release = threading.Event(), threading.Event()
+
+    def other():
+        with quiet_loggers("nbkit-test-chatty"):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(10)
+    with quiet_loggers("nbkit-test-chatty"):
+        assert not log.isEnabledFor(logging.WARNING) and log.isEnabledFor(logging.ERROR)
+    assert log.level == logging.ERROR  # the other block is still open: still quiet
+    release.set()
+    t.join(10)
+    assert log.level == logging.INFO  # its own level back, once
