@@ -70,14 +70,19 @@ class GrainSource:
     def __getitem__(self, index):
         return self._getitems([index])[0]
 
-    def _getitems(self, indices) -> list:
-        """The samples ``indices`` (one batched read of the cache), as Grain's batched read asks."""
+    def _open(self) -> CachedDataset:
+        """The cache, its files opened (and checked) in this process by the first thread that asks."""
         ds = self.dataset
         lock = self._opened
         if lock is not None:
             with lock:
-                ds.store  # this process's files, opened (and checked) by one thread
+                ds.store
             self._opened = None
+        return ds
+
+    def _getitems(self, indices) -> list:
+        """The samples ``indices`` (one batched read of the cache), as Grain's batched read asks."""
+        ds = self._open()
         idx = check_indices(indices, len(ds))  # integers only; [1.5] or ["3"] is a TypeError, 2**70 an IndexError
         if ds.transform is None:
             # Stored samples of fixed-shape fields: rows of the verified columns, no tensor made.
