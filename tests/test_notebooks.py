@@ -470,6 +470,9 @@ def test_05_builds_the_mnist_cache_on_a_local_cluster(tmp_path, engine):
     assert "Using offline MNIST-format stand-in data (3,000 samples)" in said
     name = {"dask": "dask", "processes": "local processes"}[engine]  # the engine's own name
     assert f"{name}: 2 workers ready in " in said
+    if engine == "dask":  # the cluster's memory, measured by nbkit (not a number written by hand)
+        assert re.search(r"its 2 processes hold [\d,]+ MiB of memory \(resident, measured now", said), said
+        assert re.search(r"after the build, its 2 processes hold [\d,]+ MiB", said), said
     # 3,000 samples in parts of 512: 6 parts, all built now, every sample computed once.
     assert re.search(rf"built: 3,000 samples computed in 6 parts by 2 workers \({name}\) in [\d.]+ s", said), said
     assert "cache complete: True (3,000 of 3,000 samples" in said
