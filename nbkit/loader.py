@@ -47,9 +47,10 @@ from torch.utils.data import default_collate
 from . import devices
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads, pinned_rows
-from .samplers import STATE_VERSION, EpochSampler, check_resume_state
+from .samplers import (MAX_RESUMES, EpochSampler, check_resume_state, dealt, dealt_batches, epoch_sequence,
+                       unconsumed)
 from .stores.base import store_of
-from .trust import MAX_EPOCH, MAX_PREFETCH, MAX_SAMPLES, MAX_WORKERS, check_bool, check_int
+from .trust import MAX_EPOCH, MAX_PREFETCH, MAX_SAMPLES, MAX_WORKERS, MAX_WORLD_SIZE, check_bool, check_int
 from .stats import Consumed
 
 __all__ = ["DeviceLoader"]
@@ -103,6 +104,9 @@ class DeviceLoader:
         (2, [(2,), (2,)])
     """
 
+    #: Host batches that :meth:`place` sends elsewhere (JAX's devices) are gathered several at a time too.
+    _place_in_chunks = False
+
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = False, device=None,
                  seed: int = 0, rank: int | None = None, world_size: int | None = None, threads: int | None = None,
                  prefetch: int = 3, batch_transform=None, **dataloader_args):
@@ -141,11 +145,12 @@ class DeviceLoader:
         # training step for the GIL is amortised. Not on XLA (a slice at a new offset is a new
         # graph to compile), nor for host batches (nothing to amortise a copy against).
         cuda = self.device is not None and self.device.type == "cuda"
-        self.chunk = int(max(1, min(16, CHUNK_BYTES // max(1, self._batch_bytes())))) if cuda and self._columnar else 1
+        chunked = cuda or (self.device is None and self._place_in_chunks)
+        self.chunk = int(max(1, min(16, CHUNK_BYTES // max(1, self._batch_bytes())))) if chunked and self._columnar else 1
         self.threads = threads if threads is not None else auto_threads(self._batch_bytes() * self.chunk)
         self.wait_seconds = 0.0  # time the last epoch's caller spent waiting for a batch
-        self._resume = None  # (epoch, batches done) the next pass of that epoch starts at, from load_state_dict
-        self._progress = None  # [epoch, batches handed out] of the latest pass, counted by its iterator
+        self._resume = None  # (epoch, batches done, rest) the next pass of that epoch starts at, from load_state_dict
+        self._progress = None  # [epoch, batches handed out, rest] of the latest pass, counted by its iterator
 
     def _batch_bytes(self) -> int:
         if not self._columnar:
@@ -195,20 +200,30 @@ class DeviceLoader:
             True
         """
         if self._progress is not None:
-            epoch, position = self._progress
+            epoch, position, rest = self._progress
         else:
-            epoch, position = self.sampler.epoch, 0
-        return {"kind": "nbkit.DeviceLoader", "version": STATE_VERSION, "epoch": epoch, "position": position,
-                **self._settings()}
+            epoch, position, rest = self.sampler.epoch, 0, []
+        state = {"kind": "nbkit.DeviceLoader", "version": 1, "epoch": epoch, "position": position, **self._settings()}
+        if rest:  # an epoch resumed on another topology: what the ranks before had left of it (version 2)
+            state.update(version=2, rest=[dict(level, positions=list(level["positions"])) for level in rest])
+        return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state) -> None:
         """Continue from ``state`` (from :meth:`state_dict`, perhaps read back from a file): the next
         pass yields the batches of its epoch that the loop had not received, in the same order; a
         state taken after an epoch's last batch continues with the next epoch.
 
+        ``state`` may be one rank's state or a list of every rank's (the same checkpoint step), and
+        may come from another number of processes or batch size (elastic resume): the next pass then
+        holds the samples of the interrupted epoch that no rank had trained on, in the epoch's order,
+        dealt over this world's ranks (some ranks' last batch shorter, or one batch fewer: every
+        sample once); later epochs are this world's. One state stands for every rank at its position
+        (ranks in lockstep: a data-parallel loop, a ``JaxLoader``'s global batch); give the list when
+        ranks may have saved at different steps. The same topology's own state is the exact path.
+
         Raises:
             ValueError: the state is damaged (``CorruptCacheError``), or was made for another dataset
-                length, batch size, rank, world size, seed, shuffle, ``drop_last``, or another cache
+                length, rank (on the same topology), seed, shuffle, ``drop_last``, or another cache
                 not built from the same source (:class:`~nbkit.errors.ResumeStateError`, naming the
                 field). A cache rebuilt from the same source (same fingerprint) is accepted.
 
@@ -219,16 +234,81 @@ class DeviceLoader:
             >>> again = ds.loader(2, shuffle=False); again.load_state_dict(state)
             >>> [x.tolist() for (x,) in again]
             [[4, 5]]
+            >>> two = [{**ds.loader(2, shuffle=False, rank=r, world_size=2).state_dict(), "position": 1} for r in (0, 1)]
+            >>> one = ds.loader(3, shuffle=False); one.load_state_dict(two)   # 2 ranks of 2 -> 1 rank of 3
+            >>> [x.tolist() for (x,) in one]
+            [[4, 5]]
         """
-        state = check_resume_state(state, "nbkit.DeviceLoader", self._settings(), len(self))
-        epoch, position = state["epoch"], state["position"]
+        kind, ours = "nbkit.DeviceLoader", self._settings()
+        same = {"rank": self.rank, "world_size": self.world_size, "batch_size": self.batch_size}
+        if isinstance(state, (list, tuple)) and state:
+            states = list(state)
+            if not 1 <= len(states) <= MAX_WORLD_SIZE:
+                raise ValueError(f"{kind}.load_state_dict: a list of states holds one state per rank of the checkpointed "
+                                 f"run (1 to {MAX_WORLD_SIZE}), got {len(states)}")
+        else:
+            states = [state]
+        if len(states) == 1 and isinstance(state, dict) and all(state.get(k) == v for k, v in same.items() if k != "rank"):
+            # This topology's own state: the exact path (another rank's state is refused, naming the fix).
+            state = check_resume_state(state, kind, ours, self._batches_of)
+            return self._resume_at(state["epoch"], state["position"], state.get("rest") or [])
+        memo = {}
+        states = [check_resume_state(s, kind, ours, self._batches_of, elastic=True, memo=memo) for s in states]
+        first = states[0]
+        for s in states[1:]:
+            for name in ("world_size", "batch_size", "epoch", "rest"):
+                if s.get(name) != first.get(name):
+                    raise ValueError(f"{kind}.load_state_dict: the states disagree on {name} ({first.get(name)!r} and "
+                                     f"{s.get(name)!r}): give the states every rank saved at the same checkpoint")
+        epoch, rest, world, batch = first["epoch"], first.get("rest") or [], first["world_size"], first["batch_size"]
+        if isinstance(state, (list, tuple)):
+            ranks = sorted(s["rank"] for s in states)
+            if ranks != list(range(world)):
+                raise ValueError(f"{kind}.load_state_dict: a list of states needs one state of each of the {world} ranks "
+                                 f"of the checkpointed run (ranks 0 to {world - 1}), got ranks {ranks[:8]}")
+            by_rank = {s["rank"]: s["position"] for s in states}
+            if world == self.world_size and batch == self.batch_size:  # this topology: this rank's own state
+                return self._resume_at(epoch, by_rank[self.rank], rest)
+            positions = [by_rank[r] for r in range(world)]
+        else:  # one state for all ranks (in lockstep): each at that position, or at its pass's end if shorter
+            length = len(self._pass_sequence(epoch, rest)) if rest else None
+            positions = [min(first["position"], self._batches_of(dict(first, rank=r)) if length is None else
+                             dealt_batches(length, world, batch, r)) for r in range(world)]
+        if any(positions):
+            rest = rest + [{"world_size": world, "batch_size": batch, "positions": positions}]
+        if len(rest) > MAX_RESUMES:
+            raise ValueError(f"{kind}.load_state_dict: this epoch was resumed on another topology {MAX_RESUMES} times "
+                             "already; finish it on the topology it has, or start the epoch over (set_epoch)")
+        if rest and not len(self._pass_sequence(epoch, rest)):  # nothing left of that epoch: as if this world finished it
+            return self._resume_at(epoch, len(self), [])
+        return self._resume_at(epoch, 0, rest)
+
+    def _batches_of(self, state: dict) -> int:
+        """The batches of a (checked) state's rank in an epoch of its topology (a pass without ``rest``)."""
+        s = self.sampler
+        w, b = state["world_size"], state["batch_size"]
+        per_rank = s.n // w if self.drop_last else -(-s.n // w)
+        return per_rank // b if self.drop_last else -(-per_rank // b)
+
+    def _pass_sequence(self, epoch: int, rest: list) -> np.ndarray:
+        """The indices ``rest`` leaves of ``epoch``, in the epoch's order (see :func:`nbkit.samplers.unconsumed`)."""
+        s = self.sampler
+        seq = epoch_sequence(s.n, shuffle=s.shuffle, seed=s.seed, epoch=epoch, world_size=rest[0]["world_size"],
+                             batch_size=rest[0]["batch_size"], drop_last=self.drop_last)
+        for level in rest:
+            seq = unconsumed(seq, level["world_size"], level["batch_size"], level["positions"])
+        return seq
+
+    def _resume_at(self, epoch: int, position: int, rest: list) -> None:
+        length = dealt_batches(len(self._pass_sequence(epoch, rest)), self.world_size, self.batch_size,
+                               self.rank) if rest else len(self)
         # A finished epoch: the next pass is the next epoch (set_epoch(epoch) still gives its empty rest).
         # Checked before anything changes: a refused state (the last epoch there is, finished) leaves
         # the loader as it was.
-        following = check_int(epoch + 1 if position == len(self) else epoch, "the state's next epoch", min=0,
+        following = check_int(epoch + 1 if position == length else epoch, "the state's next epoch", min=0,
                               max=MAX_EPOCH, fix="the state is at the end of the last epoch nbkit counts: start over")
         self.sampler.set_epoch(following)
-        self._resume, self._progress = (epoch, position), [epoch, position]
+        self._resume, self._progress = (epoch, position, rest), [epoch, position, rest]
 
     def _settings(self) -> dict:
         s = self.sampler
@@ -252,6 +332,11 @@ class DeviceLoader:
         """
         return batch
 
+    def _place_batches(self, batches: list) -> list:
+        """:meth:`place` of each of ``batches`` (host batches gathered in one read); a subclass may
+        place them at once (:class:`nbkit.jax.JaxLoader`: one ``jax.device_put`` for all)."""
+        return [self.place(batch) for batch in batches]
+
     @property
     def epoch(self) -> int:
         """The epoch the next iteration will use."""
@@ -265,13 +350,18 @@ class DeviceLoader:
 
     def __iter__(self):
         epoch = self.sampler.epoch
-        start = 0
+        start, rest = 0, []
         if self._resume is not None:
-            start = self._resume[1] if self._resume[0] == epoch else 0
+            if self._resume[0] == epoch:
+                start, rest = self._resume[1], self._resume[2]
             self._resume = None
         self.sampler.set_epoch(epoch + 1)
-        self._progress = [epoch, start]  # shared with the pass, which counts the batches it hands out
-        return _Epoch(self, self.batches(epoch)[start:], self._progress)
+        self._progress = [epoch, start, rest]  # shared with the pass, which counts the batches it hands out
+        if rest:  # the rest of an epoch begun on another topology
+            batches = dealt(self._pass_sequence(epoch, rest), self.world_size, self.batch_size, self.rank)
+        else:
+            batches = self.batches(epoch)
+        return _Epoch(self, batches[start:], self._progress)
 
     def __repr__(self) -> str:
         where = "host" if self.device is None else str(self.device)
@@ -356,8 +446,6 @@ class _Pipeline:
                     if c + READ_AHEAD < len(groups):
                         pending.append(self._read_soon(ahead, c + READ_AHEAD, groups[c + READ_AHEAD]))
                     for item in self._make(c, group, read):  # a generator: batches go out as they are made
-                        if self.kind is None:  # a host batch: the loader places it (nbkit.jax puts it on JAX's devices)
-                            item = (self.loader.place(item[0]), *item[1:])
                         if self.stop.is_set() or not self._put(item):
                             return
                         b += 1
@@ -422,12 +510,13 @@ class _Pipeline:
                 moved, event = self._send(tensors)
                 if slot is not None:
                     slot["event"] = event
-                start = 0
-                for part in group:
-                    m = len(part)
-                    batch = collate_columns(ds.schema, [t[start:start + m] for t in moved], None, m)
-                    yield batch, event, (m, m, 0)  # read_columns served every sample from the cache
-                    start += m
+                bounds = np.cumsum([0] + [len(part) for part in group]).tolist()
+                batches = [collate_columns(ds.schema, [t[a:b] for t in moved], None, b - a)
+                           for a, b in zip(bounds[:-1], bounds[1:])]
+                if self.kind is None:  # host batches: the loader places them (nbkit.jax: on JAX's devices, at once)
+                    batches = loader._place_batches(batches)
+                for batch, part in zip(batches, group):
+                    yield batch, event, (len(part), len(part), 0)  # read_columns served every sample from the cache
                 return
         store = store_of(ds)
         is_stored = None if store is None else store.is_stored
@@ -438,7 +527,7 @@ class _Pipeline:
                 batch = collate(ds.__getitems__(idx.tolist()))
             else:
                 batch = default_collate([ds[int(i)] for i in idx])
-            moved, event = self._send(batch)
+            moved, event = self._send(batch) if self.kind is not None else (loader.place(batch), None)
             yield moved, event, (len(idx), None if misses is None else len(idx) - misses, misses)
 
     def _send(self, batch):

@@ -37,19 +37,25 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .errors import ResumeStateError
-from .trust import (MAX_EPOCH, MAX_SAMPLES, MAX_SEED, MAX_WORLD_SIZE, SEED_FIX, Bool, Int, Obj, Optional, Str, check_bool,
-                    check_int, check_json, check_size)
+from .errors import CorruptCacheError, ResumeStateError
+from .trust import (MAX_EPOCH, MAX_SAMPLES, MAX_SEED, MAX_WORLD_SIZE, SEED_FIX, Bool, Int, List, Obj, Optional, Str,
+                    check_bool, check_int, check_json, check_size)
 from .stores import base
 from .stores.readthrough import store_of
 
 __all__ = ["EpochSampler", "default_rank_world", "PrefetchSampler", "plan_windows", "cache_identity",
-           "content_identity", "check_resume_state"]
+           "content_identity", "check_resume_state", "epoch_sequence", "unconsumed", "dealt", "dealt_batches",
+           "MAX_RESUMES"]
 
 #: The version of the resume states (``state_dict()``) this nbkit writes and reads. The ``content``
 #: field was added without a new version: it is optional, states without it (older nbkit) load as
 #: before, and an older nbkit ignores it (and then checks ``cache`` strictly, as it always did).
-STATE_VERSION = 1
+#: Version 2 adds ``rest`` (an epoch resumed on another topology, see :func:`unconsumed`); only such
+#: states are written as version 2, so an older nbkit refuses them rather than misreading them.
+STATE_VERSION = 2
+#: The most times one epoch may be resumed on another number of processes or batch size (the levels
+#: of a state's ``rest``): each adds one position per rank of the topology it left.
+MAX_RESUMES = 16
 
 
 def default_rank_world() -> tuple[int, int]:
@@ -140,12 +146,7 @@ class EpochSampler(Sampler):
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's indices for ``epoch`` (default: the current one), as int64."""
         epoch = self.epoch if epoch is None else _check_epoch(epoch)
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
-            order = torch.randperm(self.n, generator=g).numpy()
-        else:
-            order = np.arange(self.n, dtype=np.int64)
+        order = _order(self.n, self.shuffle, self.seed, epoch)
         total = self.per_rank * self.world_size
         if total > self.n:  # pad by repeating from the start (as DistributedSampler)
             order = np.resize(order, total) if self.n else order
@@ -188,7 +189,7 @@ class EpochSampler(Sampler):
             epoch, position = self.epoch, 0
         if consumed is not None:
             position = check_int(consumed, "EpochSampler.state_dict: consumed", min=0, max=self.per_rank)
-        return {"kind": "nbkit.EpochSampler", "version": STATE_VERSION, "epoch": epoch, "position": position,
+        return {"kind": "nbkit.EpochSampler", "version": 1, "epoch": epoch, "position": position,
                 **self._settings()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -257,6 +258,92 @@ def content_identity(data) -> str | None:
     return "source-" + hashlib.sha256(blob).hexdigest()[:32]
 
 
+def _order(n: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """The dataset's order in ``epoch``: ``torch.randperm`` seeded by ``seed + epoch`` (as ``DistributedSampler``)."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g).numpy()
+
+
+def epoch_sequence(n: int, *, shuffle: bool, seed: int, epoch: int, world_size: int, batch_size: int,
+                   drop_last: bool) -> np.ndarray:
+    """Every index ``world_size`` ranks train on in ``epoch``, batches of ``batch_size``, in one line:
+    rank ``r`` takes ``[r::world_size]``, cut in batches (:func:`dealt`), so the ``k``-th batches of
+    all ranks are the ``k``-th run of ``world_size * batch_size`` (what :class:`nbkit.DeviceLoader` reads).
+
+    Example:
+        >>> seq = epoch_sequence(10, shuffle=False, seed=0, epoch=0, world_size=3, batch_size=2, drop_last=False)
+        >>> seq.tolist(), [b.tolist() for b in dealt(seq, 3, 2, rank=1)]
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1], [[1, 4], [7, 0]])
+    """
+    order = _order(n, shuffle, seed, epoch)
+    per_rank = n // world_size if drop_last else -(-n // world_size)
+    total = per_rank * world_size
+    if total > n:  # pad by repeating from the start (as DistributedSampler)
+        order = np.resize(order, total)
+    order = order[:total]
+    if drop_last:  # and the last incomplete batch of every rank
+        order = order[:per_rank // batch_size * batch_size * world_size]
+    return order.astype(np.int64, copy=False)
+
+
+def dealt(sequence: np.ndarray, world_size: int, batch_size: int, rank: int) -> list:
+    """Rank ``rank``'s batches of ``sequence`` dealt over ``world_size`` ranks: ``sequence[rank::world_size]``
+    cut every ``batch_size`` (the last batch may be shorter; ranks' batch counts differ by one at most).
+
+    Example:
+        >>> [b.tolist() for b in dealt(np.arange(7), 2, 2, rank=0)], [b.tolist() for b in dealt(np.arange(7), 2, 2, rank=1)]
+        ([[0, 2], [4, 6]], [[1, 3], [5]])
+    """
+    mine = sequence[rank::world_size]
+    return [mine[a:a + batch_size] for a in range(0, len(mine), batch_size)]
+
+
+def dealt_batches(m: int, world_size: int, batch_size: int, rank: int) -> int:
+    """``len(dealt(sequence, world_size, batch_size, rank))`` for a sequence of ``m`` items.
+
+    Example:
+        >>> [dealt_batches(5, 4, 1, rank) for rank in range(4)]
+        [2, 1, 1, 1]
+    """
+    items = max(0, -(-(m - rank) // world_size))
+    return -(-items // batch_size)
+
+
+def unconsumed(sequence: np.ndarray, world_size: int, batch_size: int, positions) -> np.ndarray:
+    """What is left of ``sequence`` once each rank ``r`` of ``world_size`` (batches of ``batch_size``,
+    :func:`dealt`) trained on its first ``positions[r]`` batches, in the sequence's order: the item at
+    ``q`` belongs to rank ``q % world_size``, batch ``q // (world_size * batch_size)``.
+
+    Example:
+        >>> seq = np.arange(12)
+        >>> unconsumed(seq, 2, 3, [1, 2]).tolist()      # rank 0 trained 1 batch, rank 1 two
+        [6, 8, 10]
+    """
+    q = np.arange(len(sequence))
+    return sequence[q // (world_size * batch_size) >= np.asarray(positions, np.int64)[q % world_size]]
+
+
+def _rest_sequence(ours: dict, epoch: int, rest: list, fail) -> np.ndarray:
+    """The sequence of the pass that ``rest`` (a checked state's levels) leaves of ``epoch``; each
+    level's positions are checked against what its ranks had (``fail(message)`` raises)."""
+    first = rest[0]
+    seq = epoch_sequence(ours["length"], shuffle=ours["shuffle"], seed=ours["seed"], epoch=epoch,
+                         world_size=first["world_size"], batch_size=first["batch_size"], drop_last=ours["drop_last"])
+    for k, level in enumerate(rest):
+        w, b, positions = level["world_size"], level["batch_size"], level["positions"]
+        if len(positions) != w:
+            fail(f"its rest[{k}] has {len(positions)} positions for world_size={w}")
+        for r, p in enumerate(positions):
+            if p > dealt_batches(len(seq), w, b, r):
+                fail(f"its rest[{k}] position {p} of rank {r} is past the end of that rank's batches "
+                     f"({dealt_batches(len(seq), w, b, r)})")
+        seq = unconsumed(seq, w, b, positions)
+    return seq
+
+
 _MAX_EPOCH = MAX_EPOCH
 
 
@@ -277,8 +364,8 @@ _FIXES = {
     "shuffle": "create the loader with shuffle={saved}, the checkpointed run's, " + _START_OVER,
     "seed": "create the loader with seed={saved}, the checkpointed run's, " + _START_OVER,
     "rank": "load each process's own state (save one file per rank, e.g. f'loader-{{rank}}.pt')",
-    "world_size": "resume with {saved} processes, as the checkpointed run (a state cannot be split over "
-                  "another number of ranks), " + _START_OVER,
+    "world_size": "resume with {saved} processes, as the checkpointed run (an EpochSampler's state cannot be split "
+                  "over another number of ranks; a DeviceLoader's can), " + _START_OVER,
     "cache": "this cache is another one, and was not built from the same source (its source fingerprint differs, "
              "or the state or the cache has none): open the cache the checkpoint was made with, " + _START_OVER
              + ". If you know it holds the same samples in the same order, load the state with its 'cache' "
@@ -286,16 +373,24 @@ _FIXES = {
 }
 
 
-def check_resume_state(state, kind: str, ours: dict, length: int) -> dict:
+def check_resume_state(state, kind: str, ours: dict, length, *, elastic: bool = False, memo: dict | None = None) -> dict:
     """``state`` (a resume state for ``kind``, maybe read from a file) checked at the trust
     boundary: its fields and types, then each setting against ``ours``, then its position against
-    ``length`` (the items of an epoch). Raises ``CorruptCacheError`` (a ``ValueError``) for a
-    damaged state, and :class:`~nbkit.errors.ResumeStateError` (a ``ValueError`` with ``field``,
-    ``saved`` and ``current``) for one made with other settings, naming the field and the fix.
+    ``length`` (the items of an epoch, or a function of the checked state giving them). Raises
+    ``CorruptCacheError`` (a ``ValueError``) for a damaged state, and
+    :class:`~nbkit.errors.ResumeStateError` (a ``ValueError`` with ``field``, ``saved`` and
+    ``current``) for one made with other settings, naming the field and the fix.
 
     The ``cache`` setting (the cache's ``generation``) may differ when the state's ``content``
     equals this cache's (:func:`content_identity`): a cache rebuilt from the same source holds the
     same samples at the same indices, so its batches are the checkpointed run's.
+
+    ``elastic``: the state may come from another topology: its ``rank``, ``world_size`` and
+    ``batch_size`` are bounded (a rank below its world size) rather than compared with ``ours``.
+    A loader's state may hold ``rest``, the levels of an epoch resumed on other topologies, each
+    ``{"world_size", "batch_size", "positions"}`` with one position per rank, checked against the
+    batches that rank had (:func:`unconsumed`). ``memo``: a dict kept across the states of one list
+    (the same ``rest`` is checked once).
 
     Example:
         >>> ours = {"length": 10, "seed": 0}
@@ -316,13 +411,29 @@ def check_resume_state(state, kind: str, ours: dict, length: int) -> dict:
             fields[name] = Bool()
         else:
             fields[name] = Int(min=0)
-    state = check_json(state, Obj(fields, required=set(fields) - {"content"}), where, fix)
+    topology = ("rank", "world_size", "batch_size") if elastic else ()
+    if elastic:
+        fields.update(world_size=Int(min=1, max=MAX_WORLD_SIZE), rank=Int(min=0, max=MAX_WORLD_SIZE - 1))
+        if "batch_size" in ours:
+            fields["batch_size"] = Int(min=1, max=MAX_SAMPLES)
+    level = Obj({"world_size": Int(min=1, max=MAX_WORLD_SIZE), "batch_size": Int(min=1, max=MAX_SAMPLES),
+                 "positions": List(Int(min=0), max_len=MAX_WORLD_SIZE)})
+    fields["rest"] = List(level, max_len=MAX_RESUMES)
+    state = check_json(state, Obj(fields, required=set(fields) - {"content", "rest"}), where, fix)
     if state["version"] > STATE_VERSION:
         raise ValueError(f"{where} has version {state['version']}; this nbkit reads version {STATE_VERSION}. "
                          "Install a newer nbkit (the nbkit-cache distribution: README, Install) to load it.")
+
+    def damaged(what):
+        raise CorruptCacheError(f"{where} is damaged: {what}. {fix}")
+
+    if elastic and state["rank"] >= state["world_size"]:
+        damaged(f"its rank {state['rank']} is not below its world_size {state['world_size']}")
+    if state.get("rest") and "batch_size" not in ours:
+        damaged("it has 'rest' (an epoch resumed on another topology), which only a loader's state holds")
     for name, value in ours.items():
-        if name == "content":
-            continue  # not a setting: it decides whether another cache is the same (below)
+        if name == "content" or name in topology:
+            continue  # content is not a setting: it decides whether another cache is the same (below)
         theirs = state[name]
         if name == "cache" and theirs is None:
             continue  # made for a dataset that is not a cache (or the check was waived)
@@ -332,6 +443,19 @@ def check_resume_state(state, kind: str, ours: dict, length: int) -> dict:
             raise ResumeStateError(name, theirs, value,
                                    f"{kind}.load_state_dict: the state was made for {name}={theirs!r}, but this one "
                                    f"has {name}={value!r}: {_FIXES[name].format(saved=theirs)}.")
+    if state.get("rest"):
+        state["rest"] = [{"world_size": level["world_size"], "batch_size": level["batch_size"],
+                          "positions": list(level["positions"])} for level in state["rest"]]
+        key = repr((state["epoch"], state["rest"]))
+        if memo is None or key not in memo:
+            seq = _rest_sequence(ours, state["epoch"], state["rest"], damaged)
+            if memo is not None:
+                memo.clear()  # one entry: a list of states shares its rest
+                memo[key] = len(seq)
+        length = memo[key] if memo is not None else len(seq)
+        length = dealt_batches(length, state["world_size"], state["batch_size"], state["rank"])
+    elif callable(length):
+        length = length(state)
     if state["position"] > length:
         raise ValueError(f"{kind}.load_state_dict: the state's position {state['position']} is past the end of its "
                          f"epoch ({length}); the state is damaged. {fix}")

@@ -7,6 +7,7 @@ through a real ``torch.save``/``torch.load(weights_only=True)`` round trip and t
 ``SIGKILL`` of the training process. States from elsewhere (a file) are checked at the trust boundary.
 """
 
+import collections
 import io
 import os
 import signal
@@ -253,24 +254,34 @@ def test_a_state_is_refused_by_another_dataset_or_setting(tmp_path, cache):
     assert state["cache"] == cache.store.meta["generation"]
     refusals = {
         "length=30": nbkit.DeviceLoader(TensorDataset(torch.arange(31)), 4, seed=1),
-        "batch_size=4": cache.loader(5, seed=1),
         "seed=1": cache.loader(4, seed=2),
         "shuffle=True": cache.loader(4, seed=1, shuffle=False),
         "drop_last=False": cache.loader(4, seed=1, drop_last=True),
-        "world_size=1": cache.loader(4, seed=1, rank=0, world_size=2),
     }
     for field, other in refusals.items():
         with pytest.raises(ValueError, match=f"made for {field}, but this one has"):
             other.load_state_dict(state)
+        # on another topology too (the elastic path checks the same settings)
+        other = nbkit.DeviceLoader(other.dataset, 5, seed=other.sampler.seed, shuffle=other.sampler.shuffle,
+                                   drop_last=other.drop_last, rank=1, world_size=3)
+        with pytest.raises(ValueError, match=f"made for {field}, but this one has"):
+            other.load_state_dict(state)
+    # Another batch size or world size resumes elastically (tests/test_elastic_resume.py).
+    cache.loader(5, seed=1).load_state_dict(state)
+    cache.loader(4, seed=1, rank=0, world_size=2).load_state_dict(state)
     two = round_trip(cache.loader(4, seed=1, rank=1, world_size=2).state_dict())
     with pytest.raises(ValueError, match="rank=1.*load each process's own state"):
         cache.loader(4, seed=1, rank=0, world_size=2).load_state_dict(two)
     # Refusals are ResumeStateErrors naming the field, the saved and the current value, and a fix
     # with the saved value (no variable the caller may not have).
-    with pytest.raises(nbkit.errors.ResumeStateError, match="batch_size=4, the checkpointed run's, or start over") as e:
-        cache.loader(5, seed=1).load_state_dict(state)
-    assert (e.value.field, e.value.saved, e.value.current) == ("batch_size", 4, 5)
+    with pytest.raises(nbkit.errors.ResumeStateError, match="seed=1, the checkpointed run's, or start over") as e:
+        cache.loader(4, seed=2).load_state_dict(state)
+    assert (e.value.field, e.value.saved, e.value.current) == ("seed", 1, 2)
     assert "state[" not in str(e.value)
+    # An EpochSampler's state still needs its own topology.
+    sampler_state = EpochSampler(cache, seed=1).state_dict()
+    with pytest.raises(nbkit.errors.ResumeStateError, match="made for world_size=1"):
+        EpochSampler(cache, seed=1, rank=0, world_size=2).load_state_dict(sampler_state)
     # A loader's state is not a sampler's, and the other way round.
     with pytest.raises(ValueError, match="'kind' must be one of \\['nbkit.EpochSampler'\\]"):
         EpochSampler(cache, seed=1).load_state_dict(state)
@@ -328,7 +339,7 @@ def test_a_cache_rebuilt_from_the_same_source_resumes_another_is_refused(tmp_pat
     ({"cache": 5}, "'cache' must be a string"),
     ({"content": 5}, "'content' must be a string"),
     ({"content": "x" * 300}, "'content' must be a string"),
-    ({"version": 2}, "has version 2; this nbkit reads version 1. Install a newer nbkit"),
+    ({"version": 3}, "has version 3; this nbkit reads version 2. Install a newer nbkit"),
     ({"kind": None}, "'kind' must be one of"),
 ])
 def test_damaged_states_are_refused_naming_the_field(cache, change, match):
@@ -373,7 +384,11 @@ def test_mutated_states_load_cleanly_or_are_refused(changes, dropped):
     # Accepted: then it is a valid place to resume from, and the pass is the rest of that epoch.
     epoch, position = state["epoch"], state["position"]
     loader.set_epoch(epoch)
-    assert [x.tolist() for (x,) in loader] == [b.tolist() for b in loader.batches(epoch)[position:]]
+    got = [x.tolist() for (x,) in loader]
+    if (state["world_size"], state["batch_size"]) == (1, 4):
+        assert got == [b.tolist() for b in loader.batches(epoch)[position:]]
+    else:  # another topology (elastic): what no rank had trained on, each sample as often as the epoch has it
+        assert not collections.Counter(i for b in got for i in b) - collections.Counter(range(26))
 
 
 # -- a real process kill -----------------------------------------------------------------------

@@ -61,6 +61,9 @@ class JaxLoader(DeviceLoader):
         True
     """
 
+    # Gather several batches in one read (their rows 64-byte aligned: placed on the CPU without a copy).
+    _place_in_chunks = True
+
     def __init__(self, dataset, batch_size: int, *, sharding=None, shuffle: bool = True, drop_last: bool = False,
                  seed: int = 0, rank: int | None = None, world_size: int | None = None, threads: int | None = None,
                  prefetch: int = 3, batch_transform=None, **dataloader_args):
@@ -84,6 +87,13 @@ class JaxLoader(DeviceLoader):
         if self._columnar:  # a cache's own samples (no transform): their kinds give the numpy form
             batch = numpy_batch(self.dataset.schema, batch)
         return place(batch, self.sharding)
+
+    def _place_batches(self, batches: list) -> list:
+        """Every batch of one read placed in one ``jax.device_put`` (a call per batch costs more than its
+        arrays' placing, which on the CPU is no copy: the rows are 64-byte aligned)."""
+        if self._columnar:
+            batches = [numpy_batch(self.dataset.schema, batch) for batch in batches]
+        return place(batches, self.sharding)  # a list of batches is one tree
 
     def __repr__(self) -> str:
         return (f"JaxLoader({type(self.dataset).__name__}, batch_size={self.batch_size}, {len(self)} batches, "

@@ -202,3 +202,58 @@ def test_the_hit_rate_meter_counts_the_jax_feed_and_grain(caches):
     for _ in meter.track(loader):
         pass
     assert [(e.hits, e.misses) for e in meter.epochs] == [(N, 0), (N, 0)]
+
+
+def sample_of(key):
+    """The sample whose image starts with ``key`` (each sample's image is random: its first value names it)."""
+    if not hasattr(sample_of, "table"):
+        sample_of.table = {float(values(i)[0][0, 0]): i for i in range(N)}
+    return sample_of.table[key]
+
+
+def run_ranks(cache, tmp_path, name, *extra):
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "feed_ranks.py"), str(cache.root), str(port), str(r),
+                               str(tmp_path / f"{name}{r}.json"), *extra], env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads((tmp_path / f"{name}{r}.json").read_text()) for r in range(2)]
+
+
+def test_elastic_resume_between_two_jax_processes_and_other_topologies(caches, tmp_path):
+    """Two JAX processes (global batches of 2 x 4) stop at a random step of epoch 0; the rest of the
+    epoch continues on one process with batch 3, and on four simulated ranks with batch 2: each
+    sample of the epoch trained once. Then one process's state (batch 4) resumes on two JAX processes."""
+    import collections
+    import random
+
+    ds = caches["numpy"]
+    stop = random.Random(38).randrange(1, len(JaxLoader(ds, 4, seed=5, drop_last=True, rank=0, world_size=2)))
+    found = run_ranks(ds, tmp_path, "stop", str(stop))
+    trained = collections.Counter(sample_of(k) for f in found for b in f["batches"] for k in b["local_keys"])
+    states = [f["state"] for f in found]
+    assert [(s["rank"], s["world_size"], s["position"]) for s in states] == [(0, 2, stop), (1, 2, stop)]
+    want = collections.Counter(i for r in range(2) for b in JaxLoader(ds, 4, seed=5, drop_last=True, rank=r,
+                                                                      world_size=2).batches(0) for i in b.tolist())
+    for world, batch, given in ((1, 3, states[0]), (4, 2, states)):  # one state (lockstep), or every rank's
+        rest = collections.Counter()
+        for r in range(world):
+            feed = JaxLoader(ds, batch, seed=5, drop_last=True, rank=r, world_size=world)
+            feed.load_state_dict(json.loads(json.dumps(given)))
+            for image, _, _ in feed:
+                rest.update(sample_of(float(k)) for k in np.asarray(image)[:, 0, 0])
+            assert feed.epoch == 1
+        assert trained + rest == want, (world, batch)
+
+    # One process, batch 4, 5 steps in; resumed by two JAX processes (the rest dealt over them).
+    one = JaxLoader(ds, 4, seed=5, drop_last=True, rank=0, world_size=1)
+    it = iter(one)
+    head = collections.Counter(sample_of(float(k)) for _, (image, _, _) in zip(range(5), it)
+                               for k in np.asarray(image)[:, 0, 0])
+    (tmp_path / "state.json").write_text(json.dumps(one.state_dict()))
+    found = run_ranks(ds, tmp_path, "resumed", "0", str(tmp_path / "state.json"))
+    assert [f["resumed_epoch"] for f in found] == [0, 0]
+    rest = collections.Counter(sample_of(k) for f in found for b in f["batches"] for k in b["local_keys"])
+    assert head + rest == collections.Counter(range(N))
