@@ -143,7 +143,8 @@ class DeviceLoader:
         # Small rows on a GPU: gather and copy several batches at once (one read into reused pinned
         # buffers, one copy, then views), so the per-batch Python work that competes with the
         # training step for the GIL is amortised. Not on XLA (a slice at a new offset is a new
-        # graph to compile), nor for host batches (nothing to amortise a copy against).
+        # graph to compile), nor for host tensors (nothing to amortise a copy against); but for host
+        # batches placed elsewhere (JaxLoader: one read, one jax.device_put of several batches).
         cuda = self.device is not None and self.device.type == "cuda"
         chunked = cuda or (self.device is None and self._place_in_chunks)
         self.chunk = int(max(1, min(16, CHUNK_BYTES // max(1, self._batch_bytes())))) if chunked and self._columnar else 1
