@@ -367,16 +367,16 @@ def main(argv=None) -> int:
     if wanted == "colab" and not note and info["datasets"] != HF_VERSION:
         note = f"**Not Colab's `datasets` {HF_VERSION}**: {info['datasets']} was imported."
     data = {**info, "quick": args.quick, "note": note, "workloads": {}, "load": []}
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
     for name in args.only or workloads.WORKLOADS:
         w = run_workload(name, args)
         data["workloads"][name] = w
         data["load"] += w["load"]
-    table = render(data)
+        table = render(data)  # after each workload: a run stopped later keeps what it measured
+        (out / "hf.json").write_text(json.dumps(data, indent=1))
+        (out / "hf.md").write_text(table)
     print(table)
-    out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hf.json").write_text(json.dumps(data, indent=1))
-    (out / "hf.md").write_text(table)
     return 0
 
 
