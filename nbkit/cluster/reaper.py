@@ -46,7 +46,12 @@ def wait_for_exit(pid: int, *, pidfd: bool = True) -> None:
     if fd is not None:
         import select
         try:
-            select.select([fd], [], [])  # readable once the process has ended
+            # poll, not select: select() refuses a descriptor past 1023 (a worker of a process that
+            # already holds many files open, e.g. a cache of many columns, gets such a pidfd).
+            waiter = select.poll()
+            waiter.register(fd, select.POLLIN)
+            while not waiter.poll():  # readable once the process has ended
+                pass
         finally:
             os.close(fd)
         return
