@@ -524,10 +524,19 @@ class _Pipeline:
         for idx in group:
             # What the batch will take from the cache, decided as the dataset's own read decides it.
             misses = int(np.count_nonzero(~is_stored(idx))) if is_stored is not None else None
-            if hasattr(ds, "__getitems__"):
-                batch = collate(ds.__getitems__(idx.tolist()))
-            else:
-                batch = default_collate([ds[int(i)] for i in idx])
+            try:
+                if hasattr(ds, "__getitems__"):
+                    batch = collate(ds.__getitems__(idx.tolist()))
+                else:
+                    batch = default_collate([ds[int(i)] for i in idx])
+            except RuntimeError as e:
+                if "equal size" not in str(e) and "same size" not in str(e):
+                    raise
+                raise RuntimeError(
+                    f"{type(loader).__name__}: the samples of a batch have fields of different shapes ({e}): "
+                    "they cannot be stacked into one batch. Pad or crop them to one shape in the dataset's "
+                    "transform, or batch them yourself: torch.utils.data.DataLoader(ds, batch_size, "
+                    "collate_fn=pad_fn) with a collate_fn that pads (docs/migrating.md, ragged fields).") from e
             moved, event = self._send(batch) if self.kind is not None else (loader.place(batch), None)
             yield moved, event, (len(idx), None if misses is None else len(idx) - misses, misses)
 

@@ -357,3 +357,20 @@ def test_a_dataset_without_a_cache_reports_samples_but_no_hits(tmp_path):
     it = iter(nbkit.DeviceLoader(TupleSource(10), 4))
     assert sum(len(y) for _, y in it) == 10
     assert (it.consumed.samples, it.consumed.hits, it.consumed.misses) == (10, None, None)
+
+
+def test_ragged_fields_name_the_fix(tmp_path):
+    """Samples whose fields differ in shape cannot be stacked: the error says so and names the fix,
+    not torch's bare "stack expects each tensor to be equal size"."""
+    class Ragged(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.arange(i + 1), i
+
+    ds = nbkit.CachedDataset(Ragged(), str(tmp_path / "c"))
+    ds.warmup()
+    with pytest.raises(RuntimeError, match="different shapes.*collate_fn"):
+        for _ in ds.loader(4, shuffle=False):
+            pass
