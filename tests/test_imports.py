@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 # (zstandard is left out: fsspec itself imports it when installed.)
-OPTIONAL = ["ipywidgets", "matplotlib", "gcsfs", "torch_xla", "torchvision", "IPython", "PIL"]
+OPTIONAL = ["ipywidgets", "matplotlib", "gcsfs", "torch_xla", "torchvision", "IPython", "PIL", "jax", "grain", "ray", "dask",
+            "datasets", "pyarrow"]
 
 
 def test_import_nbkit_loads_no_optional_package():
