@@ -1,7 +1,12 @@
 """Build benchmark (issue 29): one cache built by many workers with ``nbkit.cluster.run``, against
 today's ``warmup(num_workers=N)`` on the same source in the same run.
 
-Four tables, written to ``results/build.md``:
+Five tables, written to ``results/build.md``:
+
+0. **warmup(num_workers=2) against a raw epoch** (issue 40) on the MNIST and JPEG workloads of
+   ``bench_engine.py``: parts placed in the cache's files (now) and copied in by the merge (before,
+   ``driver.PLACED = False``), interleaved; targets ≤ 0.6× (MNIST) and ≤ 0.65× (JPEG). Alone:
+   ``--epochs-only`` (``--results DIR``: ``DIR/build-epochs.md``).
 
 1. **Throughput**: an MNIST-shaped source (1x28x28 float32 and a label) with ``--cost`` µs of
    pure-Python work a sample (a decode-and-resize stand-in, ``tests/cluster/measure_build.Costly``),
@@ -10,13 +15,14 @@ Four tables, written to ``results/build.md``:
    Rounds are interleaved; the median of each is reported, and its ratio to ``warmup`` with as many
    workers (target: at most 1.15). A cluster's start is timed apart (it is paid once per session).
 2. **Per-part costs**: one part built by ``build_part`` (a worker's cost) and merged by ``merge``
-   (the driver's cost), serially, so each is measured alone.
+   (the driver's cost), serially, so each is measured alone; placed and copied.
 3. **Projection**: build time against worker count from those per-part costs. The driver merges
    parts one at a time while the workers build, so the time is about
    ``max(parts / W × build, parts × merge) + build + merge``; past ``W = build / merge`` workers the
    local merge bounds the build (a gs:// merge composes server-side, with no per-sample driver cost).
-4. **Merge against cache size**: local (rows written in place through the driver) and gs:// (GCS
-   compose on the emulator: only the index and metadata through the driver, counted on the wire).
+4. **Merge against cache size**: local (placed: records linked; copied: rows written in place
+   through the driver) and gs:// (GCS compose on the emulator: only the index and metadata through
+   the driver, counted on the wire).
 
 Usage::
 
@@ -160,6 +166,60 @@ def throughput(work, n, cost, part_size, rounds, clusters) -> tuple[list[str], d
     return rows, ratios, medians
 
 
+# -- 0. warmup(num_workers=2) against a raw epoch: placed parts (now) and copied parts (before) ------
+
+
+def warmup_vs_raw(data_dir, names, rounds: int, quick: bool) -> tuple[list[str], dict]:
+    """Table rows and {label: ratio} of ``warmup(num_workers=2)`` against one raw epoch of the same
+    source (``DataLoader(batch_size=256, shuffle=True, num_workers=0)``, as ``bench_engine.py``), with
+    parts placed in the cache's files (``driver.PLACED``, today) and copied in by the merge (before),
+    interleaved in one run; the best of ``rounds`` each, a fresh cache every time."""
+    import torch
+
+    import nbkit
+    import nbkit.cluster.driver as driver
+    import workloads
+
+    torch.set_num_threads(1)  # as bench_engine's measuring processes (and every DataLoader or warmup worker)
+    rows, ratios = [], {}
+    for name in names:
+        spec = workloads.build(name, data_dir, quick=quick)
+        src = workloads.source(spec)
+        times: dict = {}
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            for _ in torch.utils.data.DataLoader(src, batch_size=256, shuffle=True, num_workers=0):
+                pass
+            times.setdefault("raw", []).append(time.perf_counter() - t0)
+            for label, placed in (("placed", True), ("copied", False)):
+                path = tempfile.mkdtemp(prefix=f"nbkit-bench-epoch-{name}-")
+                driver.PLACED = placed
+                try:
+                    t0 = time.perf_counter()
+                    ds = nbkit.CachedDataset(src, path)
+                    ds.warmup(num_workers=2, multiprocessing_context="fork")
+                    times.setdefault(label, []).append(time.perf_counter() - t0)
+                    assert len(ds.missing()) == 0
+                    ds.close()
+                finally:
+                    driver.PLACED = True
+                    shutil.rmtree(path, ignore_errors=True)
+            print(f"  {name} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+        raw = min(times["raw"])
+        target = EPOCH_TARGETS[name]
+        for label, what in (("placed", "placed in the cache's files (now)"), ("copied", "copied in by the merge (before)")):
+            ratio = min(times[label]) / raw
+            ratios[f"{name} {label}"] = ratio
+            verdict = ("PASS" if ratio <= target else "MISS") if label == "placed" else "–"
+            rows.append(f"| {name} ({spec.n:,} samples) | parts {what} | {min(times[label]):.2f} s | {raw:.2f} s | "
+                        f"{ratio:.2f}× | ≤ {target}× | {verdict} |")
+    return rows, ratios
+
+
+#: ``warmup(num_workers=2)`` at most this many raw epochs (issue 40).
+EPOCH_TARGETS = {"mnist": 0.6, "jpeg": 0.65}
+
+
 # -- 2. per-part costs, 3. projection -----------------------------------------------------------
 
 
@@ -172,23 +232,28 @@ def part_costs(work, n, cost, part_size) -> dict:
     from nbkit.cluster.part import build_part, parts_dir
     from nbkit.cluster.plan import plan
 
-    ds = nbkit.CachedDataset(Costly(n, cost), os.path.join(work, "costs"), fingerprint_samples=0)
-    store, parts = ds.store, parts_dir(ds.root)
-    source = _source(ds, None)
-    builds, merges, sizes = [], [], []
-    for p in plan(store, part_size):
-        t0 = time.perf_counter()
-        done = build_part(_spec(p, ds, store.meta, {"parts": parts, "hashes": True}, source))  # a cluster worker's part: hashed
-        builds.append(time.perf_counter() - t0)
-        path = os.path.join(parts, done["name"])
-        sizes.append(sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)))
-        t0 = time.perf_counter()
-        merge(store, path)
-        merges.append(time.perf_counter() - t0)
-    assert len(ds.missing()) == 0
-    ds.close()
-    return {"parts": len(builds), "build": statistics.median(builds), "merge": statistics.median(merges),
-            "part_bytes": statistics.median(sizes), "samples": part_size}
+    out = {"samples": part_size}
+    for placed in (False, True):
+        ds = nbkit.CachedDataset(Costly(n, cost), os.path.join(work, f"costs-{placed}"), fingerprint_samples=0)
+        store, parts = ds.store, parts_dir(ds.root)
+        source = _source(ds, None)
+        builds, merges, sizes = [], [], []
+        for p in plan(store, part_size):
+            t0 = time.perf_counter()
+            # A cluster worker's part: hashed (placed: its records only).
+            done = build_part(_spec(p, ds, store.meta, {"parts": parts, "hashes": True, "placed": placed}, source))
+            builds.append(time.perf_counter() - t0)
+            path = os.path.join(parts, done["name"])
+            sizes.append(sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)))
+            t0 = time.perf_counter()
+            merge(store, path)
+            merges.append(time.perf_counter() - t0)
+        assert len(ds.missing()) == 0
+        ds.close()
+        key = "" if placed else "copy_"
+        out.update({f"{key}parts": len(builds), f"{key}build": statistics.median(builds),
+                    f"{key}merge": statistics.median(merges), f"{key}part_bytes": statistics.median(sizes)})
+    return out
 
 
 def projection_rows(costs, measured: dict, n: int, big: int, part_size: int) -> list[str]:
@@ -227,8 +292,9 @@ class Rows4K:
         return torch.full((1024,), float(i)), f"sample-{i}"
 
 
-def local_merge(work, mib, nparts) -> tuple[float, int]:
-    """Seconds the driver spends merging ``nparts`` parts of a ``mib`` MiB cache, and the bytes it reads."""
+def local_merge(work, mib, nparts, placed: bool = True) -> tuple[float, int]:
+    """Seconds the driver spends merging ``nparts`` parts of a ``mib`` MiB cache, and the bytes it reads
+    (``placed``: the parts' records only, their rows are in the cache's files already)."""
     import nbkit
     from nbkit.cluster.driver import _source, _spec
     from nbkit.cluster.merge import merge
@@ -237,9 +303,11 @@ def local_merge(work, mib, nparts) -> tuple[float, int]:
 
     n = mib * MiB // 4096
     ds = nbkit.CachedDataset(Rows4K(n), os.path.join(work, f"merge-{mib}-{nparts}"), fingerprint_samples=0)
+    shutil.rmtree(os.path.join(work, f"merge-{mib}-{nparts}.parts"), ignore_errors=True)
     store, parts = ds.store, parts_dir(ds.root)
     source = _source(ds, None)
-    paths = [os.path.join(parts, build_part(_spec(p, ds, store.meta, {"parts": parts, "hashes": True}, source))["name"])
+    paths = [os.path.join(parts, build_part(_spec(p, ds, store.meta, {"parts": parts, "hashes": True, "placed": placed},
+                                                  source))["name"])
              for p in plan(store, math.ceil(n / nparts))]
     read = sum(os.path.getsize(os.path.join(p, f)) for p in paths for f in os.listdir(p))
     t0 = time.perf_counter()
@@ -314,6 +382,7 @@ def merge_rows(work, sizes, gs: bool) -> list[str]:
     try:
         for mib, nparts in sizes:
             local_s, read = local_merge(work, mib, nparts)
+            copy_s, copy_read = local_merge(work, mib, nparts, placed=False)
             cell = "| – | – | – | – |"
             if emu is not None:
                 g = gs_compose(emu, work, mib, nparts)
@@ -321,8 +390,8 @@ def merge_rows(work, sizes, gs: bool) -> list[str]:
                 cell = (f"| {r.seconds:.2f} s ({r.compose_requests} composes; workers' check {r.check_seconds:.2f} s) | "
                         f"{g['sent'] / 1024:,.0f} KiB / {g['received'] / 1024:,.0f} KiB ({g['requests']}) | "
                         f"{g['push_parts']:.2f} s | {g['push_whole']:.2f} s |")
-            rows.append(f"| {mib} MiB ({mib * MiB // 4096:,} samples) | {nparts} | {local_s:.2f} s "
-                        f"({mib / local_s:,.0f} MiB/s) | {read / MiB:,.1f} MiB {cell}")
+            rows.append(f"| {mib} MiB ({mib * MiB // 4096:,} samples) | {nparts} | {local_s * 1e3:,.1f} ms | {read / 1024:,.1f} KiB "
+                        f"| {copy_s:.2f} s ({mib / copy_s:,.0f} MiB/s) | {copy_read / MiB:,.1f} MiB {cell}")
     finally:
         if emu is not None:
             emu.kill()
@@ -339,7 +408,37 @@ def main(argv=None) -> int:
     ap.add_argument("--results", help="where build.md goes (default: benchmarks/results; --quick: printed only)")
     ap.add_argument("--samples", type=int, help="samples of the throughput source (default 16,000; quick 1,536)")
     ap.add_argument("--cost", type=float, default=200.0, help="µs of work a sample (default 200)")
+    ap.add_argument("--epochs-only", action="store_true",
+                    help="only warmup(num_workers=2) against a raw epoch (MNIST and JPEG; placed and copied parts)")
+    ap.add_argument("--data-dir", default=None, help="where the MNIST and JPEG workloads are built (default: bench-data/)")
     args = ap.parse_args(argv)
+    import workloads
+
+    data_dir = args.data_dir or workloads.DEFAULT_DATA_DIR
+    epoch_names = ("mnist",) if args.quick else ("mnist", "jpeg")
+    print(f"warmup(num_workers=2) against a raw epoch: {', '.join(epoch_names)}", flush=True)
+    epoch_rows, _ = warmup_vs_raw(data_dir, epoch_names, 1 if args.quick else 2, args.quick)
+    epochs = [
+        "### `warmup(num_workers=2)` against one raw epoch (issue 40)",
+        "",
+        "The benchmark workloads (`benchmarks/workloads.py`, as `bench_engine.py` measures them): one raw epoch is "
+        "`DataLoader(source, batch_size=256, shuffle=True, num_workers=0)`; a warmup is a fresh cache built by "
+        "`warmup(num_workers=2)` (fork), construction included; one thread per process; best of "
+        f"{1 if args.quick else 2} interleaved round(s). Parts placed in the cache's files (a worker writes each sample "
+        "once; the merge links records) against parts copied in by the merge (the code before, `driver.PLACED = False`).",
+        "",
+        "| workload | warmup(num_workers=2) | time | raw epoch | × raw epoch | target | |",
+        "|---|---|---|---|---|---|---|",
+        *epoch_rows,
+        "",
+    ]
+    if args.epochs_only:
+        table = "\n".join(epochs)
+        print(table)
+        if args.results:
+            Path(args.results).mkdir(parents=True, exist_ok=True)
+            Path(args.results, "build-epochs.md").write_text(table)
+        return 0
 
     n = args.samples or (1536 if args.quick else 16_000)
     part_size = 256 if args.quick else 1024
@@ -380,14 +479,19 @@ def main(argv=None) -> int:
         "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
+        *epochs,
         "### Per-part costs and a projection against worker count",
         "",
-        f"One part of {costs['samples']:,} samples ({costs['part_bytes'] / 1024:,.0f} KiB), measured serially: built by "
+        f"One part of {costs['samples']:,} samples, measured serially: built by "
         f"a worker in {costs['build'] * 1e3:,.0f} ms ({costs['build'] / costs['samples'] * 1e6:,.0f} µs a sample), "
-        f"verified and merged by the driver in {costs['merge'] * 1e3:,.0f} ms "
-        f"({costs['merge'] / costs['samples'] * 1e6:,.0f} µs a sample). With the driver merging one part at a time while "
+        f"verified and merged by the driver in {costs['merge'] * 1e3:,.1f} ms "
+        f"({costs['merge'] / costs['samples'] * 1e6:,.1f} µs a sample; its rows placed in the cache's files by the "
+        f"worker, the part holds {costs['part_bytes'] / 1024:,.0f} KiB of records). Before (parts copied in by the merge): "
+        f"built in {costs['copy_build'] * 1e3:,.0f} ms, a part of {costs['copy_part_bytes'] / 1024:,.0f} KiB verified "
+        f"and merged in {costs['copy_merge'] * 1e3:,.0f} ms. With the driver merging one part at a time while "
         f"the workers build, a build of P parts takes about `max(ceil(P / W) × build, P × merge) + "
-        f"build + merge`: the local merge bounds it past W ≈ {costs['build'] / costs['merge']:.0f} workers. A gs:// "
+        f"build + merge`: the local merge bounds it past W ≈ {costs['build'] / costs['merge']:.0f} workers "
+        f"(≈ {costs['copy_build'] / costs['copy_merge']:.0f} before). A gs:// "
         "cache is merged by server-side compose instead (no per-sample driver work: the table below), so there the "
         "workers and the storage bound it. Measured: `LocalEngine` with 1 and 2 workers above (2 shared cores here: "
         "more workers than cores cannot be measured on this machine).",
@@ -399,15 +503,18 @@ def main(argv=None) -> int:
         "",
         "### Merge against cache size",
         "",
-        "4 KiB rows and a short string in the heap a sample. Local: the driver verifies each part (sha256 and every "
-        "sample's CRC) and writes its rows in place; every sample byte passes through it. gs:// (GCS emulator, in "
+        "4 KiB rows and a short string in the heap a sample. Local: the workers placed each part's rows and blobs in "
+        "the cache's files; the driver checks each part's records (sha256 of its index, every record) and links them "
+        "into the cache's index: no sample byte passes through it. Before (copied): the driver verified each part "
+        "(sha256 and every sample's CRC) and wrote its rows in place, every sample byte through it. gs:// (GCS emulator, in "
         "memory): the parts are pushed beside the cache (the workers' work, serial here) and composed server-side; the "
         "driver sends and receives only the index and the metadata (counted per request on the wire), and workers read "
         "each composed file once against the parts' sha256s. For scale, `nbkit.push` of the same cache built whole.",
         "",
-        "| cache | parts | local merge | bytes through the driver, local | gs:// compose | driver sent / received, gs:// "
-        "(requests) | push parts (workers) | `nbkit.push` of the whole cache |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cache | parts | local merge | bytes through the driver, local | local merge, copied (before) | bytes through "
+        "the driver, copied | gs:// compose | driver sent / received, gs:// (requests) | push parts (workers) | "
+        "`nbkit.push` of the whole cache |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *merges,
         "",
     ]

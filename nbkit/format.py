@@ -31,7 +31,7 @@ from .text import fix, format_list
 
 __all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "list_cache_files", "read_meta",
            "parse_meta", "publish_meta", "row_crc", "batch_crc", "sample_crcs", "verify", "verify_store", "read_blob_or_none",
-           "META_SPEC"]
+           "META_SPEC", "consistent_flags"]
 
 FORMAT_NAME = "nbkit-cache"
 VERSION = 1
@@ -362,12 +362,12 @@ def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict |
     if unreadable:
         blobs = {m: (b"" if b is None else b) for m, b in blobs.items()}
     ok = sample_crcs(columns, flags, blobs, threads=threads, column_crcs=column_crcs) == store.crc_of(idx)
-    ok &= _consistent(flags, store.schema)
+    ok &= consistent_flags(flags, store.schema)
     ok[unreadable] = False
     return ok
 
 
-def _consistent(flags: np.ndarray, schema) -> np.ndarray:
+def consistent_flags(flags: np.ndarray, schema) -> np.ndarray:
     """Which records' flags are what a writer of ``schema`` sets: free-form alone, or (for a sample
     that fits the schema) ``FLAG_VAR`` exactly when the schema has variable-length fields; anything
     else (unknown bits, ``FLAG_DAMAGED``) is a damaged record."""

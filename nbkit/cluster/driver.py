@@ -33,6 +33,7 @@ from collections import deque
 
 import numpy as np
 
+from ..cachedir import CacheFiles
 from ..progress import Workers, as_callback
 from .engine import Engine, engine_for
 from .merge import MergeResult, merge
@@ -52,6 +53,10 @@ RETRIES = 3
 AHEAD = 2
 #: How often (seconds) the parts out and the age of the oldest are shown (a stuck worker shows).
 SHOW_SECONDS = 1.0
+#: Whether a local build places each part's rows in the cache's own files (a worker writes every
+#: sample once; the merge links index records: O(index), no sample byte through the driver). ``False``:
+#: each part holds its own files and the merge copies them in (the benchmark's "before" row).
+PLACED = True
 #: Seconds before a part whose storage failed is submitted again (doubled each time): a dropped
 #: connection or a restarting endpoint gets a moment, a full disk fails within a second or two.
 RETRY_SECONDS = 0.2
@@ -253,6 +258,9 @@ class LocalMerge:
 
             root = os.path.join(tempfile.gettempdir(), "nbkit-builds", hashlib.sha256(root.encode()).hexdigest()[:16])
         self.parts = parts_dir(root)
+        # Workers write rows straight into a local cache directory's files (placed parts): the merge
+        # then links index records only. A store without files of its own (Redis) gets whole parts.
+        self.placed = PLACED and isinstance(store, CacheFiles) and "://" not in cached.root and store.writable
         self.replan = False  # the plan left ranges to another driver: look once more at the end
         self.checked = False  # the end's look for samples still missing has been taken
 
@@ -271,7 +279,7 @@ class LocalMerge:
         return plan(self.store, part_size, indices, around=around)
 
     def spec(self) -> dict:
-        return {"parts": self.parts, "hashes": self.hashes}
+        return {"parts": self.parts, "hashes": self.hashes, "placed": self.placed}
 
     def arrived(self, result: dict) -> MergeResult:
         return merge(self.store, os.path.join(self.parts, result["name"]), hashes=self.hashes)

@@ -1,7 +1,10 @@
-"""Merging a verified part into a local cache: rows into place in the column files, blobs appended
-to the heap, index records last, then the part removed.
+"""Merging a verified part into a local cache, then removing it. A placed part (a local build's:
+its rows and blobs already in the cache's files, :class:`nbkit.cluster.part.PlacedStore`) has its
+records linked into the cache's index (:func:`link_records`: O(records), no sample byte read or
+written). A part holding its own files has its rows put into place in the column files, its blobs
+appended to the heap, index records last (:func:`merge_rows`).
 
-Every write goes through the cache's own :meth:`nbkit.cachedir.CacheFiles.put`: rows with ``pwrite``
+For a part holding its own files, every write goes through the cache's own :meth:`nbkit.cachedir.CacheFiles.put`: rows with ``pwrite``
 at their offsets (a part is one contiguous slice of each column: one write per column per chunk,
 read straight from the part's memory maps), heap blobs appended under the cache's lock with their
 new offsets, and each record's ``state`` last, so a reader never trusts a half-merged sample. The
@@ -30,9 +33,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import format as fmt
-from .part import PartRefused, flock_within, part_lock, read_part, remove_part
+from ..cachedir import CacheFiles
+from .part import PartRefused, PlacedStore, flock_within, part_lock, placed_identity, read_part, remove_part
 
-__all__ = ["MergeResult", "merge", "merge_rows"]
+try:
+    import fcntl
+except ImportError:  # Windows: no flock
+    fcntl = None
+
+__all__ = ["MergeResult", "link_records", "merge", "merge_rows"]
 
 #: Bytes of rows merged per ``put`` (bounds the memory a merge holds when rows must be gathered).
 CHUNK_BYTES = 64 << 20
@@ -72,7 +81,7 @@ def merge(cache, path: str, *, hashes: bool = True) -> MergeResult:
                 return _refused(path, e)  # removed while the lock is held: no driver merges it meanwhile
             try:
                 with _merging(os.path.dirname(os.path.abspath(path))):
-                    merged, skipped = merge_rows(cache, part)
+                    merged, skipped = merge_rows(cache, part) if part.records is None else link_records(cache, part)
             finally:
                 part.close()
             cache.sync()  # durable before the part goes: a power cut never loses both
@@ -138,3 +147,60 @@ def _merge_chunk(cache, src, local: np.ndarray, idx: np.ndarray) -> None:
     bpos = np.flatnonzero(flags & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR))
     blobs = [src.read_blob(int(local[m])) for m in bpos]
     cache.put(idx, flags, crc, cpos, stacked if len(cpos) else [], bpos, blobs)
+
+
+def link_records(cache, part) -> tuple[int, int]:
+    """Make the samples of the verified placed ``part`` (:class:`nbkit.cluster.part.PlacedStore`:
+    its rows and blobs in ``cache``'s files already) visible: copy its records into ``cache``'s index,
+    ``state`` last, for the samples the cache lacks; return ``(merged, skipped)``. O(records): no
+    sample byte is read or written. Does not sync.
+
+    Raises:
+        PartRefused: its rows are in other files than ``cache``'s (the cache was replaced since the
+            worker wrote them), or a record points past ``heap.bin``.
+    """
+    rec = part.records
+    local = np.flatnonzero(rec["state"] == fmt.STORED)
+    bounds = (part.start, part.stop)
+    if not isinstance(cache, CacheFiles):
+        raise PartRefused(f"the part {part.path} is refused: its rows were placed in a cache directory's files, and this "
+                          "cache is not one. It is removed and its samples computed again.", bounds=bounds)
+    used_heap = bool((rec["flags"][local] & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR)).any())
+    idx = local + part.start
+    keep = cache.admitted(idx) & ~cache.is_stored(idx)
+    skipped = int(len(idx) - keep.sum())
+    local, idx = local[keep], idx[keep]
+    if not len(idx):
+        return 0, skipped
+    r = rec[local]
+    heapy = (r["flags"] & (fmt.FLAG_FREEFORM | fmt.FLAG_VAR)) != 0
+    if heapy.any():
+        heap = os.fstat(cache.data_fds()[fmt.HEAP]).st_size if fmt.HEAP in cache.data_fds() else 0
+        if int((r["off"][heapy] + r["len"][heapy]).max()) > heap:
+            raise PartRefused(f"the part {part.path} is refused: a record points past the {heap} bytes of the cache's "
+                              f"{fmt.HEAP}. It is removed and its samples computed again.", bounds=bounds)
+    if placed_identity(cache, used_heap) != part.placed:
+        # Not the files the worker wrote into and checked (the cache directory was copied, or a copy
+        # swapped in by a pull or an import): the rows are checked here, where they are now, once.
+        check = PlacedStore(cache, part.start, part.stop)
+        check.records["state"][local] = fmt.STORED
+        for f in ("flags", "crc", "off", "len"):
+            check.records[f][local] = r[f]
+        try:
+            check.verify()
+        except PartRefused as e:
+            raise PartRefused(f"the part {part.path} is refused: its rows were placed in other files than the cache's at "
+                              f"{cache.root} now (the cache was replaced since) and do not check there: {e}", bounds=bounds) from e
+    fd = cache.data_fds()[fmt.INDEX]
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # as CacheFiles.put: a push (frozen) sees all of this or none
+    try:
+        cache.off[idx] = r["off"]
+        cache.len[idx] = r["len"]
+        cache.flags[idx] = r["flags"]
+        cache.crc[idx] = r["crc"]
+        cache.state[idx] = fmt.STORED  # last: a reader trusts a record only once it says stored
+    finally:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    return int(len(idx)), skipped

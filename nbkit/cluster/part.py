@@ -8,6 +8,11 @@ columns (slot = index - start), so ``nbkit ls``, ``nbkit info``, ``nbkit verify`
 work on it unchanged. Its ``nbkit.json`` carries one more field, ``part``: the cache it belongs to
 (generation, length), its range, and the size and SHA-256 of every data file (the part manifest).
 
+A local build's part is **placed** (:class:`PlacedStore`): its worker writes the rows and blobs
+straight into the cache's own files, at their final places, and the part holds only its records
+(``index.bin``; ``part.placed`` in its ``nbkit.json``), which the merge links into the cache's index:
+each sample is written once, and no sample byte passes through the driver.
+
 A worker builds a part in a claimed staging sibling (``.part-….nbkit-build-<hex>``: listed by
 ``nbkit ls`` and removed by ``nbkit rm`` if the worker dies), through the cache's own compute path
 (:meth:`nbkit.CachedDataset.compute_and_store` into a :class:`PartStore`), so samples are encoded
@@ -49,17 +54,18 @@ import numpy as np
 from .. import format as fmt
 from .. import trust
 from ..cachedir import CacheFiles
-from ..commit import CHUNK, Dir, claim, is_claimed, leftover_of, makedirs, release, staging_name
+from ..commit import CHUNK, Dir, claim, is_claimed, leftover_of, makedirs, release, staging_name, write_all
 from ..errors import CorruptCacheError
+from ..stores.base import Store
 
 try:
     import fcntl
 except ImportError:  # Windows: no flock; merges are still idempotent
     fcntl = None
 
-__all__ = ["LOCK_SECONDS", "PART_SPEC", "PartRefused", "PartStore", "VerifiedPart", "build_part", "list_parts", "open_parts_dir",
-           "part_generation", "part_name", "parse_part_name", "parts_dir", "part_lock", "read_part", "remote_parts", "remove_part",
-           "sweep_builds"]
+__all__ = ["LOCK_SECONDS", "PART_SPEC", "PartRefused", "PartStore", "PlacedStore", "VerifiedPart", "build_part", "list_parts",
+           "open_parts_dir", "open_target", "part_generation", "part_name", "parse_part_name", "parts_dir", "part_lock",
+           "placed_identity", "read_part", "remote_parts", "remove_part", "sweep_builds"]
 
 #: Digits of each bound in a part's name: enough for the largest cache (``format.MAX_LENGTH``, 2**40).
 DIGITS = 13
@@ -85,7 +91,9 @@ PART_SPEC = trust.Obj({
     "stop": trust.Int(min=1, max=fmt.MAX_LENGTH),
     "files": trust.Map(_FILE_SPEC, key=trust.Str(pattern=r"(?:index\.bin|heap\.bin|col-(?:0|[1-9][0-9]{0,3})\.bin)", max_len=16),
                        max_len=trust.MAX_COLUMNS + 2),
-})
+    # A placed part (its rows already in the cache's files): which files, by identity (placed_identity).
+    "placed": trust.Str(pattern="[0-9a-f]{32}", max_len=32),
+}, required=("cache_generation", "cache_length", "start", "stop", "files"))
 
 
 class PartRefused(CorruptCacheError):
@@ -293,7 +301,8 @@ def build_part(spec: dict) -> dict:
             ``None`` with ``upload``), ``start``, ``stop``, ``todo`` (the indices to compute, int64),
             ``meta`` (the cache's metadata), ``source`` (the pickled ``CachedDataset`` or a factory)
             and optionally ``upload`` (``{"url", "storage_options"}``: build in a local temporary
-            directory, then upload the part under that URL, data files first, ``nbkit.json`` last).
+            directory, then upload the part under that URL, data files first, ``nbkit.json`` last),
+            ``placed`` (write the rows into the cache's own files: :class:`PlacedStore`) and ``hashes``.
 
     Returns:
         ``{"name", "computed", "seconds", "host", "pid", "kept"}``: ``kept`` is ``False`` when another whole copy
@@ -351,6 +360,9 @@ def _build_here(spec: dict, parts: str, name: str, start: int, stop: int) -> boo
         p.mkdir(stage, 0o700)
         claim(p.join(stage))
         try:
+            if spec.get("placed"):
+                return _write_placed(p, stage, name, cached, spec["cache"], spec["meta"], start, stop, todo,
+                                     hashes=spec.get("hashes", True))
             return _write(p, stage, name, cached, spec["meta"], start, stop, todo, hashes=spec.get("hashes", True))
         finally:
             release(p.join(stage))
@@ -418,21 +430,271 @@ def _write(p: Dir, stage: str, name: str, cached, cache_meta: dict, start: int, 
         os.close(d.open(fmt.HEAP, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     store = PartStore(root, meta, start, writable=True, create=True)
     try:
-        with cached.writing_into(store):
-            for s in range(0, len(todo), CHUNK_SAMPLES):
-                try:
-                    cached.compute_and_store(todo[s : s + CHUNK_SAMPLES])
-                except OSError as e:
-                    if e is store.failed:
-                        raise
-                    raise _FromSource(e) from None  # the source's (a missing file of its own): not the part's storage
+        _compute(cached, store, todo)
         store.sync()
         files = {n: _digest(fd) if hashes else {"size": os.fstat(fd).st_size} for n, fd in store.data_fds().items()}
     finally:
         store.close()
     meta["part"] = {"cache_generation": cache_meta["generation"], "cache_length": int(cache_meta["length"]),
                     "start": start, "stop": stop, "files": files}
-    fmt.publish_meta(root, meta)  # last, durably: a directory without it is no part
+    _publish(root, meta)
+    return _rename_in(p, stage, name)
+
+
+def _compute(cached, store, todo: np.ndarray) -> None:
+    """Compute ``todo`` through ``cached``'s own compute path into ``store`` (a part's), a chunk at a time."""
+    with cached.writing_into(store):
+        for s in range(0, len(todo), CHUNK_SAMPLES):
+            try:
+                cached.compute_and_store(todo[s : s + CHUNK_SAMPLES])
+            except OSError as e:
+                if e is store.failed:
+                    raise
+                raise _FromSource(e) from None  # the source's (a missing file of its own): not the part's storage
+
+
+# -- placed parts: rows written where they belong -----------------------------------------------------
+
+
+class PlacedStore(Store):
+    """A part whose samples go straight into the cache's own files, at their final places: rows into
+    the column files at ``slot × row size`` and blobs appended to ``heap.bin`` (under the cache's
+    lock), while the records stay here, in the part (``records``, slot = index - start). No cache
+    record changes, so no reader sees these rows or blobs until a merge copies the records into the
+    cache's index (:func:`nbkit.cluster.merge.merge`): a row slot not yet indexed is never served.
+
+    A sample the cache already stores (a reader, another build, an earlier copy of this part) is never
+    written over: :meth:`put` skips it, and the part records it as not stored.
+
+    It also reads back what it placed (:meth:`flags_of`, :meth:`gather`, :meth:`read_blob` of its own
+    records), so :func:`nbkit.format.verify` checks every placed sample's CRC before the part is published.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(10)), tempfile.mkdtemp())
+        >>> store = PlacedStore(open_target(ds.root, ds.store.meta), 4, 8)
+        >>> with ds.writing_into(store):
+        ...     _ = ds.compute_and_store(np.array([5, 6]))
+        >>> store.records["state"].tolist(), len(ds.missing()), store.verify()
+        ([0, 1, 1, 0], 10, 2)
+        >>> store.close()
+    """
+
+    memory_mapped = True
+
+    def __init__(self, target: CacheFiles, start: int, stop: int):
+        super().__init__(target.meta, writable=True)
+        self.target, self.start, self.stop = target, int(start), int(stop)
+        self.records = np.zeros(self.stop - self.start, dtype=fmt.RECORD)
+        self.columns = target.columns
+        self.used_heap = False
+
+    @property
+    def slot_of(self):
+        return self.target.slot_of
+
+    #: The ``OSError`` a write into the cache met (the storage's, not the source's), if any.
+    failed = None
+
+    def put(self, idx, flags, crc, cpos, stacked, bpos, blobs):
+        try:
+            return self._put(np.asarray(idx, dtype=np.int64), flags, crc, np.asarray(cpos, dtype=np.int64), stacked,
+                             np.asarray(bpos, dtype=np.int64), blobs)
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def _put(self, idx, flags, crc, cpos, stacked, bpos, blobs):
+        t = self.target
+        # Stored meanwhile (a reader, another build): never written over, a reader may be reading it.
+        free = (t.state[idx] == fmt.EMPTY) & t.admitted(idx)
+        if not free.all():
+            keep_c, keep_b = free[cpos], free[bpos]
+            cpos, stacked = cpos[keep_c], [rows[keep_c] for rows in stacked]
+            bpos, blobs = bpos[keep_b], [b for b, k in zip(blobs, keep_b) if k]
+        if len(cpos):
+            slots = idx[cpos] if t.slot_of is None else t.slot_of[idx[cpos]]
+            if len(slots) > 1 and not (np.diff(slots) > 0).all():
+                order = np.argsort(slots, kind="stable")
+                slots, stacked = slots[order], [rows[order] for rows in stacked]
+            for k, rows in enumerate(stacked):
+                t.write_rows(k, slots, rows)
+        local = idx - self.start
+        rec = self.records
+        if len(bpos):
+            self.used_heap = True
+            rec["off"][local[bpos]] = t.append_blobs(blobs)
+            rec["len"][local[bpos]] = [len(b) for b in blobs]
+        rec["flags"][local[free]] = flags[free]
+        rec["crc"][local[free]] = crc[free]
+        rec["state"][local[free]] = fmt.STORED
+        return free
+
+    def is_stored(self, idx):
+        return self.records["state"][np.asarray(idx) - self.start] == fmt.STORED
+
+    def flags_of(self, idx):
+        return self.records["flags"][np.asarray(idx) - self.start]
+
+    def crc_of(self, idx):
+        return self.records["crc"][np.asarray(idx) - self.start]
+
+    def gather(self, idx, out=None, threads=None):
+        return self.target.gather(np.asarray(idx, dtype=np.int64), out, threads)
+
+    def read_blob(self, i: int) -> bytes:
+        r = self.records[int(i) - self.start]
+        off, n = int(r["off"]), int(r["len"])
+        fd = self.target.data_fds().get(fmt.HEAP)
+        data = b"" if fd is None or n == 0 else os.pread(fd, n, off)
+        if len(data) != n:
+            raise CorruptCacheError(f"sample {i}: heap.bin of {self.target.root} is shorter than this part's record says")
+        return data
+
+    def stored_count(self) -> int:
+        return int(np.count_nonzero(self.records["state"] == fmt.STORED))
+
+    def data_bytes(self) -> int:
+        return 0
+
+    def stored_bytes(self) -> int:
+        return 0
+
+    def sync(self) -> None:
+        """The cache's column files and heap made durable (before the part's records are)."""
+        self.target.sync()
+
+    def verify(self) -> int:
+        """Check every placed sample's CRC on the bytes as they lie in the cache's files; return how many.
+
+        Raises:
+            PartRefused: a sample does not match (its bytes changed under the build): nothing is published.
+        """
+        where = f"the cache {self.target.root} (rows of the part [{self.start}, {self.stop}))"
+        try:
+            view = _Shifted(self)
+            return fmt.verify_store(view, where=where, fix="The part is built again.", chunk=view.chunk)
+        except CorruptCacheError as e:
+            raise PartRefused(str(e), bounds=(self.start, self.stop)) from e
+
+    def close(self) -> None:
+        self.target.close()
+
+
+class _Shifted:
+    """A :class:`PlacedStore` seen with slots ``0 .. stop - start`` (what :func:`nbkit.format.verify_store` walks)."""
+
+    memory_mapped = True
+
+    def __init__(self, placed: PlacedStore):
+        self.p, self.length, self.schema, self.slot_of = placed, placed.stop - placed.start, placed.schema, None
+        t = placed.target
+        # Checked where the rows lie (views of the cache's maps, no copy); a budgeted cache's rows are
+        # scattered over its slots: gathered, a bounded chunk at a time.
+        self.columns = None if t.slot_of is not None else [c[placed.start : placed.stop] for c in t.columns]
+        row = sum(c.strides[0] for c in t.columns if c.ndim) or 1
+        self.chunk = int(min(1024, max(1, (16 << 20) // row)))
+
+    def is_stored(self, idx):
+        return self.p.records["state"][idx] == fmt.STORED
+
+    def flags_of(self, idx):
+        return self.p.flags_of(idx + self.p.start)
+
+    def crc_of(self, idx):
+        return self.p.crc_of(idx + self.p.start)
+
+    def gather(self, idx):
+        return self.p.gather(idx + self.p.start)
+
+    def read_blob(self, i):
+        return self.p.read_blob(int(i) + self.p.start)
+
+
+def open_target(root: str, cache_meta: dict) -> CacheFiles:
+    """The cache at ``root`` opened for placing a part's rows, once it is checked to be the build
+    ``cache_meta`` names (its generation, read again after its files are open: a cache rebuilt or
+    replaced meanwhile is never written into). The files stay held open: a cache removed or
+    replaced later takes its old files with it, and ``nbkit rm`` and ``prune`` see it in use.
+
+    Raises:
+        nbkit.StaleCacheError: the cache was rebuilt since the build planned this part.
+    """
+    from ..errors import StaleCacheError
+
+    def check(meta):
+        if meta.get("generation") != cache_meta.get("generation"):
+            raise StaleCacheError(f"the cache at {root} was rebuilt (generation {trust.shown(meta.get('generation'))}) since this "
+                                  f"build planned its parts (generation {cache_meta.get('generation')}): nothing is written "
+                                  "into it. Run the build again.")
+
+    meta = fmt.read_meta(root)
+    check(meta)
+    target = CacheFiles(root, meta, writable=True)
+    try:
+        check(fmt.read_meta(root))
+    except BaseException:
+        target.close()
+        raise
+    return target
+
+
+def placed_identity(cache: CacheFiles, heap: bool) -> str:
+    """Which files a placed part's rows are in: a digest of the device and inode of the cache's index
+    and column files (and ``heap.bin`` with ``heap``), as held open by ``cache``. The merge compares
+    the worker's with its own: a cache replaced between the two (a pull or import of a copy swapped
+    in) never gets records for rows written into the files it replaced."""
+    fds = cache.data_fds()
+    names = [fmt.INDEX] + [fmt.column_file(k) for k in range(len(cache.columns))] + ([fmt.HEAP] if heap else [])
+    ids = []
+    for n in names:
+        if n not in fds:
+            return "missing " + n
+        st = os.fstat(fds[n])
+        ids.append(f"{n}:{st.st_dev}:{st.st_ino}")
+    return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:32]
+
+
+def _write_placed(p: Dir, stage: str, name: str, cached, cache_root: str, cache_meta: dict, start: int, stop: int,
+                  todo: np.ndarray, *, hashes: bool = True) -> bool:
+    """A placed part: rows and blobs into the cache's files (synced, then every CRC checked there),
+    the part's records into ``index.bin`` of the staging directory, ``nbkit.json`` last, then renamed."""
+    root = p.join(stage)
+    store = PlacedStore(open_target(cache_root, cache_meta), start, stop)
+    try:
+        _compute(cached, store, todo)
+        store.sync()  # rows and blobs durable before any record of them is
+        store.verify()
+        identity = placed_identity(store.target, store.used_heap)
+        records = store.records
+    finally:
+        store.close()
+    with Dir(root) as d:
+        fd = d.open(fmt.INDEX, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            write_all(fd, records.view(np.uint8), 0, path=os.path.join(root, fmt.INDEX))
+            os.fsync(fd)
+            files = {fmt.INDEX: _digest(fd) if hashes else {"size": os.fstat(fd).st_size}}
+        finally:
+            os.close(fd)
+    meta = part_meta(cache_meta, start, stop)
+    meta["part"] = {"cache_generation": cache_meta["generation"], "cache_length": int(cache_meta["length"]),
+                    "start": start, "stop": stop, "files": files, "placed": identity}
+    _publish(root, meta)
+    return _rename_in(p, stage, name)
+
+
+def _publish(root: str, meta: dict) -> None:
+    """The part's ``nbkit.json``, last and durably: a directory without it is no part. The staging
+    directory is synced once more: the commit's temporary name, unlinked after the link, must not
+    come back after a power cut (a part holding anything but its files is refused)."""
+    fmt.publish_meta(root, meta)
+    with Dir(root) as d:
+        d.sync()
+
+
+def _rename_in(p: Dir, stage: str, name: str) -> bool:
+    """Rename the staged part into place; ``False`` when another whole copy was there first."""
     try:
         os.rename(stage, name, src_dir_fd=p.fd, dst_dir_fd=p.fd)
     except OSError as e:
@@ -469,19 +731,25 @@ class VerifiedPart:
         path: its directory.
         start, stop: its index range in the cache.
         meta: its parsed metadata (with the ``part`` field).
-        files: its :class:`nbkit.cachedir.CacheFiles`.
+        files: its :class:`nbkit.cachedir.CacheFiles` (``None`` for a placed part).
         stored: how many samples it holds.
+        records: a placed part's index records (slot = index - start): its rows and blobs are in
+            the cache's files already (:class:`PlacedStore`); ``None`` for a part holding its own.
+        placed: a placed part's :func:`placed_identity` (the cache files its rows are in).
     """
 
     path: str
     start: int
     stop: int
     meta: dict
-    files: CacheFiles
+    files: CacheFiles | None
     stored: int
+    records: np.ndarray | None = None
+    placed: str = ""
 
     def close(self) -> None:
-        self.files.close()
+        if self.files is not None:
+            self.files.close()
 
 
 _SAME_FIELDS = ("schema", "columns", "fingerprint", "allow_pickle", "format", "version")
@@ -597,6 +865,8 @@ def _check_part(path, where, bounds, meta, cache_meta, hashes, fix, refuse) -> V
     for f in _SAME_FIELDS:
         if meta.get(f) != cache_meta.get(f):
             refuse(f"its {f!r} differs from the cache's (another source, schema or nbkit version)")
+    if "placed" in info:
+        return _check_placed(path, bounds, meta, info, hashes, refuse)
     try:
         files = CacheFiles(path, meta, writable=False)
     except (CorruptCacheError, OSError, ValueError) as e:  # ValueError: UnsafeArchiveError, a file swapped for a link
@@ -623,6 +893,46 @@ def _check_part(path, where, bounds, meta, cache_meta, hashes, fix, refuse) -> V
         files.close()
         raise
     return VerifiedPart(path, bounds[0], bounds[1], meta, files, stored)
+
+
+def _check_placed(path, bounds, meta, info, hashes, refuse) -> VerifiedPart:
+    """:func:`read_part`'s checks of a placed part: its one file, ``index.bin``, by size (and SHA-256
+    with ``hashes``), and every record (a state nbkit writes, flags a writer of this schema sets).
+    O(records): the rows are in the cache's files, CRC-checked there by the worker before it published
+    the part; the merge checks the records' heap ranges and the files' identity against the cache."""
+    n = bounds[1] - bounds[0]
+    if set(info["files"]) != {fmt.INDEX}:
+        refuse(f"it is a placed part (its rows in the cache's files) and lists {sorted(info['files'])}, where it holds only {fmt.INDEX}")
+    with Dir(path) as d:
+        try:
+            fd = d.open(fmt.INDEX)
+        except (OSError, ValueError) as e:
+            refuse(f"its {fmt.INDEX} cannot be opened ({str(e).splitlines()[0]})")
+        try:
+            st = os.fstat(fd)
+            _check_owned(st, f"{fmt.INDEX} belongs to", refuse)
+            entry = info["files"][fmt.INDEX]
+            if st.st_size != n * fmt.RECORD.itemsize or entry["size"] != st.st_size:
+                refuse(f"{fmt.INDEX} holds {st.st_size} bytes, {n} records take {n * fmt.RECORD.itemsize} and its manifest "
+                       f"records {entry['size']} (damaged)")
+            if hashes and "sha256" not in entry:
+                refuse(f"its manifest records no SHA-256 for {fmt.INDEX} (a part of local workers, read here as untrusted)")
+            if hashes and _digest(fd) != entry:
+                refuse(f"{fmt.INDEX} does not match the size and SHA-256 its manifest records (damaged or modified)")
+            raw = os.pread(fd, st.st_size, 0)
+        finally:
+            os.close(fd)
+    if len(raw) != n * fmt.RECORD.itemsize:
+        refuse(f"{fmt.INDEX} changed while it was read")
+    records = np.frombuffer(raw, dtype=fmt.RECORD).copy()
+    state = records["state"]
+    if not np.isin(state, (fmt.EMPTY, fmt.STORED)).all():
+        refuse(f"{fmt.INDEX} holds records in states nbkit never writes (damaged)")
+    stored = state == fmt.STORED
+    schema = Store(meta, writable=False).schema
+    if not fmt.consistent_flags(records["flags"][stored], schema).all():
+        refuse(f"{fmt.INDEX} holds records with flags no writer of this schema sets (damaged)")
+    return VerifiedPart(path, bounds[0], bounds[1], meta, None, int(stored.sum()), records=records, placed=info["placed"])
 
 
 def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None) -> bool:

@@ -2,7 +2,8 @@
 ``$BUILD_BARRIER``: a directory where it says it is ready, then waits for ``go`` (drivers started together).
 
 With ``KILL_AT_PUT`` the process dies (``os._exit(137)``, as ``kill -9``) just before the merge's
-``put`` number ``KILL_AT_PUT`` (merges in small chunks, so a part is merged by several puts).
+``put`` number ``KILL_AT_PUT`` (merges in small chunks, so a part is merged by several puts), or
+before the merge's ``link_records`` of that number (a placed part is linked in one step).
 Prints the report's ``computed`` on success."""
 
 import os
@@ -34,6 +35,14 @@ def main():
                     os._exit(137)
             return real(self, *args)
         CacheFiles.put = put
+        link = nbkit.cluster.merge.link_records
+
+        def link_records(cache, part):  # a placed part's merge: records linked, no put
+            calls[0] += 1
+            if calls[0] == kill_at:
+                os._exit(137)
+            return link(cache, part)
+        nbkit.cluster.merge.link_records = link_records
     ds = nbkit.CachedDataset(Named(n, delay=delay), path)
     barrier = os.environ.get("BUILD_BARRIER")
     if barrier:  # start building together with the other driver(s)

@@ -174,7 +174,10 @@ def test_two_drivers_at_once_never_merge_twice(tmp_path):
     merged = [tuple(map(int, o[0].split())) for o in outs]
     assert sum(c + r for c, r in merged) == n, merged  # each sample merged by exactly one of them
     check_cache(path, Named(n))
-    assert os.path.getsize(os.path.join(path, "heap.bin")) == _heap_of_a_plain_warmup(tmp_path, n)
+    # Two drivers that plan at the same instant may both build a range: each places its blobs in the
+    # heap, one copy is linked (the cache exact), the other's bytes stay unreferenced (at most once more).
+    plain = _heap_of_a_plain_warmup(tmp_path, n)
+    assert plain <= os.path.getsize(os.path.join(path, "heap.bin")) <= 2 * plain
 
 
 def test_an_unpicklable_source_says_which_and_shows_the_factory(tmp_path):

@@ -326,14 +326,14 @@ def _run_set_aside(work):
     nbkit.checkpoint.set_aside(_p(work, "parent", "checkpoint.pt"), label="started-over", stamp="T")
 
 
-def _part_spec(ds, todo):
+def _part_spec(ds, todo, placed=False):
     import pickle
 
     import numpy as np
     from nbkit.cluster.part import parts_dir
 
     return dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=N, todo=np.asarray(todo, dtype=np.int64),
-                meta=ds.store.meta, source=("pickled", "crash", pickle.dumps(ds)))
+                meta=ds.store.meta, source=("pickled", "crash", pickle.dumps(ds)), placed=placed)
 
 
 #: The part the build operations write: the whole range, so that it reads back as a cache of N samples.
@@ -356,14 +356,18 @@ def _run_part_build(work):
     ds.close()
 
 
-def _setup_part_merge(work):
+def _setup_part_merge_copy(work):
+    _setup_part_merge(work, placed=False)
+
+
+def _setup_part_merge(work, placed=True):
     import nbkit
     from nbkit.cluster.part import build_part
 
     bystander(work)
     build_cache(_p(work, "parent", "cache"), 1, stored=N // 4)
     ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
-    build_part(_part_spec(ds, ds.missing()))
+    build_part(_part_spec(ds, ds.missing(), placed=placed))
     ds.close()
 
 
@@ -373,6 +377,20 @@ def _run_part_merge(work):
 
     # What the driver of nbkit.cluster does with each finished part: verify, merge in place, remove.
     ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
+    merge(ds.store, _p(work, "parent", "cache.parts", PART))
+    ds.close()
+
+
+def _run_part_build_placed(work):
+    import nbkit
+    from nbkit.cluster.merge import merge
+    from nbkit.cluster.part import build_part
+
+    # A local build's part, both halves: a worker places the rows and blobs in the cache's own files
+    # (records in the part), then the driver links the records into the cache's index. A part a crash
+    # leaves must merge whole on the rerun (a refused one would leave the cache short: a violation).
+    ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
+    build_part(_part_spec(ds, range(N), placed=True))
     merge(ds.store, _p(work, "parent", "cache.parts", PART))
     ds.close()
 
@@ -407,9 +425,15 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in [
               inputs=_BY, removable=False),
     Operation("checkpoint", _setup_checkpoint, _run_checkpoint, "parent/checkpoint.pt", "file", Expect(1), Expect(2),
               inputs=_BY, power_loss=True, removable=False),
-    Operation("part_build", _setup_part_build, _run_part_build, f"parent/cache.parts/{PART}", "cache", None, Expect(1),
-              absent_ok=True, inputs=_BY + ("parent/cache",), power_loss=True),
+    # A local build (warmup with workers, LocalEngine, engines on a shared file system): placed parts.
+    Operation("part_build", _setup_part_build, _run_part_build_placed, "parent/cache", "cache", Expect(1, whole=False),
+              Expect(1), inputs=_BY, entries=("cache.parts",), power_loss=True),
     Operation("part_merge", _setup_part_merge, _run_part_merge, "parent/cache", "cache", Expect(1, whole=False),
+              Expect(1), inputs=_BY, entries=("cache.parts",), power_loss=True),
+    # Parts holding their own files (a store without files of its own: Redis; the gs:// upload's local build).
+    Operation("part_build_copy", _setup_part_build, _run_part_build, f"parent/cache.parts/{PART}", "cache", None, Expect(1),
+              absent_ok=True, inputs=_BY + ("parent/cache",), power_loss=True),
+    Operation("part_merge_copy", _setup_part_merge_copy, _run_part_merge, "parent/cache", "cache", Expect(1, whole=False),
               Expect(1), inputs=_BY, entries=("cache.parts",), power_loss=True),
     Operation("set_aside", _setup_checkpoint, _run_set_aside, "parent/checkpoint.pt", "aside", Expect(1), None,
               absent_ok=True, inputs=_BY, entries=(ASIDE,), power_loss=True, removable=False),
