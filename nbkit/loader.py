@@ -47,8 +47,8 @@ from torch.utils.data import default_collate
 from . import devices
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads, pinned_rows
-from .samplers import (MAX_RESUMES, EpochSampler, check_resume_state, dealt, dealt_batches, epoch_sequence,
-                       unconsumed)
+from .samplers import (MAX_RESUMES, EpochSampler, _check_epoch, check_resume_state, dealt, dealt_batches,
+                       epoch_sequence, unconsumed)
 from .stores.base import store_of
 from .trust import MAX_EPOCH, MAX_PREFETCH, MAX_SAMPLES, MAX_WORKERS, MAX_WORLD_SIZE, check_bool, check_int
 from .stats import Consumed
@@ -106,6 +106,10 @@ class DeviceLoader:
 
     #: Host batches that :meth:`place` sends elsewhere (JAX's devices) are gathered several at a time too.
     _place_in_chunks = False
+    #: Whether every rank is always at the same batch (JaxLoader's processes make one global batch): then
+    #: one rank's state is every rank's, on this topology too. A DeviceLoader refuses another rank's state
+    #: on its own topology (each rank saves its own: a loop may leave its ranks at different steps).
+    _lockstep = False
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = False, device=None,
                  seed: int = 0, rank: int | None = None, world_size: int | None = None, threads: int | None = None,
@@ -178,7 +182,7 @@ class DeviceLoader:
         ``for epoch in range(start, n): loader.set_epoch(epoch)`` loop resumes mid-epoch; any other
         epoch starts from its first batch.
         """
-        epoch = int(epoch)
+        epoch = _check_epoch(epoch)  # before anything changes: a refused epoch keeps a restored position
         if self._resume is None or self._resume[0] != epoch:
             self._resume, self._progress = None, None
         self.sampler.set_epoch(epoch)
@@ -249,13 +253,22 @@ class DeviceLoader:
                                  f"run (1 to {MAX_WORLD_SIZE}), got {len(states)}")
         else:
             states = [state]
-        if len(states) == 1 and isinstance(state, dict) and all(state.get(k) == v for k, v in same.items() if k != "rank"):
-            # This topology's own state: the exact path (another rank's state is refused, naming the fix).
+        # Compared only when plain ints: a hostile value (a tensor or array of several items) has no truth
+        # value; the check below names it.
+        plain = {k: v for k, v in same.items() if isinstance(state, dict) and type(state.get(k)) is int and state[k] == v}
+        if (len(states) == 1 and {"world_size", "batch_size"} <= plain.keys()
+                and ("rank" in plain or not self._lockstep)):
+            # This topology's own state: the exact path (another rank's state is refused, naming the fix; a
+            # JaxLoader's ranks are in lockstep: another rank's state is this rank's position, below).
             state = check_resume_state(state, kind, ours, self._batches_of)
             return self._resume_at(state["epoch"], state["position"], state.get("rest") or [])
         memo = {}
-        states = [check_resume_state(s, kind, ours, self._batches_of, elastic=True, memo=memo) for s in states]
-        first = states[0]
+        first = check_resume_state(states[0], kind, ours, self._batches_of, elastic=True, memo=memo)
+        if isinstance(state, (list, tuple)) and len(states) != first["world_size"]:  # before checking a million states
+            raise ValueError(f"{kind}.load_state_dict: a list of states needs one state of each of the "
+                             f"{first['world_size']} ranks of the checkpointed run, got {len(states)} states")
+        states = [first] + [check_resume_state(s, kind, ours, self._batches_of, elastic=True, memo=memo)
+                            for s in states[1:]]
         for s in states[1:]:
             for name in ("world_size", "batch_size", "epoch", "rest"):
                 if s.get(name) != first.get(name):
@@ -275,12 +288,17 @@ class DeviceLoader:
             length = len(self._pass_sequence(epoch, rest)) if rest else None
             positions = [min(first["position"], self._batches_of(dict(first, rank=r)) if length is None else
                              dealt_batches(length, world, batch, r)) for r in range(world)]
+            if world == self.world_size and batch == self.batch_size:  # another rank's, in lockstep (a JaxLoader's)
+                return self._resume_at(epoch, positions[self.rank], rest)
         if any(positions):
             rest = rest + [{"world_size": world, "batch_size": batch, "positions": positions}]
         if len(rest) > MAX_RESUMES:
             raise ValueError(f"{kind}.load_state_dict: this epoch was resumed on another topology {MAX_RESUMES} times "
                              "already; finish it on the topology it has, or start the epoch over (set_epoch)")
-        if rest and not len(self._pass_sequence(epoch, rest)):  # nothing left of that epoch: as if this world finished it
+        if rest and len(self) and not len(self._pass_sequence(epoch, rest)):
+            # Nothing left of that epoch: as if this world finished it. Not when this world's epoch has no
+            # batch (drop_last, a batch larger than a rank's share): its position 0 would read "not begun",
+            # and a state saved now would train the epoch again elsewhere; the rest says it is done.
             return self._resume_at(epoch, len(self), [])
         return self._resume_at(epoch, 0, rest)
 

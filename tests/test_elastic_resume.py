@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -207,6 +208,103 @@ def test_hostile_rest_fields_are_refused_cleanly(rest, world, batch, rank, posit
     # Accepted: a pass of samples of the epoch, no sample more often than the epoch has it.
     got = collections.Counter(i for (x,) in loader for i in x.tolist())
     assert not got - collections.Counter(range(17))
+
+
+def test_states_holding_arrays_or_tensors_are_refused_naming_the_field():
+    """A state from torch.load may hold a tensor or an array where an int belongs: a clean error naming
+    the field, never torch's or numpy's "ambiguous truth value"."""
+    ds = TensorDataset(torch.arange(20))
+    good = nbkit.DeviceLoader(ds, 2, rank=0, world_size=2).state_dict()
+    loader = nbkit.DeviceLoader(ds, 2, rank=0, world_size=2)
+    for name in ("world_size", "batch_size", "rank"):
+        for value in (torch.tensor([2, 2]), np.array([2, 2]), torch.tensor(2), np.int64(2)):
+            with pytest.raises(ValueError, match=f"'{name}'"):
+                loader.load_state_dict(dict(good, **{name: value}))
+    # A rest level's position past what nbkit counts (not an int64): damaged, not an OverflowError.
+    with pytest.raises(ValueError, match=r"rest\[0\]\.positions\[0\]"):
+        loader.load_state_dict(dict(good, version=2, rest=[{"world_size": 2, "batch_size": 2, "positions": [1 << 70, 0]}]))
+
+
+def test_a_long_list_of_states_is_refused_before_each_is_checked():
+    ds = TensorDataset(torch.arange(20))
+    _, states = interrupt(loaders(ds, 3, 2), [1, 1, 1], 0)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="one state of each of the 3 ranks.*got 1000000 states"):
+        nbkit.DeviceLoader(ds, 2).load_state_dict([states[r % 3] for r in range(10 ** 6)])
+    assert time.perf_counter() - t0 < 5  # (checking each state first took ~40 s)
+
+
+def test_a_rest_level_of_a_million_ranks_is_checked_at_once():
+    ds = TensorDataset(torch.arange(20))
+    world = 1 << 20
+    state = dict(nbkit.DeviceLoader(ds, 2).state_dict(), version=2, rank=0, world_size=world, batch_size=1,
+                 rest=[{"world_size": world, "batch_size": 1, "positions": [0] * (world - 1) + [2]}])
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=f"rest\\[0\\] position 2 of rank {world - 1} is past the end"):
+        nbkit.DeviceLoader(ds, 2).load_state_dict(state)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_refused_set_epoch_keeps_the_restored_position():
+    ds = TensorDataset(torch.arange(20))
+    _, states = interrupt(loaders(ds, 1, 4), [2], 1)
+    loader = nbkit.DeviceLoader(ds, 4)
+    loader.load_state_dict(states[0])
+    for bad in (-1, 1 << 63):
+        with pytest.raises(ValueError, match="epoch"):
+            loader.set_epoch(bad)
+    assert loader.state_dict()["position"] == 2
+    loader.set_epoch(1)
+    assert [x.tolist() for (x,) in loader] == [b.tolist() for b in loader.batches(1)[2:]]
+
+
+def test_state_dict_right_after_an_elastic_load_resumes_the_same_rest():
+    """Resume, save before the first batch, resume again (on the new topology and on a third one):
+    the same samples, every one once; then set_epoch of another epoch starts that one from its beginning."""
+    ds = TensorDataset(torch.arange(37))
+    for drop_last in (False, True):
+        kw = dict(seed=2, drop_last=drop_last)
+        trained, states = interrupt(loaders(ds, 3, 4, **kw), [2, 1, 2], 0)
+        want = epoch_samples(ds, 3, 4, 0, **kw)
+        new = loaders(ds, 2, 5, **kw)
+        for loader in new:
+            loader.load_state_dict(states)
+        saved = [round_trip(loader.state_dict()) for loader in new]
+        assert all(s["position"] == 0 and s["epoch"] == 0 for s in saved)
+        third = loaders(ds, 4, 3, **kw)
+        for loader in third:
+            loader.load_state_dict(saved)
+        assert trained + collections.Counter(i for loader in third for (x,) in loader for i in x.tolist()) == want
+        again = loaders(ds, 2, 5, **kw)
+        for loader in again:
+            loader.load_state_dict(saved[loader.rank])   # its own topology: each rank its own state
+            loader.set_epoch(2)
+            assert [x.tolist() for (x,) in loader] == [b.tolist() for b in loader.batches(2)]
+
+
+def test_a_finished_epoch_stays_finished_through_a_topology_with_no_batch():
+    """Found by the long fuzz run: an epoch finished on 1 rank of batch 2 (6 samples, drop_last), resumed on
+    2 ranks of batch 4 (no batch an epoch there), saved, then resumed on 1 rank of batch 1 trained the
+    whole epoch again: the state said "position 0 of 0", which reads as an epoch not begun."""
+    ds = TensorDataset(torch.arange(6))
+    kw = dict(shuffle=False, drop_last=True)
+    trained, states = interrupt(loaders(ds, 1, 2, **kw), [3], 0)
+    assert sum(trained.values()) == 6
+    middle = loaders(ds, 2, 4, **kw)
+    for loader in middle:
+        loader.load_state_dict(states)
+        assert len(loader) == 0 and loader.epoch == 1
+    saved = [round_trip(loader.state_dict()) for loader in middle]
+    for states_given in (saved, saved[0]):
+        last = nbkit.DeviceLoader(ds, 1, **kw)
+        last.load_state_dict(states_given)
+        assert last.epoch == 1
+        last.set_epoch(0)  # the restored epoch: nothing of it is left
+        assert list(last) == []
+    # This world's own state, too.
+    again = nbkit.DeviceLoader(ds, 4, rank=1, world_size=2, **kw)
+    again.load_state_dict(saved[1])
+    assert again.epoch == 1
 
 
 # -- real processes: torch.distributed (gloo), killed at random steps ------------------------------

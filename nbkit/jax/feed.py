@@ -63,6 +63,8 @@ class JaxLoader(DeviceLoader):
 
     # Gather several batches in one read (their rows 64-byte aligned: placed on the CPU without a copy).
     _place_in_chunks = True
+    # Its processes make one global batch: process 0's state is every process's (docs/jax.md).
+    _lockstep = True
 
     def __init__(self, dataset, batch_size: int, *, sharding=None, shuffle: bool = True, drop_last: bool = False,
                  seed: int = 0, rank: int | None = None, world_size: int | None = None, threads: int | None = None,

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import operator
+import sys
 
 from ..collate import collate, collate_columns
 from ..samplers import EpochSampler
@@ -52,7 +53,8 @@ class GrainBatches:
         cache: a :class:`nbkit.CachedDataset`, or the path or URL of a cache (opened without its source).
         batch_size: samples per batch (on this shard).
         seed: the shuffle seed: epoch ``e``'s order is the shuffle of ``seed + e``, the same on every host.
-        num_epochs: epochs in the source (records of epoch ``e`` come after those of epoch ``e - 1``).
+        num_epochs: epochs in the source (records of epoch ``e`` come after those of epoch ``e - 1``); at
+            most ``sys.maxsize // batches`` of this shard's epoch, so that ``len(source)`` fits a Python length.
         shuffle: ``False`` reads each epoch in index order.
         drop_remainder: drop each epoch's last batch when it has fewer than ``batch_size`` samples
             (every batch one shape: one compilation of a jitted step).
@@ -91,10 +93,15 @@ class GrainBatches:
         self.batches_per_epoch = per_epoch  # of every shard together
         self.per_shard = len(range(self.shard_index, per_epoch, self.shard_count))
         if self.per_shard == 0:
+            dropped = " (after the shard options' drop_remainder=True)" if shard_drop else ""
             raise ValueError(f"GrainBatches: shard {self.shard_index} of {self.shard_count} gets no batch: the cache has "
-                             f"{n} samples, {per_epoch} batches of batch_size={self.batch_size} an epoch "
+                             f"{n} samples, {per_epoch} batches of batch_size={self.batch_size} an epoch{dropped} "
                              f"(drop_remainder={self.drop_remainder}); pass a smaller batch_size, drop_remainder=False, "
                              "or fewer shards")
+        if self.per_shard * self.num_epochs > sys.maxsize:  # len() of a source must fit a Py_ssize_t
+            raise ValueError(f"GrainBatches: num_epochs={self.num_epochs} of {self.per_shard} batches is more records "
+                             f"than a Python length holds ({sys.maxsize}): pass num_epochs <= "
+                             f"{sys.maxsize // self.per_shard}")
         self._orders: dict = {}  # epoch -> its shuffled indices, in this process
 
     def __len__(self) -> int:

@@ -257,3 +257,31 @@ def test_elastic_resume_between_two_jax_processes_and_other_topologies(caches, t
     assert [f["resumed_epoch"] for f in found] == [0, 0]
     rest = collections.Counter(sample_of(k) for f in found for b in f["batches"] for k in b["local_keys"])
     assert head + rest == collections.Counter(range(N))
+
+
+def test_process_0s_state_resumes_every_process_of_the_same_topology(caches):
+    """docs/jax.md: the processes of a multi-process JaxLoader share one global batch, so process 0's
+    state is the whole run's, on the topology it was saved on too (not only on another one)."""
+    ds = caches["numpy"]
+    for drop_last in (True, False):
+        kw = dict(seed=3, drop_last=drop_last, world_size=2)
+        zero = JaxLoader(ds, 4, rank=0, **kw)
+        it = iter(zero)
+        next(it), next(it)
+        state = zero.state_dict()
+        it.close()
+        for r in (0, 1):
+            feed = JaxLoader(ds, 4, rank=r, **kw)
+            feed.load_state_dict(state)
+            assert feed.state_dict()["rank"] == r and feed.state_dict().get("rest") is None
+            want = feed.batches(0)[2:]
+            got = list(feed)
+            assert len(got) == len(want)
+            for batch, idx in zip(got, want):
+                assert_same_batch(batch, idx)
+    for bad in (np.array([0, 1]), np.int64(0), 0.0):
+        with pytest.raises(ValueError, match="'rank'"):
+            JaxLoader(ds, 4, rank=1, **kw).load_state_dict(dict(state, rank=bad))
+    # A DeviceLoader's ranks may be at different steps: there each rank loads its own state.
+    with pytest.raises(ValueError, match="load each process's own state"):
+        nbkit.DeviceLoader(ds, 4, rank=1, seed=3, drop_last=False, world_size=2).load_state_dict(state)

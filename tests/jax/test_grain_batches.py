@@ -221,3 +221,24 @@ def test_hostile_arguments_say_what_to_pass(caches):
             source[bad]
     same(source[-1], source[len(source) - 1])
     same(source[np.int64(2)], source[2])
+
+
+def test_num_epochs_up_to_what_a_length_holds(caches):
+    """len(source) must fit a Py_ssize_t: num_epochs past that is refused with the most there can be
+    (it was accepted, and len(), Grain's samplers and MapDataset raised OverflowError)."""
+    import sys
+
+    ds = caches["numpy"]
+    per = GrainBatches(ds, 4).per_shard
+    most = GrainBatches(ds, 4, seed=3, num_epochs=sys.maxsize // per)
+    assert len(most) == sys.maxsize // per * per
+    same(most[-1], most[len(most) - 1])
+    np.testing.assert_array_equal(most.indices(len(most) - 1), most._order(len(most) // per - 1)[(per - 1) * 4:per * 4])
+    same(next(iter(loader(most))), GrainBatches(ds, 4, seed=3)[0])
+    with pytest.raises(ValueError, match=f"num_epochs <= {sys.maxsize // per}"):
+        GrainBatches(ds, 4, num_epochs=sys.maxsize // per + 1)
+    with pytest.raises(ValueError, match="num_epochs"):
+        GrainBatches(ds, 4, num_epochs=1 << 62)
+    # A shard left with nothing by the shard options' drop_remainder says so.
+    with pytest.raises(ValueError, match="after the shard options' drop_remainder=True"):
+        GrainBatches(ds, N // 3, shard_options=grain.sharding.ShardOptions(0, 8, drop_remainder=True))
