@@ -287,10 +287,13 @@ class LocalMerge:
     def missing(self, p: PlannedPart) -> np.ndarray:
         return self.store.missing(np.arange(p.start, p.stop))
 
-    def salvage(self, state) -> None:
-        """After a stop or a failure: merge the parts that were finished (not yet merged)."""
+    def salvage(self, state, finished: dict | None = None) -> None:
+        """After a stop or a failure: merge the parts that were finished (not yet merged);
+        ``finished``: what :func:`build_part` returned for those whose calls ended, by part name
+        (who built them: the workers table counts them)."""
+        finished = finished or {}
         for path in list_parts(self.parts):
-            state.merged(merge(self.store, path, hashes=self.hashes))
+            state.merged(merge(self.store, path, hashes=self.hashes), built=finished.get(os.path.basename(path)))
 
     def finish(self, state) -> list:
         # Each part was merged as it arrived; what the plan left to another driver is merged now if
@@ -392,7 +395,7 @@ class ComposeParts:
     def missing(self, p: PlannedPart) -> np.ndarray:
         return p.todo
 
-    def salvage(self, state) -> None:
+    def salvage(self, state, finished: dict | None = None) -> None:
         pass  # uploaded parts stay under the parts prefix: the next run composes them
 
     def finish(self, state) -> list:
@@ -469,9 +472,10 @@ def _build(how, engine, todo, source, cached, state) -> bool:
         try:
             while queue or inflight or later:
                 if state.cb.should_stop() or interrupt.hit:
+                    finished = _finished(inflight)  # calls that ended: who built those parts
                     engine.cancel(list(inflight))
                     inflight.clear()
-                    how.salvage(state)
+                    how.salvage(state, finished)
                     if interrupt.hit:
                         raise KeyboardInterrupt
                     return True
@@ -522,11 +526,12 @@ def _build(how, engine, todo, source, cached, state) -> bool:
                         if len(missing):
                             queue.appendleft(PlannedPart(p.start, p.stop, missing))
         except BaseException as e:
+            finished = _finished(inflight)
             if inflight:
                 engine.cancel(list(inflight))
             if isinstance(e, Exception):
                 try:
-                    how.salvage(state)  # what finished before the failure joins the cache
+                    how.salvage(state, finished)  # what finished before the failure joins the cache
                 except Exception as salvage_error:  # noqa: BLE001 - the first failure is the news
                     _note(e, f"(merging the finished parts after it failed too: {salvage_error})")
             raise
@@ -557,6 +562,17 @@ class _Interrupt:
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+
+
+def _finished(inflight) -> dict:
+    """What :func:`build_part` returned for the calls among ``inflight`` that have ended well, by part name."""
+    out = {}
+    for f in list(inflight):
+        if f.done() and not f.cancelled() and f.exception() is None:
+            result = f.result()
+            if isinstance(result, dict) and "name" in result and result.get("storage_error") is None:
+                out[result["name"]] = result
+    return out
 
 
 def _note(error: BaseException, text: str) -> None:

@@ -467,3 +467,32 @@ def test_a_part_gone_before_its_merge_is_built_again_and_the_build_ends_whole(tm
     assert len(ds.missing()) == 0
     ds.close()
     check_cache(ds.root, Named(48))
+
+
+def test_parts_a_stop_merges_count_in_the_workers_table(tmp_path):
+    """A part whose call ended while the Stop was handled is merged by the salvage: its worker's row
+    counts it, so the table's samples add up to the samples computed (the panel's table after Stop)."""
+    n = 64
+    ds = nbkit.CachedDataset(Named(n), str(tmp_path / "cache"))
+    cb = Callback()
+    engine = threads(1)
+    real, submitted = engine.submit, []
+
+    def submit(fn, spec):
+        submitted.append(real(fn, spec))
+        return submitted[-1]
+    engine.submit = submit
+    plain = cb.should_stop
+
+    def should_stop():  # Stop once the second part's call has ended, before the loop has seen it
+        if len(submitted) >= 2:
+            submitted[1].result()
+            return True
+        return plain()
+    cb.should_stop = should_stop
+    report = run(ds, engine, part_size=16, callback=cb)
+    engine.close()
+    assert report.stopped and report.computed >= 32
+    assert sum(r.samples for r in cb.workers.rows) == report.computed
+    assert sum(r.parts for r in cb.workers.rows) == report.parts
+    ds.close()
