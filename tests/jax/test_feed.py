@@ -285,3 +285,38 @@ def test_process_0s_state_resumes_every_process_of_the_same_topology(caches):
     # A DeviceLoader's ranks may be at different steps: there each rank loads its own state.
     with pytest.raises(ValueError, match="load each process's own state"):
         nbkit.DeviceLoader(ds, 4, rank=1, seed=3, drop_last=False, world_size=2).load_state_dict(state)
+
+
+def test_held_and_donated_batches_survive_recycled_buffers(tmp_path, monkeypatch):
+    """On the CPU a placed batch aliases nbkit's gathered buffer (no copy), and buffers of 4 MiB and more
+    are recycled once no numpy view of them is left: a jax.Array held across later epochs, and the output
+    of a jitted step that donated its input, must keep their values while those epochs reuse the memory."""
+    import gc
+
+    from nbkit import gather
+
+    rows = 4096  # 16 KiB float32 rows: batches of 1 MiB, gathered several at a time, reads >= RECYCLE_MIN_BYTES
+    ds = nbkit.CachedDataset([(np.full(rows, i, np.float32), i) for i in range(256)], tmp_path / "big")
+    ds.warmup()
+    feed = JaxLoader(ds, 64, seed=0)
+    assert feed.chunk > 1 and feed.chunk * 64 * rows * 4 >= gather.RECYCLE_MIN_BYTES
+    recycled = []
+    real = gather._recycle
+    monkeypatch.setattr(gather, "_recycle", lambda *a: (recycled.append(a[1]), real(*a)))
+    step = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)
+    held, outs = [], []
+    for epoch in range(4):
+        for k, (x, y) in enumerate(feed):
+            np.testing.assert_array_equal(np.asarray(x)[:, :3], np.repeat(np.asarray(y)[:, None], 3, 1))
+            if epoch == 0 and k < 2:  # held (not donated)
+                held.append((x, np.asarray(y)))
+                continue
+            out = step(x)
+            if epoch == 0:
+                outs.append((out, np.asarray(y)))
+        gc.collect()
+    assert recycled  # later epochs did reuse freed buffers
+    for x, y in held:
+        np.testing.assert_array_equal(np.asarray(x), np.repeat(y[:, None].astype(np.float32), rows, 1))
+    for out, y in outs:
+        np.testing.assert_array_equal(np.asarray(out), np.repeat(y[:, None].astype(np.float32) * 2 + 1, rows, 1))
