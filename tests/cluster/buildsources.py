@@ -83,3 +83,17 @@ class Costly(Dataset):
             pass
         g = torch.Generator().manual_seed(i)
         return torch.rand(1, 28, 28, generator=g), i % 10
+
+
+def part_spec(ds, start, stop, todo=None, **extra) -> dict:
+    """What the driver hands :func:`nbkit.cluster.part.build_part` for the part ``[start, stop)`` of the
+    cache ``ds`` (its source pickled into the spec); ``extra`` adds or replaces fields."""
+    import pickle
+
+    import numpy as np
+
+    from nbkit.cluster.part import parts_dir
+
+    return dict(cache=ds.root, parts=parts_dir(ds.root), start=start, stop=stop,
+                todo=np.arange(start, stop) if todo is None else np.asarray(todo), meta=ds.store.meta,
+                source=("pickled", "tok", pickle.dumps(ds)), **extra)

@@ -14,7 +14,7 @@ from nbkit.cluster.part import (PartRefused, build_part, list_parts, parse_part_
                               remove_part, sweep_builds)
 from nbkit.commit import claim, release, staging_name
 
-from buildsources import Named, same
+from buildsources import Named, part_spec, same
 
 N = 40
 
@@ -27,9 +27,7 @@ def cache(tmp_path):
 
 
 def spec(ds, start, stop, todo=None):
-    return dict(cache=ds.root, parts=parts_dir(ds.root), start=start, stop=stop,
-                todo=np.arange(start, stop) if todo is None else np.asarray(todo), meta=ds.store.meta,
-                source=("pickled", "tok", pickle.dumps(ds)))
+    return part_spec(ds, start, stop, todo)
 
 
 def built(ds, start=8, stop=16, todo=None):

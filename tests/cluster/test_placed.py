@@ -15,7 +15,7 @@ from nbkit.cluster.merge import merge
 from nbkit.cluster.part import PartRefused, build_part, parts_dir, read_part
 from nbkit.errors import StaleCacheError
 
-from buildsources import Named, same
+from buildsources import Named, part_spec, same
 
 N = 40
 
@@ -28,9 +28,7 @@ def cache(tmp_path):
 
 
 def spec(ds, start, stop, todo=None):
-    return dict(cache=ds.root, parts=parts_dir(ds.root), start=start, stop=stop,
-                todo=np.arange(start, stop) if todo is None else np.asarray(todo), meta=ds.store.meta,
-                source=("pickled", "tok", pickle.dumps(ds)), placed=True, hashes=False)
+    return part_spec(ds, start, stop, todo, placed=True, hashes=False)
 
 
 def placed(ds, start=8, stop=16, todo=None):
