@@ -643,11 +643,11 @@ class _Epoch:
             self.close()
             raise StopIteration
         batch, reads = got
+        if self._loader.batch_transform is not None:  # before counting: a batch it fails on was not received
+            batch = self._loader.batch_transform(batch)
         self.consumed.add(*reads)
         self._remaining -= 1
         self._progress[1] += 1
-        if self._loader.batch_transform is not None:
-            batch = self._loader.batch_transform(batch)
         return batch
 
     def close(self) -> None:

@@ -134,6 +134,30 @@ def test_the_state_counts_what_the_loop_received_not_what_was_read_ahead():
     assert all(isinstance(v, (int, str, bool, type(None))) for v in state.values())
 
 
+def test_a_batch_its_batch_transform_fails_on_was_not_received():
+    """The loop never got the batch the transform raised on (a device out of memory): a checkpoint taken
+    in the handler resumes at that batch, not after it."""
+    ds = TensorDataset(torch.arange(20))
+    calls = []
+
+    def transform(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("the device is full")
+        return batch
+
+    loader = make_loader(ds, batch_size=4, shuffle=False, batch_transform=transform)
+    got = []
+    with pytest.raises(MemoryError):
+        for (x,) in loader:
+            got.append(x.tolist())
+    state = round_trip(loader.state_dict())
+    assert state["position"] == 2 and got == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    again = make_loader(ds, batch_size=4, shuffle=False)
+    again.load_state_dict(state)
+    assert [x.tolist() for (x,) in again] == [[8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA (torch.cuda.is_available() is False here)")
 def test_cuda_batches_gathered_in_chunks_resume_exactly(tmp_path):
     ds = nbkit.CachedDataset(TensorDataset(torch.arange(300)), tmp_path / "c")
