@@ -431,25 +431,38 @@ def test_04_a_changed_dataset_gets_its_own_cache_and_a_mismatched_one_is_refused
     assert line.startswith("cache/mnist-resume holds 300 MNIST samples, but the form asks for 600 (offline_samples)")
 
 
-def test_04_a_changed_batch_size_says_why_in_one_line_and_start_over_moves_the_checkpoint_aside(tmp_path):
+def test_04_another_batch_size_goes_on_with_the_rest_of_the_epoch(tmp_path):
+    """Elastic resume in the notebook: a checkpoint of batch_size 32 continues with 16, one line saying so."""
     execute("04_resume", tmp_path, train_steps=10)
-    line = _stopped(tmp_path, batch_size=16)
-    assert line == ("The checkpoint cache/mnist-resume-checkpoint.pt does not fit: it was made with batch_size 32, "
-                    "this run has 16. To resume it, set batch_size to 32; to start at step 0, tick start_over (it "
-                    "moves the checkpoint aside, never deleting it).")
-    path, out = execute("04_resume", tmp_path, batch_size=16, start_over=True)
+    path, out = execute("04_resume", tmp_path, batch_size=16, train_steps=24)
     said = flat(out)
-    moved = re.search(r"so it was moved to (cache/mnist-resume-checkpoint\.started-over-[0-9-]+\.pt); starting at step 0",
-                      said)
+    assert ("resumed from cache/mnist-resume-checkpoint.pt at step 10, with batch_size 16 (the checkpoint's: 32): "
+            "the samples of epoch 1 it had not trained on come once each, in batches of 16, then whole epochs") in said
+    assert "trained 14 steps in this run, to step 24" in said
+    saved = torch_load(tmp_path / "work" / "cache" / "mnist-resume-checkpoint.pt")
+    assert saved["step"] == 24 and saved["loader"]["batch_size"] == 16
+
+
+def test_04_a_checkpoint_of_another_run_says_why_in_one_line_and_start_over_moves_it_aside(tmp_path):
+    execute("04_resume", tmp_path, dataset="FashionMNIST", train_steps=10)
+    other = "cache/fashionmnist-resume-checkpoint.pt"
+    line = _stopped(tmp_path, checkpoint_url=other)
+    assert line.startswith(f"The checkpoint {other} does not fit: it was made with a cache of another source than "
+                           "this one"), line
+    assert line.endswith("to start at step 0, tick start_over (it moves the checkpoint aside, never deleting it)."), line
+    path, out = execute("04_resume", tmp_path, checkpoint_url=other, start_over=True)
+    said = flat(out)
+    moved = re.search(r"so it was moved to (cache/fashionmnist-resume-checkpoint\.started-over-[0-9-]+\.pt); "
+                      r"starting at step 0", said)
     assert moved, said
     assert "trained 24 steps in this run, to step 24" in said
     aside = torch_load(tmp_path / "work" / moved.group(1))
-    assert aside["step"] == 10 and aside["loader"]["batch_size"] == 32  # the old checkpoint, kept whole
+    assert aside["step"] == 10  # the other run's checkpoint, kept whole
     # Left ticked, start_over does nothing to a checkpoint that fits: the next run resumes it.
-    path, out = execute("04_resume", tmp_path, batch_size=16, start_over=True, train_steps=30)
+    path, out = execute("04_resume", tmp_path, checkpoint_url=other, start_over=True, train_steps=30)
     said = flat(out)
     assert "start_over is ticked, but the checkpoint fits this form: resuming it" in said
-    assert "resumed from cache/mnist-resume-checkpoint.pt at step 24" in said
+    assert f"resumed from {other} at step 24" in said
 
 
 def torch_load(path):
