@@ -9,9 +9,11 @@ runtime's disk or Drive), with the form set as the user would set it:
 2. Run All again, the same form: it resumes from the checkpoint, says which steps it trains again
    and that it will not simulate another disconnect, and finishes;
 3. the cache deleted, the checkpoint kept (a recycled runtime): it rebuilds the cache and resumes;
-4. ``batch_size`` changed: the reason in one line, no traceback; then ``start_over`` ticked: the
-   checkpoint is moved aside and training starts at step 0;
-5. another ``dataset``: its own cache and checkpoint.
+4. ``batch_size`` changed: it goes on with the rest of the epoch in the new batches (elastic
+   resume), one line saying so;
+5. another ``dataset``: its own cache and checkpoint;
+6. ``checkpoint_url`` pointing at that other run's checkpoint: the reason in one line, no traceback;
+   then ``start_over`` ticked: the checkpoint is moved aside and training starts at step 0.
 
 Run alone: ``PJRT_DEVICE=CPU .venv/bin/python -m pytest tests/test_browser_04.py`` (after ``make setup``).
 """
@@ -103,25 +105,12 @@ def test_04_disconnect_resume_lost_cache_changed_form(page, frontend, notebook_d
     assert nb.progress(nb.index("def open_complete_cache")) == 100.0  # the cache build's bar
     done(nb)
 
-    # 4. Another batch_size: one line saying why and what to do, no traceback; then start_over.
-    nb = open_04(batch_size=16, train_steps=30)
-    nb.run_all()
-    model = nb.index("def load_checkpoint")
-    with pytest.raises(CellError):
-        nb.wait_all(timeout=240)
-    error = nb.error(model)
-    assert error and error.startswith("Stop: The checkpoint cache/mnist-resume-checkpoint.pt does not fit"), error
-    shown = nb.text(model)
-    assert "Traceback" not in shown and "File " not in shown, shown
-    assert ("it was made with batch_size 32, this run has 16. To resume it, set batch_size to 32; to start at "
-            "step 0, tick start_over") in flat(shown)
-    done(nb)
-    nb = open_04(batch_size=16, train_steps=30, start_over=True)
+    # 4. Another batch_size: the rest of the epoch in the new batches (elastic resume), one line saying so.
+    nb = open_04(batch_size=16, train_steps=40)
     out = run_all(nb)
-    assert re.search(r"so it was moved to cache/mnist-resume-checkpoint\.started-over-[0-9-]+\.pt; starting at step 0",
-                     out), out
-    assert "trained 30 steps in this run, to step 30" in out
-    assert len(list((notebook_dir / "cache").glob("mnist-resume-checkpoint.started-over-*.pt"))) == 1
+    assert ("resumed from cache/mnist-resume-checkpoint.pt at step 30, with batch_size 16 (the checkpoint's: 32): "
+            "the samples of epoch 3 it had not trained on come once each, in batches of 16, then whole epochs") in out, out
+    assert "trained 10 steps in this run, to step 40" in out
     done(nb)
 
     # 5. Another dataset in the form: its own cache and checkpoint, never the MNIST ones.
@@ -130,4 +119,25 @@ def test_04_disconnect_resume_lost_cache_changed_form(page, frontend, notebook_d
     assert "cache: cache/fashionmnist-resume checkpoint: cache/fashionmnist-resume-checkpoint.pt" in out
     assert "built cache/fashionmnist-resume: 300 samples computed" in out
     assert "no checkpoint at cache/fashionmnist-resume-checkpoint.pt: starting at step 0" in out
+    done(nb)
+
+    # 6. A checkpoint of another run (checkpoint_url): one line saying why, no traceback; then start_over.
+    other = "cache/fashionmnist-resume-checkpoint.pt"
+    nb = open_04(checkpoint_url=other, train_steps=30)
+    nb.run_all()
+    model = nb.index("def load_checkpoint")
+    with pytest.raises(CellError):
+        nb.wait_all(timeout=240)
+    error = nb.error(model)
+    assert error and error.startswith(f"Stop: The checkpoint {other} does not fit"), error
+    shown = nb.text(model)
+    assert "Traceback" not in shown and "File " not in shown, shown
+    assert "a cache of another source" in flat(shown) and "tick start_over" in flat(shown), shown
+    done(nb)
+    nb = open_04(checkpoint_url=other, train_steps=30, start_over=True)
+    out = run_all(nb)
+    assert re.search(r"so it was moved to cache/fashionmnist-resume-checkpoint\.started-over-[0-9-]+\.pt; starting at "
+                     r"step 0", out), out
+    assert "trained 30 steps in this run, to step 30" in out
+    assert len(list((notebook_dir / "cache").glob("fashionmnist-resume-checkpoint.started-over-*.pt"))) == 1
     done(nb)
