@@ -506,7 +506,8 @@ def test_05_builds_the_mnist_cache_on_a_local_cluster(tmp_path, engine):
     assert errors == [], errors
 
 
-def test_05_a_stopped_build_is_a_result_and_run_all_goes_on(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("engine_name", ["dask", "ray"])
+def test_05_a_stopped_build_is_a_result_and_run_all_goes_on(tmp_path, monkeypatch, capsys, engine_name):
     """Stop while the build cell waits: the cell ends without an error and says what the panel says;
     the checks say what they leave for later; the engine stays up for Warm up, and running the
     notebook again uses it (never a second cluster) and finishes the build, then closes it. The
@@ -515,14 +516,14 @@ def test_05_a_stopped_build_is_a_result_and_run_all_goes_on(tmp_path, monkeypatc
 
     import nbkit.widgets.panel as panel_module
 
-    pytest.importorskip("distributed", reason="pip install 'dask[distributed]' (make setup installs it)")
+    pytest.importorskip("distributed" if engine_name == "dask" else "ray", reason="make setup installs it")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(panel_module, "in_kernel", lambda: True)  # the panel as in a notebook: run() speaks
     nb = nbformat.read(str(REPO / "notebooks" / "05_build_on_a_cluster.ipynb"), as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     build = next(i for i, c in enumerate(code) if 'panel.run("warmup")' in c.source)
     ns = {"display": lambda *a, **k: None}
-    small = {**run_notebooks.SMALL["05_build_on_a_cluster"], "offline_samples": 20_000}
+    small = {**run_notebooks.SMALL["05_build_on_a_cluster"], "offline_samples": 20_000, "engine_name": engine_name}
 
     def cells(start, stop=None):
         for c in code[start:stop]:
@@ -531,7 +532,9 @@ def test_05_a_stopped_build_is_a_result_and_run_all_goes_on(tmp_path, monkeypatc
                 ns.update(small)
 
     def said():
-        return flat(capsys.readouterr().out)
+        out, err = capsys.readouterr()
+        assert not err.strip(), f"stderr on the page: {err[-2000:]}"  # no library's chatter in red
+        return flat(out)
 
     cells(0, build)
     engine = ns["engine"]
@@ -561,16 +564,17 @@ def test_05_a_stopped_build_is_a_result_and_run_all_goes_on(tmp_path, monkeypatc
     assert f"cache complete: False ({stats.cached:,} of 20,000 samples" in out, out
     assert "samples against the source: left for when the cache is complete (Warm up)" in out, out
     assert "second run: left for when the cache is complete; Warm up in the panel resumes the build" in out, out
-    assert "dask engine kept running: Warm up in the panel needs it to finish the cache" in out, out
-    assert engine.client is not None  # still up, for Warm up
+    assert f"{engine_name} engine kept running: Warm up in the panel needs it to finish the cache" in out, out
+    up = (lambda: engine.client is not None) if engine_name == "dask" else (lambda: engine._ray is not None)
+    assert ns["engine"] is engine and up()  # still up, for Warm up
 
     cells(0)  # Run All again: the same cluster, which finishes the build, then closes
     out = said()
-    assert "dask: the 2 workers started before are still up; using them" in out, out
-    assert "starting dask" not in out, out
+    assert f"{engine_name}: the 2 workers started before are still up; using them" in out, out
+    assert f"starting {engine_name}" not in out, out
     assert "samples computed" in out and "merged from parts an earlier run left" in out, out
-    assert "cache complete: True (20,000 of 20,000 samples" in out and "dask engine closed" in out, out
-    assert engine.client is None and ns["engine"] is None
+    assert "cache complete: True (20,000 of 20,000 samples" in out and f"{engine_name} engine closed" in out, out
+    assert ns["engine"] is None and not up()
 
 
 def _outputs(path):
