@@ -587,6 +587,8 @@ def test_a_notebook_at_400_and_600px_nothing_cut_no_word_broken(name, page, fron
             nb = Notebook(page, frontend, path).open()
             nb.run_all()
             nb.wait_all(timeout=540)
+        stderr = [o.get("text") for c in nb.cells() if c["type"] == "code" for o in c["outputs"] if o.get("name") == "stderr"]
+        assert not stderr, f"{name} in {frontend.kind} wrote to stderr (red on the page): {stderr}"
         problems, broken = {}, {}
         for width in NARROW:  # a phone or Colab's side panel, a small window
             if found := narrow_problems(nb, width):
@@ -618,3 +620,52 @@ def test_02_at_400_and_600px_nothing_cut_no_word_broken(ran_02):
     nb.page.set_viewport_size({"width": 1400, "height": 900})  # as the other tests on ran_02 expect it
     assert not problems, f"02 in {nb.server.kind}, by width: {problems}"
     assert not broken, f"02 in {nb.server.kind}, printed lines with broken words, by width: {broken}"
+
+
+@pytest.mark.parametrize("engine_name", ["dask", "ray"])
+def test_05_stop_on_a_cluster_is_a_result_and_the_next_run_all_reuses_the_cluster(engine_name, page, frontend,
+                                                                                  notebook_dir):
+    """Notebook 05 as a user drives it: Run All, Stop clicked while the build cell waits. The cell ends
+    without a traceback, nothing is written to stderr, the panel's counts are the cache's; the next
+    Run All uses the cluster still up (never a second one) and finishes the cache."""
+    import nbkit
+
+    pytest.importorskip("distributed" if engine_name == "dask" else "ray", reason="make setup installs it")
+    if engine_name == "ray" and frontend.kind != "lab":
+        pytest.skip("Ray's local instance (~15 s, 1 GiB) is clicked through in JupyterLab only")
+    path = notebook_dir / "05_build_on_a_cluster.ipynb"
+    shutil.copyfile(REPO / "notebooks" / path.name, path)
+    set_parameters(path, **{**run_notebooks.SMALL["05_build_on_a_cluster"], "engine_name": engine_name,
+                            "offline_samples": 30_000, "part_size": 1024})
+    nb = Notebook(page, frontend, path).open()
+    panel, build = nb.index("WarmupPanel("), nb.index('panel.run("warmup")')
+    close = nb.index("engine kept running")
+    try:
+        nb.run_all()
+        nb.wait_started(build, timeout=240)
+        _until(lambda: 0 < (nb.progress(panel) or 0) < 60, 240, "build progress", lambda: nb.widget_text(panel))
+        nb.click(panel, "Stop", timeout=10)
+        nb.wait_all(timeout=300)  # no cell failed: a Stop is a result, and Run All went on
+        cells = nb.cells()
+        stderr = [o.get("text") for c in cells if c["type"] == "code" for o in c["outputs"] if o.get("name") == "stderr"]
+        assert not stderr, f"stderr on the page: {stderr}"
+        stats = nbkit.CachedDataset.open(str(notebook_dir / "cache" / "mnist-built")).stats
+        assert 0 < stats.cached < stats.total, f"harness: the Stop did not land mid-way ({stats})"
+        sentence = (f"The warmup stopped at {stats.cached:,} of {stats.total:,} samples, every one kept in the cache. "
+                    "Click Warm up to resume.")
+        assert sentence in flat(nb.text(build)), nb.text(build)
+        assert "Traceback" not in nb.text(build)
+        shown = flat(nb.widget_text(panel))
+        assert f"{stats.cached:,} of {stats.total:,}" in shown or sentence in shown, shown
+        assert f"{engine_name} engine kept running" in flat(nb.text(close)), nb.text(close)
+
+        nb.run_all()  # again, in the same kernel: the cluster still up is used, and the build finishes
+        nb.wait_all(timeout=300)
+        engine_cell = nb.index("engine_for(")
+        said = flat(nb.text(engine_cell))
+        assert f"{engine_name}: the 2 workers started before are still up; using them" in said, said
+        assert f"starting {engine_name}" not in said, said
+        assert f"{engine_name} engine closed" in flat(nb.text(close)), nb.text(close)
+        assert nbkit.CachedDataset.open(str(notebook_dir / "cache" / "mnist-built")).stats.complete
+    finally:
+        frontend.shut_down_kernel(path)
