@@ -47,7 +47,7 @@ from torch.utils.data import default_collate
 from . import devices
 from .collate import collate, collate_columns, column_tensor, iter_tensors, map_tensors
 from .gather import auto_threads, pinned_rows
-from .samplers import (MAX_RESUMES, EpochSampler, _check_epoch, check_resume_state, dealt, dealt_batches,
+from .samplers import (MAX_RESUMES, EpochSampler, check_epoch, check_resume_state, dealt, dealt_batches,
                        epoch_sequence, unconsumed)
 from .stores.base import store_of
 from .trust import MAX_EPOCH, MAX_PREFETCH, MAX_SAMPLES, MAX_WORKERS, MAX_WORLD_SIZE, check_bool, check_int
@@ -182,7 +182,7 @@ class DeviceLoader:
         ``for epoch in range(start, n): loader.set_epoch(epoch)`` loop resumes mid-epoch; any other
         epoch starts from its first batch.
         """
-        epoch = _check_epoch(epoch)  # before anything changes: a refused epoch keeps a restored position
+        epoch = check_epoch(epoch)  # before anything changes: a refused epoch keeps a restored position
         if self._resume is None or self._resume[0] != epoch:
             self._resume, self._progress = None, None
         self.sampler.set_epoch(epoch)

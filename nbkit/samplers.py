@@ -138,14 +138,14 @@ class EpochSampler(Sampler):
         ``for epoch in range(start, n): sampler.set_epoch(epoch)`` loop resumes mid-epoch); any
         other epoch starts from its beginning.
         """
-        epoch = _check_epoch(epoch)
+        epoch = check_epoch(epoch)
         if self._resume is None or self._resume[0] != epoch:
             self._resume, self._pass = None, None
         self.epoch = epoch
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's indices for ``epoch`` (default: the current one), as int64."""
-        epoch = self.epoch if epoch is None else _check_epoch(epoch)
+        epoch = self.epoch if epoch is None else check_epoch(epoch)
         order = _order(self.n, self.shuffle, self.seed, epoch)
         total = self.per_rank * self.world_size
         if total > self.n:  # pad by repeating from the start (as DistributedSampler)
@@ -349,9 +349,14 @@ def _rest_sequence(ours: dict, epoch: int, rest: list, fail) -> np.ndarray:
 _MAX_EPOCH = MAX_EPOCH
 
 
-def _check_epoch(epoch) -> int:
+def check_epoch(epoch) -> int:
     """An epoch number (anything ``int()`` takes, as before) in ``[0, MAX_EPOCH]``: with the seed's
-    bound, ``seed + epoch`` then always fits a signed 64-bit integer."""
+    bound, ``seed + epoch`` then always fits a signed 64-bit integer.
+
+    Example:
+        >>> check_epoch(3.0)
+        3
+    """
     return check_int(int(epoch), "epoch", min=0, max=_MAX_EPOCH,
                      fix="epochs count from 0, and seed + epoch must fit a signed 64-bit integer")
 
@@ -507,7 +512,7 @@ class PrefetchSampler(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of epoch ``epoch`` next (call it each epoch, as with ``DistributedSampler``)."""
-        self.epoch = _check_epoch(epoch)
+        self.epoch = check_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.dataset)
