@@ -156,6 +156,7 @@ class DeviceLoader:
         self.wait_seconds = 0.0  # time the last epoch's caller spent waiting for a batch
         self._resume = None  # (epoch, batches done, rest) the next pass of that epoch starts at, from load_state_dict
         self._progress = None  # [epoch, batches handed out, rest] of the latest pass, counted by its iterator
+        self._pass_memo = None  # (epoch, rest, its sequence): _pass_sequence's last answer
 
     def _batch_bytes(self) -> int:
         if not self._columnar:
@@ -310,12 +311,18 @@ class DeviceLoader:
         return per_rank // b if self.drop_last else -(-per_rank // b)
 
     def _pass_sequence(self, epoch: int, rest: list) -> np.ndarray:
-        """The indices ``rest`` leaves of ``epoch``, in the epoch's order (see :func:`nbkit.samplers.unconsumed`)."""
+        """The indices ``rest`` leaves of ``epoch``, in the epoch's order (see :func:`nbkit.samplers.unconsumed`).
+        Kept for the ``rest`` last asked about (a load, then the pass it resumes, ask for the same one:
+        a shuffle of the whole epoch each time otherwise); ``rest`` lists are never changed in place."""
+        memo = self._pass_memo
+        if memo is not None and memo[0] == epoch and memo[1] is rest:
+            return memo[2]
         s = self.sampler
         seq = epoch_sequence(s.n, shuffle=s.shuffle, seed=s.seed, epoch=epoch, world_size=rest[0]["world_size"],
                              batch_size=rest[0]["batch_size"], drop_last=self.drop_last)
         for level in rest:
             seq = unconsumed(seq, level["world_size"], level["batch_size"], level["positions"])
+        self._pass_memo = (epoch, rest, seq)
         return seq
 
     def _resume_at(self, epoch: int, position: int, rest: list) -> None:
