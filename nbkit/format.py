@@ -370,7 +370,14 @@ def verify(store, idx: np.ndarray, *, columns: list | None = None, blobs: dict |
 def consistent_flags(flags: np.ndarray, schema) -> np.ndarray:
     """Which records' flags are what a writer of ``schema`` sets: free-form alone, or (for a sample
     that fits the schema) ``FLAG_VAR`` exactly when the schema has variable-length fields; anything
-    else (unknown bits, ``FLAG_DAMAGED``) is a damaged record."""
+    else (unknown bits, ``FLAG_DAMAGED``) is a damaged record.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+        >>> consistent_flags(np.array([0, FLAG_FREEFORM, FLAG_DAMAGED], dtype=np.uint8), ds.store.schema).tolist()
+        [True, True, False]
+    """
     if schema.structure is None:
         return flags == FLAG_FREEFORM
     return (flags == FLAG_FREEFORM) | (flags == (FLAG_VAR if schema.has_var else 0))

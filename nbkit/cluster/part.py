@@ -619,6 +619,12 @@ def open_target(root: str, cache_meta: dict) -> CacheFiles:
 
     Raises:
         nbkit.StaleCacheError: the cache was rebuilt since the build planned this part.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+        >>> target = open_target(ds.root, ds.store.meta); len(target.columns); target.close()
+        1
     """
     from ..errors import StaleCacheError
 
@@ -643,7 +649,16 @@ def placed_identity(cache: CacheFiles, heap: bool) -> str:
     """Which files a placed part's rows are in: a digest of the device and inode of the cache's index
     and column files (and ``heap.bin`` with ``heap``), as held open by ``cache``. The merge compares
     the worker's with its own: a cache replaced between the two (a pull or import of a copy swapped
-    in) never gets records for rows written into the files it replaced."""
+    in) never gets records for rows written into the files it replaced.
+
+    Example:
+        >>> import tempfile, torch, nbkit
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+        >>> a, b = open_target(ds.root, ds.store.meta), open_target(ds.root, ds.store.meta)
+        >>> placed_identity(a, heap=False) == placed_identity(b, heap=False), len(placed_identity(a, heap=False))
+        (True, 32)
+        >>> a.close(); b.close()
+    """
     fds = cache.data_fds()
     names = [fmt.INDEX] + [fmt.column_file(k) for k in range(len(cache.columns))] + ([fmt.HEAP] if heap else [])
     ids = []
