@@ -97,3 +97,7 @@ def part_spec(ds, start, stop, todo=None, **extra) -> dict:
     return dict(cache=ds.root, parts=parts_dir(ds.root), start=start, stop=stop,
                 todo=np.arange(start, stop) if todo is None else np.asarray(todo), meta=ds.store.meta,
                 source=("pickled", "tok", pickle.dumps(ds)), **extra)
+
+
+#: The samples of the shared ``cache`` fixture (tests/cluster/conftest.py).
+PART_N = 40

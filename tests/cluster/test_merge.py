@@ -10,16 +10,9 @@ import nbkit
 from nbkit.cluster.merge import merge, merge_rows
 from nbkit.cluster.part import build_part, parts_dir, read_part
 
-from buildsources import Named, check_cache, same
+from buildsources import PART_N, Named, check_cache, same
 
-N = 40
-
-
-@pytest.fixture
-def cache(tmp_path):
-    ds = nbkit.CachedDataset(Named(N), str(tmp_path / "cache"))
-    yield ds
-    ds.close()
+N = PART_N  # the shared cache fixture's (conftest.py)
 
 
 def built(ds, start, stop, todo=None, token="tok"):

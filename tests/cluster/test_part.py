@@ -14,16 +14,9 @@ from nbkit.cluster.part import (PartRefused, build_part, list_parts, parse_part_
                               remove_part, sweep_builds)
 from nbkit.commit import claim, release, staging_name
 
-from buildsources import Named, part_spec, same
+from buildsources import PART_N, Named, part_spec, same
 
-N = 40
-
-
-@pytest.fixture
-def cache(tmp_path):
-    ds = nbkit.CachedDataset(Named(N), str(tmp_path / "cache"))
-    yield ds
-    ds.close()
+N = PART_N  # the shared cache fixture's (conftest.py)
 
 
 def spec(ds, start, stop, todo=None):

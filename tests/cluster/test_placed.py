@@ -15,16 +15,9 @@ from nbkit.cluster.merge import merge
 from nbkit.cluster.part import PartRefused, build_part, parts_dir, read_part
 from nbkit.errors import StaleCacheError
 
-from buildsources import Named, part_spec, same
+from buildsources import PART_N, Named, part_spec, same
 
-N = 40
-
-
-@pytest.fixture
-def cache(tmp_path):
-    ds = nbkit.CachedDataset(Named(N), str(tmp_path / "cache"))
-    yield ds
-    ds.close()
+N = PART_N  # the shared cache fixture's (conftest.py)
 
 
 def spec(ds, start, stop, todo=None):
