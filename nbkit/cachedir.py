@@ -843,14 +843,20 @@ class CacheFiles(Store):
         """Make what was stored durable: the data files first, then the index, so that after a power
         loss no record is stored without its data (a record whose data did not reach the disk fails
         its CRC and is recomputed)."""
+        self.sync_data()
+        if self._index_mmap is not None:
+            self._index_mmap.flush()
+        os.fsync(self._index_fd)
+
+    def sync_data(self) -> None:
+        """Make the data files durable (the column files and ``heap.bin``, whoever wrote into them:
+        an ``fsync`` flushes a file, not a descriptor), not the index: what must precede any record
+        of rows that other processes placed (:func:`nbkit.cluster.merge.link_records`)."""
         for fd in self.column_fds + ([self._heap_fd] if self._heap_fd is not None else []):
             os.fsync(fd)
         if self._heap_fd is not None:
             with Dir(self.root) as d:  # heap.bin is made on the first blob: its name must be durable too
                 d.sync()
-        if self._index_mmap is not None:
-            self._index_mmap.flush()
-        os.fsync(self._index_fd)
 
     def close(self) -> None:
         """Close the files (and end this process's use of the cache: :func:`in_use`), and let go of

@@ -279,10 +279,13 @@ class LocalMerge:
         return plan(self.store, part_size, indices, around=around)
 
     def spec(self) -> dict:
-        return {"parts": self.parts, "hashes": self.hashes, "placed": self.placed}
+        # This machine's workers leave syncing a placed part's rows to the merge (the same
+        # page cache; the driver waits for the disk while they compute); remote workers sync them.
+        return {"parts": self.parts, "hashes": self.hashes, "placed": self.placed, "sync_rows": self.hashes}
 
     def arrived(self, result: dict) -> MergeResult:
-        return merge(self.store, os.path.join(self.parts, result["name"]), hashes=self.hashes)
+        # Kept: the copy its worker wrote during this build (fresh); else another's copy, checked as a leftover.
+        return merge(self.store, os.path.join(self.parts, result["name"]), hashes=self.hashes, fresh=bool(result.get("kept")))
 
     def missing(self, p: PlannedPart) -> np.ndarray:
         return self.store.missing(np.arange(p.start, p.stop))
@@ -293,7 +296,8 @@ class LocalMerge:
         (who built them: the workers table counts them)."""
         finished = finished or {}
         for path in list_parts(self.parts):
-            state.merged(merge(self.store, path, hashes=self.hashes), built=finished.get(os.path.basename(path)))
+            built = finished.get(os.path.basename(path))
+            state.merged(merge(self.store, path, hashes=self.hashes, fresh=bool(built and built.get("kept"))), built=built)
 
     def finish(self, state) -> list:
         # Each part was merged as it arrived; what the plan left to another driver is merged now if

@@ -64,13 +64,17 @@ class MergeResult:
     gone: bool = False
 
 
-def merge(cache, path: str, *, hashes: bool = True) -> MergeResult:
+def merge(cache, path: str, *, hashes: bool = True, fresh: bool = False) -> MergeResult:
     """Verify the part at ``path`` and merge it into ``cache`` (a writable
     :class:`nbkit.cachedir.CacheFiles`), then remove it; a part that does not verify is removed
     and reported (``refused``), never merged: so is a link under a part's name, another user's part,
     and a part whose lock another process holds past :data:`nbkit.cluster.part.LOCK_SECONDS` (the
     wait is bounded). ``hashes=False``: the part's files are checked by size and every sample's CRC,
-    not SHA-256 (parts of this machine's own workers: see :func:`read_part`)."""
+    not SHA-256 (parts of this machine's own workers: see :func:`read_part`). ``fresh``: the part was
+    written by a worker of this process's build, since it started (its result just came back): a
+    placed part's rows then need no CRC pass here even if its worker left them unchecked (no power
+    cut can have come between; the rows are made durable before any record); any other part's are
+    checked (:func:`link_records`)."""
     try:
         with part_lock(path) as present:
             if not present:
@@ -81,7 +85,7 @@ def merge(cache, path: str, *, hashes: bool = True) -> MergeResult:
                 return _refused(path, e)  # removed while the lock is held: no driver merges it meanwhile
             try:
                 with _merging(os.path.dirname(os.path.abspath(path))):
-                    merged, skipped = merge_rows(cache, part) if part.records is None else link_records(cache, part)
+                    merged, skipped = merge_rows(cache, part) if part.records is None else link_records(cache, part, fresh=fresh)
             finally:
                 part.close()
             cache.sync()  # durable before the part goes: a power cut never loses both
@@ -149,11 +153,25 @@ def _merge_chunk(cache, src, local: np.ndarray, idx: np.ndarray) -> None:
     cache.put(idx, flags, crc, cpos, stacked if len(cpos) else [], bpos, blobs)
 
 
-def link_records(cache, part) -> tuple[int, int]:
+def link_records(cache, part, *, fresh: bool = False) -> tuple[int, int]:
     """Make the samples of the verified placed ``part`` (:class:`nbkit.cluster.part.PlacedStore`:
     its rows and blobs in ``cache``'s files already) visible: copy its records into ``cache``'s index,
     ``state`` last, for the samples the cache lacks; return ``(merged, skipped)``. O(records): no
-    sample byte is read or written. Does not sync.
+    sample byte is read or written (its worker checked every CRC where the rows lie), unless its
+    worker left the rows unsynced (``rows_synced``: this machine's workers) and the part is not
+    ``fresh`` (see :func:`merge`: left by a build that ended, maybe before a power cut lost them):
+    then one CRC pass over its rows here. Rows left unsynced are made durable before any record is
+    written. Does not sync the index.
+
+    Example:
+        >>> import os, pickle, tempfile, torch, nbkit
+        >>> from nbkit.cluster.part import build_part, parts_dir, read_part
+        >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(6)), tempfile.mkdtemp())
+        >>> spec = dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=6, todo=np.arange(6), meta=ds.store.meta,
+        ...             source=("pickled", "t", pickle.dumps(ds)), placed=True, sync_rows=False)
+        >>> part = read_part(os.path.join(parts_dir(ds.root), build_part(spec)["name"]), ds.store.meta, hashes=False)
+        >>> link_records(ds.store, part), ds.missing().tolist()
+        ((6, 0), [])
 
     Raises:
         PartRefused: its rows are in other files than ``cache``'s (the cache was replaced since the
@@ -179,9 +197,11 @@ def link_records(cache, part) -> tuple[int, int]:
         if int((r["off"][heapy] + r["len"][heapy]).max()) > heap:
             raise PartRefused(f"the part {part.path} is refused: a record points past the {heap} bytes of the cache's "
                               f"{fmt.HEAP}. It is removed and its samples computed again.", bounds=bounds)
-    if placed_identity(cache, used_heap) != part.placed:
+    moved = placed_identity(cache, used_heap) != part.placed
+    if moved or not (part.rows_synced or fresh):
         # Not the files the worker wrote into and checked (the cache directory was copied, or a copy
-        # swapped in by a pull or an import): the rows are checked here, where they are now, once.
+        # swapped in by a pull or an import), or rows a worker of an earlier build left unsynced (a
+        # power cut since may have lost them): the rows are checked here, where they are now, once.
         check = PlacedStore(cache, part.start, part.stop)
         check.records["state"][local] = fmt.STORED
         for f in ("flags", "crc", "off", "len"):
@@ -189,8 +209,11 @@ def link_records(cache, part) -> tuple[int, int]:
         try:
             check.verify()
         except PartRefused as e:
-            raise PartRefused(f"the part {part.path} is refused: its rows were placed in other files than the cache's at "
-                              f"{cache.root} now (the cache was replaced since) and do not check there: {e}", bounds=bounds) from e
+            why = (f"its rows were placed in other files than the cache's at {cache.root} now (the cache was replaced "
+                   "since) and" if moved else "its rows, left unsynced by a build that ended (a power cut?),")
+            raise PartRefused(f"the part {part.path} is refused: {why} do not check there: {e}", bounds=bounds) from e
+    if not part.rows_synced:
+        cache.sync_data()  # rows durable before any record of them (the kernel writes index pages back at will)
     fd = cache.data_fds()[fmt.INDEX]
     if fcntl is not None:
         fcntl.flock(fd, fcntl.LOCK_SH)  # as CacheFiles.put: a push (frozen) sees all of this or none

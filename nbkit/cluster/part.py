@@ -93,6 +93,10 @@ PART_SPEC = trust.Obj({
                        max_len=trust.MAX_COLUMNS + 2),
     # A placed part (its rows already in the cache's files): which files, by identity (placed_identity).
     "placed": trust.Str(pattern="[0-9a-f]{32}", max_len=32),
+    # Whether its worker synced the rows before publishing (a worker of another machine); if not (this
+    # machine's workers), the merge syncs them before linking, and checks them again if the part is
+    # not its own build's (a power cut may have come between).
+    "rows_synced": trust.Bool(),
 }, required=("cache_generation", "cache_length", "start", "stop", "files"))
 
 
@@ -302,7 +306,9 @@ def build_part(spec: dict) -> dict:
             ``meta`` (the cache's metadata), ``source`` (the pickled ``CachedDataset`` or a factory)
             and optionally ``upload`` (``{"url", "storage_options"}``: build in a local temporary
             directory, then upload the part under that URL, data files first, ``nbkit.json`` last),
-            ``placed`` (write the rows into the cache's own files: :class:`PlacedStore`) and ``hashes``.
+            ``placed`` (write the rows into the cache's own files: :class:`PlacedStore`), ``sync_rows``
+            (default true; false leaves syncing the placed rows to the merge: a worker of the driver's
+            own machine) and ``hashes``.
 
     Returns:
         ``{"name", "computed", "seconds", "host", "pid", "kept"}``: ``kept`` is ``False`` when another whole copy
@@ -362,7 +368,7 @@ def _build_here(spec: dict, parts: str, name: str, start: int, stop: int) -> boo
         try:
             if spec.get("placed"):
                 return _write_placed(p, stage, name, cached, spec["cache"], spec["meta"], start, stop, todo,
-                                     hashes=spec.get("hashes", True))
+                                     hashes=spec.get("hashes", True), sync_rows=spec.get("sync_rows", True))
             return _write(p, stage, name, cached, spec["meta"], start, stop, todo, hashes=spec.get("hashes", True))
         finally:
             release(p.join(stage))
@@ -671,14 +677,18 @@ def placed_identity(cache: CacheFiles, heap: bool) -> str:
 
 
 def _write_placed(p: Dir, stage: str, name: str, cached, cache_root: str, cache_meta: dict, start: int, stop: int,
-                  todo: np.ndarray, *, hashes: bool = True) -> bool:
-    """A placed part: rows and blobs into the cache's files (synced, then every CRC checked there),
-    the part's records into ``index.bin`` of the staging directory, ``nbkit.json`` last, then renamed."""
+                  todo: np.ndarray, *, hashes: bool = True, sync_rows: bool = True) -> bool:
+    """A placed part: rows and blobs into the cache's files, the part's records into ``index.bin`` of
+    the staging directory, ``nbkit.json`` last, then renamed. Every CRC is checked where the rows
+    lie before the part is published. With ``sync_rows`` the rows are synced first; without (this
+    machine's workers: the driver shares their page cache), the merge syncs them before it links any
+    record, and the worker is spared the wait for the disk (``rows_synced`` in the manifest says which)."""
     root = p.join(stage)
     store = PlacedStore(open_target(cache_root, cache_meta), start, stop)
     try:
         _compute(cached, store, todo)
-        store.sync()  # rows and blobs durable before any record of them is
+        if sync_rows:
+            store.sync()  # rows and blobs durable before any record of them is
         store.verify()
         identity = placed_identity(store.target, store.used_heap)
         records = store.records
@@ -694,7 +704,8 @@ def _write_placed(p: Dir, stage: str, name: str, cached, cache_root: str, cache_
             os.close(fd)
     meta = part_meta(cache_meta, start, stop)
     meta["part"] = {"cache_generation": cache_meta["generation"], "cache_length": int(cache_meta["length"]),
-                    "start": start, "stop": stop, "files": files, "placed": identity}
+                    "start": start, "stop": stop, "files": files, "placed": identity,
+                    "rows_synced": bool(sync_rows)}
     _publish(root, meta)
     return _rename_in(p, stage, name)
 
@@ -751,6 +762,9 @@ class VerifiedPart:
         records: a placed part's index records (slot = index - start): its rows and blobs are in
             the cache's files already (:class:`PlacedStore`); ``None`` for a part holding its own.
         placed: a placed part's :func:`placed_identity` (the cache files its rows are in).
+        rows_synced: a placed part's rows were synced by its worker before it published the part;
+            if not, the merge syncs them before it links any record, and checks them again unless
+            the part is its own build's (:func:`nbkit.cluster.merge.link_records`).
     """
 
     path: str
@@ -761,6 +775,7 @@ class VerifiedPart:
     stored: int
     records: np.ndarray | None = None
     placed: str = ""
+    rows_synced: bool = False
 
     def close(self) -> None:
         if self.files is not None:
@@ -914,7 +929,8 @@ def _check_placed(path, bounds, meta, info, hashes, refuse) -> VerifiedPart:
     """:func:`read_part`'s checks of a placed part: its one file, ``index.bin``, by size (and SHA-256
     with ``hashes``), and every record (a state nbkit writes, flags a writer of this schema sets).
     O(records): the rows are in the cache's files, CRC-checked there by the worker before it published
-    the part; the merge checks the records' heap ranges and the files' identity against the cache."""
+    the part (and again by the merge when they were not synced and the part is not its own build's);
+    the merge checks the records' heap ranges and the files' identity against the cache."""
     n = bounds[1] - bounds[0]
     if set(info["files"]) != {fmt.INDEX}:
         refuse(f"it is a placed part (its rows in the cache's files) and lists {sorted(info['files'])}, where it holds only {fmt.INDEX}")
@@ -947,7 +963,8 @@ def _check_placed(path, bounds, meta, info, hashes, refuse) -> VerifiedPart:
     schema = Store(meta, writable=False).schema
     if not fmt.consistent_flags(records["flags"][stored], schema).all():
         refuse(f"{fmt.INDEX} holds records with flags no writer of this schema sets (damaged)")
-    return VerifiedPart(path, bounds[0], bounds[1], meta, None, int(stored.sum()), records=records, placed=info["placed"])
+    return VerifiedPart(path, bounds[0], bounds[1], meta, None, int(stored.sum()), records=records, placed=info["placed"],
+                        rows_synced=bool(info.get("rows_synced", False)))
 
 
 def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None) -> bool:

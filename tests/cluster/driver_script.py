@@ -37,11 +37,11 @@ def main():
         CacheFiles.put = put
         link = nbkit.cluster.merge.link_records
 
-        def link_records(cache, part):  # a placed part's merge: records linked, no put
+        def link_records(cache, part, **kwargs):  # a placed part's merge: records linked, no put
             calls[0] += 1
             if calls[0] == kill_at:
                 os._exit(137)
-            return link(cache, part)
+            return link(cache, part, **kwargs)
         nbkit.cluster.merge.link_records = link_records
     ds = nbkit.CachedDataset(Named(n, delay=delay), path)
     barrier = os.environ.get("BUILD_BARRIER")

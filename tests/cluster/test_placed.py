@@ -155,10 +155,13 @@ def test_a_budgeted_cache_is_placed_at_its_slots(tmp_path):
 def test_a_local_build_places_its_parts(cache, monkeypatch):
     calls = []
     real = merge_mod.link_records
-    monkeypatch.setattr(merge_mod, "link_records", lambda c, p: calls.append(p.stop - p.start) or real(c, p))
+    monkeypatch.setattr(merge_mod, "link_records",
+                        lambda c, p, fresh: calls.append((p.stop - p.start, p.rows_synced, fresh)) or real(c, p, fresh=fresh))
     monkeypatch.setattr(merge_mod, "merge_rows", lambda *a: pytest.fail("a local build copied a part's rows"))
     report = cache.warmup(num_workers=2, chunk_size=8)
-    assert report.computed == N and len(cache.missing()) == 0 and sum(calls) == N
+    assert report.computed == N and len(cache.missing()) == 0 and sum(n for n, _, _ in calls) == N
+    # This machine's workers leave the rows' sync to the merge, and each part is its own build's.
+    assert {(synced, fresh) for _, synced, fresh in calls} == {(False, True)}
     assert not os.path.exists(parts_dir(cache.root))
     src = Named(N)
     with nbkit.CachedDataset.open(cache.path) as reader:
@@ -178,3 +181,55 @@ def test_a_copied_cache_and_its_parts_merge_after_a_check_of_the_rows(cache, tmp
     src = Named(N)
     assert all(same(ds[i], src[i]) for i in range(8))
     ds.close()
+
+
+# -- rows a worker of this machine left unsynced -------------------------------------------------------
+
+
+def unsynced(ds, start=8, stop=16):
+    out = build_part(part_spec(ds, start, stop, placed=True, hashes=False, sync_rows=False))
+    assert out["kept"]
+    return os.path.join(parts_dir(ds.root), out["name"])
+
+
+def test_a_worker_that_leaves_the_sync_to_the_merge_says_so_and_the_merge_syncs_before_any_record(cache, monkeypatch):
+    path = unsynced(cache, 8, 16)
+    assert fmt.read_meta(path)["part"]["rows_synced"] is False
+    real = type(cache.store).sync_data
+    seen = []
+
+    def sync_data(store):
+        seen.append(int((store.state[8:16] == fmt.STORED).sum()))  # records written before the rows are durable?
+        real(store)
+
+    monkeypatch.setattr(type(cache.store), "sync_data", sync_data)
+    monkeypatch.setattr(merge_mod.PlacedStore, "verify", lambda self: pytest.fail("a fresh part's rows read again"))
+    assert merge(cache.store, path, hashes=False, fresh=True).merged == 8
+    assert seen[0] == 0  # the rows were synced before the first record was linked
+    src = Named(N)
+    assert all(same(cache[i], src[i]) for i in range(8, 16))
+
+
+def test_a_part_left_unsynced_by_an_earlier_build_is_checked_and_refused_when_its_rows_were_lost(cache):
+    path = unsynced(cache, 8, 16)
+    # A power cut after the part was published lost its rows (the kernel had not written them yet).
+    fd = os.open(os.path.join(cache.root, fmt.column_file(0)), os.O_WRONLY)
+    try:
+        row = cache.store.columns[0].strides[0]
+        os.pwrite(fd, bytes(8 * row), 8 * row)
+    finally:
+        os.close(fd)
+    result = merge(cache.store, path, hashes=False)  # not fresh: a leftover
+    assert result.merged == 0 and "left unsynced by a build that ended" in result.refused
+    assert not os.path.exists(path) and len(cache.missing()) == N
+    assert cache.warmup().computed == N
+    src = Named(N)
+    assert all(same(cache[i], src[i]) for i in range(N))
+
+
+def test_a_part_left_unsynced_whose_rows_survived_merges_after_one_check(cache, monkeypatch):
+    path = unsynced(cache, 0, 8)
+    checked = []
+    real = merge_mod.PlacedStore.verify
+    monkeypatch.setattr(merge_mod.PlacedStore, "verify", lambda self: checked.append(1) or real(self))
+    assert merge(cache.store, path, hashes=False).merged == 8 and checked == [1]

@@ -326,14 +326,14 @@ def _run_set_aside(work):
     nbkit.checkpoint.set_aside(_p(work, "parent", "checkpoint.pt"), label="started-over", stamp="T")
 
 
-def _part_spec(ds, todo, placed=False):
+def _part_spec(ds, todo, placed=False, **extra):
     import pickle
 
     import numpy as np
     from nbkit.cluster.part import parts_dir
 
     return dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=N, todo=np.asarray(todo, dtype=np.int64),
-                meta=ds.store.meta, source=("pickled", "crash", pickle.dumps(ds)), placed=placed)
+                meta=ds.store.meta, source=("pickled", "crash", pickle.dumps(ds)), placed=placed, **extra)
 
 
 #: The part the build operations write: the whole range, so that it reads back as a cache of N samples.
@@ -360,15 +360,19 @@ def _setup_part_merge_copy(work):
     _setup_part_merge(work, placed=False)
 
 
-def _setup_part_merge(work, placed=True):
+def _setup_part_merge(work, placed=True, **extra):
     import nbkit
     from nbkit.cluster.part import build_part
 
     bystander(work)
     build_cache(_p(work, "parent", "cache"), 1, stored=N // 4)
     ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
-    build_part(_part_spec(ds, ds.missing(), placed=placed))
+    build_part(_part_spec(ds, ds.missing(), placed=placed, **extra))
     ds.close()
+
+
+def _setup_part_merge_unsynced(work):
+    _setup_part_merge(work, placed=True, hashes=False, sync_rows=False)
 
 
 def _run_part_merge(work):
@@ -378,6 +382,16 @@ def _run_part_merge(work):
     # What the driver of nbkit.cluster does with each finished part: verify, merge in place, remove.
     ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
     merge(ds.store, _p(work, "parent", "cache.parts", PART))
+    ds.close()
+
+
+def _run_part_merge_local(work):
+    import nbkit
+    from nbkit.cluster.merge import merge
+
+    # A driver merging a part an earlier run of this machine's workers left (rows unsynced): checked, synced, linked.
+    ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
+    merge(ds.store, _p(work, "parent", "cache.parts", PART), hashes=False)
     ds.close()
 
 
@@ -392,6 +406,25 @@ def _run_part_build_placed(work):
     ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
     build_part(_part_spec(ds, range(N), placed=True))
     merge(ds.store, _p(work, "parent", "cache.parts", PART))
+    ds.close()
+
+
+def _run_part_build_local(work):
+    import nbkit
+    from nbkit.cluster.merge import merge
+    from nbkit.cluster.part import build_part
+
+    # What warmup(num_workers=N) does: its workers place the rows and leave their sync to the driver,
+    # whose merge syncs them before linking a part its own build wrote (fresh), and checks every CRC of
+    # a part left by an earlier run (a power cut may have lost its rows: refused, then built again,
+    # as the driver's end plans what is still missing once more).
+    ds = nbkit.CachedDataset(Source(1), _p(work, "parent", "cache"))
+    for _ in range(2):
+        todo = ds.missing()
+        if not len(todo):
+            break
+        out = build_part(_part_spec(ds, todo, placed=True, hashes=False, sync_rows=False))
+        merge(ds.store, _p(work, "parent", "cache.parts", PART), hashes=False, fresh=out["kept"])
     ds.close()
 
 
@@ -429,6 +462,12 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in [
     Operation("part_build", _setup_part_build, _run_part_build_placed, "parent/cache", "cache", Expect(1, whole=False),
               Expect(1), inputs=_BY, entries=("cache.parts",), power_loss=True),
     Operation("part_merge", _setup_part_merge, _run_part_merge, "parent/cache", "cache", Expect(1, whole=False),
+              Expect(1), inputs=_BY, entries=("cache.parts",), power_loss=True),
+    # warmup(num_workers=N)'s parts: rows left unsynced by this machine's workers, synced (and, left by
+    # an earlier run, checked) by the merge.
+    Operation("part_build_local", _setup_part_build, _run_part_build_local, "parent/cache", "cache", Expect(1, whole=False),
+              Expect(1), inputs=_BY, entries=("cache.parts",), power_loss=True),
+    Operation("part_merge_local", _setup_part_merge_unsynced, _run_part_merge_local, "parent/cache", "cache", Expect(1, whole=False),
               Expect(1), inputs=_BY, entries=("cache.parts",), power_loss=True),
     # Parts holding their own files (a store without files of its own: Redis; the gs:// upload's local build).
     Operation("part_build_copy", _setup_part_build, _run_part_build, f"parent/cache.parts/{PART}", "cache", None, Expect(1),
