@@ -30,10 +30,14 @@ class Engine:
         name: what the progress panel and errors call it (``"local processes"``, ``"ray"``).
         workers: how many calls may run at once (the driver keeps twice this many submitted: one
             running and one queued a worker, :data:`nbkit.cluster.driver.AHEAD`).
+        inherits: its worker processes are forked from this process after :meth:`share` (a local
+            engine with ``fork``): a source shared as ``("object", token, dataset)`` reaches them
+            with the fork, never pickled (a source that does not pickle works too).
     """
 
     name = "engine"
     workers = 1
+    inherits = False
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on a worker; ``fn`` and ``args`` pickle (module-level functions, plain data)."""

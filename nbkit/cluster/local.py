@@ -95,6 +95,11 @@ class LocalEngine(Engine):
                                                                 initargs=(random.getrandbits(48), self._source, os.getpid()))
         return self._pool
 
+    @property
+    def inherits(self) -> bool:
+        """Its processes are forked (``fork``): a shared source reaches them with the fork, unpickled."""
+        return self.context.get_start_method() == "fork"
+
     def share(self, source: tuple) -> bool:
         if self._pool is not None and self._source is None:
             return False  # its processes run already: the parts carry the source

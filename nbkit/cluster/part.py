@@ -284,7 +284,9 @@ def _dataset(spec: dict):
         if kind == "shared":
             raise RuntimeError("this worker process has not loaded the build's source (Engine.share): a worker started "
                                "without it; run the build again")
-        if kind == "pickled":
+        if kind == "object":  # inherited through a fork (Engine.inherits): the driver's own handle, no copy
+            cached = payload
+        elif kind == "pickled":
             cached = pickle.loads(payload)
         else:
             factory, dataset_class = payload  # the class travels by reference: no import of the engine here

@@ -73,3 +73,30 @@ def test_a_local_engine_gives_each_worker_the_source_once_and_the_parts_only_its
     assert all(kind == "shared" and payload is None for kind, _, payload in sent)  # no part carries the pickled source
     ds.close()
     check_cache(ds.root, Named(64))
+
+
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="no fork on this platform")
+def test_forked_workers_inherit_the_source_unpickled_so_one_that_does_not_pickle_builds(tmp_path):
+    import nbkit
+    from buildsources import Named, Unpicklable, check_cache
+
+    ds = nbkit.CachedDataset(Unpicklable(64), str(tmp_path / "cache"))  # holds a lambda
+    with LocalEngine(2, multiprocessing_context="fork") as engine:
+        assert engine.inherits
+        report = nbkit.cluster.run(ds, engine, part_size=8)
+    assert report.computed == 64 and report.parts == 8
+    ds.close()
+    check_cache(ds.root, Named(64))
+
+
+def test_spawned_workers_get_the_source_pickled_and_one_that_does_not_pickle_names_the_factory(tmp_path):
+    import nbkit
+
+    from buildsources import Unpicklable
+
+    ds = nbkit.CachedDataset(Unpicklable(16), str(tmp_path / "cache"))
+    with LocalEngine(1, multiprocessing_context="spawn") as engine:
+        assert not engine.inherits
+        with pytest.raises(TypeError, match="does not pickle.*factory=make_source"):
+            nbkit.cluster.run(ds, engine, part_size=8)
+    ds.close()
