@@ -43,6 +43,34 @@ RESTART_SECONDS = 30
 WORKERS_SECONDS = 30
 #: Seconds closing a broken local cluster may take before it is dropped.
 CLOSE_SECONDS = 10
+#: The name of the worker plugin that gives every worker the build's source (:meth:`DaskEngine.share`).
+PLUGIN = "nbkit-build-source"
+
+try:  # the plugin's base class: DaskEngine() itself says which extra to install when it is missing
+    from distributed.diagnostics.plugin import WorkerPlugin as _WorkerPlugin
+except ImportError:
+    _WorkerPlugin = object
+
+
+class SourcePlugin(_WorkerPlugin):
+    """Loads a build's source into each worker once (:meth:`DaskEngine.share`): on the workers there
+    when it is registered, and on every worker that joins or restarts later (a Stop's restart, a
+    nanny's after a crash). Removed when the engine closes, with the source it holds."""
+
+    name = PLUGIN
+
+    def __init__(self, source: tuple):
+        self.source = source
+
+    def setup(self, worker=None):
+        from .part import preload_source
+
+        preload_source(self.source)
+
+    def teardown(self, worker=None):
+        from .part import forget_source
+
+        forget_source(self.source[1])
 
 
 class DaskEngine(Engine):
@@ -77,6 +105,28 @@ class DaskEngine(Engine):
         self.workers = num_workers or max(1, sum(self.client.nthreads().values()))
         self._futures: dict = {}  # our future -> the distributed future it follows (holding it keeps the task alive)
         self._lock = threading.Lock()
+        self._shared: tuple | None = None  # the source every worker loads (share), re-given to a fresh local cluster
+
+    def share(self, source: tuple) -> bool:
+        """Every worker loads ``source`` once, through a worker plugin (:class:`SourcePlugin`): the
+        workers there now and any that join or restart later; the parts then carry only its token
+        (a 47 MB torchvision MNIST pickled into every part before). ``False`` (the parts carry it) when
+        a worker cannot load it."""
+        if self.client is None:
+            return False
+        try:
+            with _quiet():
+                self.client.register_plugin(SourcePlugin(source), name=PLUGIN)
+        except Exception:  # noqa: BLE001 - a worker that cannot load it: each part carries it, and says why if it fails
+            self._unshare()
+            return False
+        self._shared = source
+        return True
+
+    def _unshare(self) -> None:
+        self._shared = None
+        with contextlib.suppress(Exception), _quiet():  # a closed or broken cluster: nothing left to remove
+            self.client.unregister_worker_plugin(PLUGIN)
 
     def _start_local(self) -> None:
         import distributed
@@ -172,6 +222,8 @@ class DaskEngine(Engine):
             warnings.warn(f"{what}: DaskEngine starts a fresh local cluster.", RuntimeWarning, stacklevel=3)
             self._close_local()
             self._start_local()
+            if self._shared is not None and not self.share(self._shared):  # the parts after this carry only its token
+                self.unusable = "DaskEngine's fresh local cluster could not load the build's source: run the build again."
         elif now == 0:
             self.unusable = (f"this DaskEngine's cluster has no workers: {what}. Restart its workers (or the cluster) "
                              "and run again, or make a DaskEngine on another cluster.")
@@ -203,6 +255,8 @@ class DaskEngine(Engine):
             self._close()
 
     def _close(self) -> None:
+        if self._shared is not None and self._cluster is None:  # a joined cluster keeps running: no source left on it
+            self._unshare()
         if self._cluster is not None:  # its own cluster ends now: nothing to restart
             with self._lock:
                 ours, dfuts = list(self._futures), list(self._futures.values())

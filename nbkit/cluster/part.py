@@ -277,6 +277,17 @@ def preload_source(source: tuple) -> None:
     _dataset({"source": source, "cache": None, "meta": {}})
 
 
+def forget_source(token: str) -> None:
+    """Drop the source loaded under ``token`` from this worker process (an engine's cleanup).
+
+    Example:
+        >>> preload_source(("pickled", "gone-token", pickle.dumps([1])))
+        >>> forget_source("gone-token"); "gone-token" in _SOURCES
+        False
+    """
+    _SOURCES.pop(token, None)
+
+
 def _dataset(spec: dict):
     kind, token, payload = spec["source"]
     cached = _SOURCES.get(token)

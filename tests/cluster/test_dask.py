@@ -1,5 +1,6 @@
 """nbkit.cluster.dask: DaskEngine on a real LocalCluster of 2 worker processes (one per session: fixtures_clusters)."""
 
+import os
 import time
 
 import engine_checks
@@ -128,3 +129,49 @@ def test_the_dashboard_of_a_local_cluster_listens_on_loopback_only(dask_engine):
     hosts = {s.getsockname()[0] for s in servers}
     assert hosts == {"127.0.0.1"}, hosts  # ":0" listened on every interface ("0.0.0.0", "::")
     assert dask_engine._cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+
+
+def test_every_worker_gets_the_source_once_and_the_parts_only_its_token(dask_engine, tmp_path):
+    import nbkit
+    from buildsources import Named, check_cache
+
+    ds = nbkit.CachedDataset(Named(64), str(tmp_path / "cache"))
+    sent = []
+    submit = dask_engine.submit
+
+    def recording(fn, spec):
+        sent.append(spec["source"])
+        return submit(fn, spec)
+
+    dask_engine.submit = recording
+    try:
+        report = nbkit.cluster.run(ds, dask_engine, part_size=8)
+    finally:
+        del dask_engine.submit
+    assert report.computed == 64 and len(sent) == 8
+    assert all(kind == "shared" and payload is None for kind, _, payload in sent)  # no part carries the pickled source
+    ds.close()
+    check_cache(ds.root, Named(64))
+    # A second build on the same engine: the workers drop the first source for the second one's.
+    other = nbkit.CachedDataset(Named(32), str(tmp_path / "other"))
+    assert nbkit.cluster.run(other, dask_engine, part_size=8).computed == 32
+    other.close()
+    check_cache(other.root, Named(32))
+
+
+def test_a_worker_restarted_after_a_share_loads_the_source_again(dask_engine, tmp_path):
+    import nbkit
+    from buildsources import Named, check_cache
+
+    ds = nbkit.CachedDataset(Named(48), str(tmp_path / "cache"))
+    assert dask_engine.share(("pickled", "restart-token", __import__("pickle").dumps(ds)))
+    dask_engine.client.restart_workers(list(dask_engine.client.nthreads()), timeout=60)  # fresh processes
+    from nbkit.cluster.part import build_part, parts_dir
+
+    spec = dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=48, todo=__import__("numpy").arange(48),
+                meta=ds.store.meta, source=("shared", "restart-token", None))
+    assert dask_engine.submit(build_part, spec).result(timeout=120)["kept"]
+    from nbkit.cluster.merge import merge
+    assert merge(ds.store, os.path.join(parts_dir(ds.root), "part-0000000000000-0000000000048")).merged == 48
+    ds.close()
+    check_cache(ds.root, Named(48))
