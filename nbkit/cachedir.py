@@ -26,8 +26,8 @@ import numpy as np
 
 from . import format as fmt
 from . import trust
-from .errors import CorruptCacheError, UnsafeArchiveError
-from .commit import (Dir, claim, disk_full, file_lock, is_claimed, leftover_of, makedirs, recover, release, remove_tree, staging_name, swap_in,
+from .errors import CorruptCacheError, LockHeldError, UnsafeArchiveError
+from .commit import (Dir, claim, disk_full, file_lock, is_claimed, leftover_of, lock_or_raise, makedirs, recover, release, remove_tree, staging_name, swap_in,
                      sync_tree, write_all)
 from .gather import gather_rows, physical_memory, read_mode, resident, will_need
 from .stores.base import Store
@@ -254,11 +254,9 @@ def _lock_in(d: Dir) -> int | None:
         except (OSError, ValueError):
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
+            lock_or_raise(fd, d.join(fmt.LOCK), why="nbkit holds it while it appends to the cache's heap")
+        except OSError:
             os.close(fd)
-            if e.errno in _NO_LOCKS:
-                return None
             raise
         st, mine = d.lstat(fmt.LOCK), os.fstat(fd)
         if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
@@ -379,9 +377,16 @@ def _lock_meta(root: str, exclusive: bool) -> tuple[int | None, bool | None]:
     except FileNotFoundError:
         return None, None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+        if exclusive:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:
+            lock_or_raise(fd, os.path.join(root, fmt.META), shared=True,
+                          why="held exclusively, as nbkit rm does while it removes the cache")
     except BlockingIOError:
         return fd, False
+    except LockHeldError:
+        os.close(fd)
+        raise
     except OSError as e:
         if e.errno in _NO_LOCKS:
             return fd, None
@@ -448,12 +453,7 @@ def frozen(root: str):
     with Dir(root) as d:
         fd = d.open(fmt.INDEX)
     try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as e:
-                if e.errno not in _NO_LOCKS:
-                    raise
+        lock_or_raise(fd, os.path.join(root, fmt.INDEX), why="nbkit holds it shared while it stores samples")
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -678,8 +678,8 @@ class CacheFiles(Store):
         Returns ``None`` (everything kept); a store that can refuse (a full server) returns a bool
         mask of the samples it kept. Holds the cache's write lock shared (:func:`frozen`: a push
         waits for the writes in flight, and holds new ones until it has read the files)."""
-        if fcntl is not None:
-            fcntl.flock(self._index_fd, fcntl.LOCK_SH)
+        lock_or_raise(self._index_fd, os.path.join(self.root, fmt.INDEX), shared=True,
+                      why="nbkit holds it exclusively while it pushes or exports the cache")
         try:
             self._put(idx, flags, crc, cpos, stacked, bpos, blobs)
         finally:

@@ -44,9 +44,10 @@ import os
 import re
 import stat
 import threading
+import time
 import uuid
 
-from .errors import DiskFullError, UnsafeArchiveError
+from .errors import DiskFullError, LockHeldError, UnsafeArchiveError
 from .text import fix, format_bytes
 from .trust import open_regular
 
@@ -681,6 +682,60 @@ if hasattr(os, "register_at_fork"):
                         after_in_child=_close_inherited_locks)
 
 
+#: Seconds nbkit waits for a ``flock`` another process holds on a cache's file before it says so:
+#: a stuck process, or anyone able to read the file holding it, never makes nbkit wait without end.
+LOCK_SECONDS = 30.0
+
+#: ``errno``s of a filesystem without ``flock`` (some network mounts): nothing is locked there.
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+
+
+def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None) -> bool:
+    """``flock`` ``fd``, waiting at most ``seconds`` (default :data:`LOCK_SECONDS`); whether it got
+    it. ``True`` where there are no locks (no ``fcntl``, a filesystem without them).
+
+    Example:
+        >>> import tempfile
+        >>> fd = os.open(tempfile.mkdtemp(), os.O_RDONLY)
+        >>> flock_within(fd, seconds=0.1)
+        True
+        >>> os.close(fd)
+    """
+    if fcntl is None:
+        return True
+    deadline = time.monotonic() + (LOCK_SECONDS if seconds is None else seconds)
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        except OSError as e:
+            if e.errno in _NO_LOCKS:
+                return True
+            raise
+
+
+def lock_or_raise(fd: int, path: str, *, shared: bool = False, why: str = "") -> None:
+    """:func:`flock_within`, or :class:`nbkit.errors.LockHeldError` naming ``path``, ``why`` it is
+    locked (what nbkit itself holds it for) and how to find the process holding it.
+
+    Example:
+        >>> import tempfile
+        >>> path = tempfile.mkdtemp(); fd = os.open(path, os.O_RDONLY)
+        >>> lock_or_raise(fd, path, shared=True); os.close(fd)
+    """
+    if not flock_within(fd, shared=shared):
+        raise LockHeldError(
+            f"{path} has been locked by another process for {LOCK_SECONDS:g} s{f' ({why})' if why else ''}, and nbkit "
+            f"does not wait without end. Find that process with `fuser -v {path}` (or `lsof {path}`) and let it finish "
+            "or end it, then run this again.")
+
+
 @contextlib.contextmanager
 def file_lock(path: str):
     """Hold an exclusive lock on ``path`` (created if absent) for the block; blocks while anyone else holds it.
@@ -705,7 +760,7 @@ def file_lock(path: str):
                 continue  # its directory was removed since makedirs (nbkit rm): made again
             _open_locks.add(fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            lock_or_raise(fd, path, why="nbkit holds it while it appends to a cache's heap or commits one file")
             # The holder before us may have unlinked the lock file (nbkit.remove removes a cache's
             # heap.lock last, holding it): a lock on a file no longer at ``path`` excludes nobody.
             if _same_file(fd, path):

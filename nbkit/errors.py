@@ -60,6 +60,19 @@ class DiskFullError(OSError):
         return self.strerror or super().__str__()
 
 
+class LockHeldError(TimeoutError):
+    """Another process has held a lock on one of a cache's files past :data:`nbkit.commit.LOCK_SECONDS`
+    (a stuck process, a ``nbkit rm`` of a huge cache, or anyone who can read the file holding it): nbkit
+    never waits without end. The message names the file and how to find the holder. An ``OSError``
+    (``TimeoutError``): a build counts it as the storage's failure.
+
+    Example:
+        >>> e = LockHeldError("/c/index.bin has been locked by another process for 30 s ...")
+        >>> isinstance(e, OSError), str(e)[:14]
+        (True, '/c/index.bin h')
+    """
+
+
 class ResumeStateError(ValueError):
     """A resume state (``loader.state_dict()``, read back from a checkpoint) was made for other
     settings than the loader given it: ``field`` names the setting, ``saved`` is the state's value,

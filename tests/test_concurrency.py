@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 import nbkit
 import workers
 from fixtures_redis import redis_server, redis_url
-from sources import CountingSource, TupleSource, assert_equal, check_complete_and_equal, computed_counts
+from sources import CountingSource, TupleSource, VarShapeSource, assert_equal, check_complete_and_equal, computed_counts
 
 CTX = mp.get_context("spawn")
 
@@ -223,3 +223,62 @@ def test_a_generation_check_costs_one_stat_per_write(tmp_path):
         ds.check_generation()
     per_check = (time.perf_counter() - t0) / 2000
     assert per_check < 200e-6, f"{per_check * 1e6:.1f} µs per check"
+
+
+# -- a lock on a cache's file held by another process for good: never a wait without end ----------------
+
+
+def _held_by_another(path, shared=False):
+    """``path`` flocked through a descriptor of its own (another open file, as another process's)."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    return fd
+
+
+@pytest.mark.parametrize("name,what", [("index.bin", "store"), ("heap.lock", "store blobs"), ("nbkit.json", "open")])
+def test_a_cache_file_locked_for_good_by_another_process_is_an_error_that_says_how_to_find_it(tmp_path, monkeypatch, name, what):
+    from nbkit.errors import LockHeldError
+
+    monkeypatch.setattr(nbkit.commit, "LOCK_SECONDS", 0.3)
+    path = str(tmp_path / "cache")
+    src = VarShapeSource(8)  # varying shapes: every sample appends a blob to the heap (heap.lock)
+    nbkit.CachedDataset(src, path).close()
+    lock = os.path.join(path, name)
+    if not os.path.exists(lock):
+        open(lock, "w").close()
+    fd = _held_by_another(lock)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LockHeldError, match=rf"{name} has been locked by another process for 0.3 s.*fuser -v"):
+            ds = nbkit.CachedDataset(src, path)
+            ds.warmup()
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.close(fd)
+    ds = nbkit.CachedDataset(src, path)  # released: it goes on where it stopped
+    ds.warmup()
+    assert len(ds.missing()) == 0 and ds.verify() == 8
+    assert all(torch.equal(ds[i][0], src[i][0]) for i in range(8))
+    ds.close()
+
+
+def test_a_push_waits_for_a_put_in_flight_but_not_for_a_lock_held_for_good(tmp_path, monkeypatch):
+    from nbkit.cachedir import frozen
+    from nbkit.errors import LockHeldError
+
+    monkeypatch.setattr(nbkit.commit, "LOCK_SECONDS", 0.3)
+    path = str(tmp_path / "cache")
+    ds = nbkit.CachedDataset(TupleSource(8), path)
+    ds.warmup()
+    fd = _held_by_another(os.path.join(path, "index.bin"), shared=True)  # a writer that never finishes its put
+    try:
+        with pytest.raises(LockHeldError, match="index.bin has been locked"):
+            with frozen(ds.root):
+                pass
+    finally:
+        os.close(fd)
+    with frozen(ds.root):  # released: the push goes ahead
+        pass
+    ds.close()

@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import format as fmt
 from ..cachedir import CacheFiles
+from ..commit import lock_or_raise
 from .part import PartRefused, PlacedStore, flock_within, part_lock, placed_identity, read_part, remove_part
 
 try:
@@ -68,7 +69,7 @@ def merge(cache, path: str, *, hashes: bool = True, fresh: bool = False) -> Merg
     """Verify the part at ``path`` and merge it into ``cache`` (a writable
     :class:`nbkit.cachedir.CacheFiles`), then remove it; a part that does not verify is removed
     and reported (``refused``), never merged: so is a link under a part's name, another user's part,
-    and a part whose lock another process holds past :data:`nbkit.cluster.part.LOCK_SECONDS` (the
+    and a part whose lock another process holds past :data:`nbkit.commit.LOCK_SECONDS` (the
     wait is bounded). ``hashes=False``: the part's files are checked by size and every sample's CRC,
     not SHA-256 (parts of this machine's own workers: see :func:`read_part`). ``fresh``: the part was
     written by a worker of this process's build, since it started (its result just came back): a
@@ -99,7 +100,7 @@ def merge(cache, path: str, *, hashes: bool = True, fresh: bool = False) -> Merg
 def _merging(parts: str):
     """One merge at a time into a cache, across drivers: an exclusive ``flock`` on its parts directory
     (``parts``), so two drivers merging overlapping parts (of two part sizes) never both find a sample
-    missing and both append its blobs to the heap. The wait is bounded (:data:`LOCK_SECONDS`): past
+    missing and both append its blobs to the heap. The wait is bounded (:data:`nbkit.commit.LOCK_SECONDS`): past
     it the merge goes ahead unserialized, still exact (a sample is stored once; at worst its blob
     bytes are appended twice)."""
     try:
@@ -215,8 +216,9 @@ def link_records(cache, part, *, fresh: bool = False) -> tuple[int, int]:
     if not part.rows_synced:
         cache.sync_data()  # rows durable before any record of them (the kernel writes index pages back at will)
     fd = cache.data_fds()[fmt.INDEX]
-    if fcntl is not None:
-        fcntl.flock(fd, fcntl.LOCK_SH)  # as CacheFiles.put: a push (frozen) sees all of this or none
+    # As CacheFiles.put: a push (frozen) sees all of this or none.
+    lock_or_raise(fd, os.path.join(cache.root, fmt.INDEX), shared=True,
+                  why="nbkit holds it exclusively while it pushes or exports the cache")
     try:
         cache.off[idx] = r["off"]
         cache.len[idx] = r["len"]

@@ -54,7 +54,8 @@ import numpy as np
 from .. import format as fmt
 from .. import trust
 from ..cachedir import CacheFiles
-from ..commit import CHUNK, Dir, claim, is_claimed, leftover_of, makedirs, release, staging_name, write_all
+from ..commit import (CHUNK, LOCK_SECONDS, Dir, claim, flock_within, is_claimed, leftover_of, makedirs, release,
+                      staging_name, write_all)
 from ..errors import CorruptCacheError
 from ..stores.base import Store
 
@@ -74,9 +75,6 @@ _NAME = re.compile(r"part-(?P<start>[0-9]{%d})-(?P<stop>[0-9]{%d})\Z" % (DIGITS,
 PARTS_SUFFIX = ".parts"
 #: Samples a worker computes and stores at a time inside one part.
 CHUNK_SAMPLES = 256
-#: Seconds a merge waits for a part's lock (another driver merging it); past that the part is
-#: refused, removed and built again: a process that holds it for good never stalls a build.
-LOCK_SECONDS = 30.0
 #: The names a part directory holds: its files (manifest-checked) and the lock its heap appends took.
 _PART_ENTRY = re.compile(r"(?:nbkit\.json|index\.bin|heap\.bin|heap\.lock|col-(?:0|[1-9][0-9]{0,3})\.bin)\Z")
 
@@ -978,36 +976,6 @@ def _check_placed(path, bounds, meta, info, hashes, refuse) -> VerifiedPart:
         refuse(f"{fmt.INDEX} holds records with flags no writer of this schema sets (damaged)")
     return VerifiedPart(path, bounds[0], bounds[1], meta, None, int(stored.sum()), records=records, placed=info["placed"],
                         rows_synced=bool(info.get("rows_synced", False)))
-
-
-def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None) -> bool:
-    """``flock`` ``fd``, waiting at most ``seconds`` (default :data:`LOCK_SECONDS`); whether it got
-    it. ``True`` where there are no locks (no ``fcntl``, a filesystem without them).
-
-    Example:
-        >>> import tempfile
-        >>> fd = os.open(tempfile.mkdtemp(), os.O_RDONLY)
-        >>> flock_within(fd, seconds=0.1)
-        True
-        >>> os.close(fd)
-    """
-    if fcntl is None:
-        return True
-    deadline = time.monotonic() + (LOCK_SECONDS if seconds is None else seconds)
-    pause = 0.005
-    while True:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
-        except OSError as e:
-            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                return True
-            raise
 
 
 @contextlib.contextmanager

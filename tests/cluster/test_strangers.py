@@ -222,7 +222,7 @@ def _held(path, seconds):
 
 @pytest.mark.parametrize("locked", ["", "nbkit.json"])
 def test_a_part_locked_for_good_is_refused_in_bounded_time(cache, monkeypatch, locked):
-    monkeypatch.setattr(part_mod, "LOCK_SECONDS", 0.3, raising=False)
+    monkeypatch.setattr(nbkit.commit, "LOCK_SECONDS", 0.3)
     path = planted(cache, 8, 16, seed=1)
     timer = _held(os.path.join(path, locked), 15)
     try:
