@@ -215,34 +215,9 @@ def _ls(args) -> int:
         where = f"{copies}; nbkit ls DIR lists the caches under DIR"
     # Fitted to a terminal ($COLUMNS, else its width); whole lines into a pipe or a file, for grep.
     width = shutil.get_terminal_size().columns if "COLUMNS" in os.environ or sys.stdout.isatty() else None
-    listed = found.text(None) if width is None else _whole_paths(found.text(None), width)
+    listed = found.text(width)
     _emit(args, [c.to_json() for c in found], f"{where if width is None else fill(where, width)}\n\n{listed}")
     return OK
-
-
-def _whole_paths(listed: str, width: int) -> str:
-    r"""``nbkit ls``'s list fitted to ``width`` columns without cutting a path (it is copied from
-    here into the next command): a row too wide has its path alone on the next line, indented and
-    whole; the lines under a row are filled.
-
-    Example:
-        >>> print(_whole_paths("samples  path\n48/48    /data/a-long-folder/mnist\n    mirrors gs://b/mnist", 24))
-        samples  path
-        48/48
-            /data/a-long-folder/mnist
-            mirrors gs://b/mnist
-    """
-    lines = listed.split("\n")
-    at = lines[0].rfind("path")
-    out = lines[:1]
-    for line in lines[1:]:
-        if line.startswith("    "):  # under a row: what it mirrors, or why it is not a whole cache
-            out.append("    " + fill(line[4:], max(20, width - 4)).replace("\n", "\n    "))
-        elif len(line) > width and at > 0 and line[at - 2:at] == "  " and line[at:at + 1].strip():
-            out += [line[:at].rstrip(), "    " + line[at:]]
-        else:
-            out.append(line)
-    return "\n".join(out)
 
 
 def _local_cache(path: str, doing: str) -> None:

@@ -36,7 +36,7 @@ from .commit import Dir, is_claimed, leftover_of, staging_name
 from .stores.mirror import ORIGIN_SUFFIX, cache_dir, read_origin
 from .stores.readthrough.location import AREA_SUFFIX
 from .text import (Table, fill, fix as fix_for, format_age, format_bytes, format_count, format_list, plural,
-                   printable, shorten_middle)
+                   printable)
 
 __all__ = ["CacheInfo", "CacheList", "Removal", "Removals", "caches", "remove", "prune", "not_a_directory", "MAX_DEPTH"]
 
@@ -105,15 +105,22 @@ class CacheList(list):
                      align="lrrrll", notes=[self._total()])
 
     def text(self, width: int | None = None) -> str:
-        """The caches in ``width`` columns, one line each: the short columns first, the path last, cut
-        in its middle to fit (whole with ``width=None``: for a pipe or a file); what a working copy
-        mirrors, or why a directory is not a whole cache, on an indented line under it.
+        """The caches in ``width`` columns, one line each: the short columns first, the path last,
+        never cut (it is copied from here into the next command): a path that does not fit goes
+        alone on the next line, indented and whole (``width=None``: every row on one line, for a
+        pipe or a file); what a working copy mirrors, or why a directory is not a whole cache, on an
+        indented line under it, filled to ``width``.
 
         Example:
             >>> c = CacheInfo("/data/caches/mnist", None, False, 60000, 60000, 190_100_000, 1, None, False)
             >>> print(CacheList([c]).text(60))
             samples        on disk   last used  path
             60,000/60,000  190.1 MB  -          /data/caches/mnist
+            1 cache, 190.1 MB on disk
+            >>> print(CacheList([c]).text(40))
+            samples        on disk   last used  path
+            60,000/60,000  190.1 MB  -
+                /data/caches/mnist
             1 cache, 190.1 MB on disk
         """
         now = time.time()
@@ -130,7 +137,10 @@ class CacheList(list):
         out = [line(header[:-1], "path")]
         for c, r in zip(self, rows):
             path = printable(c.path)
-            out.append(line(r, path if room is None else shorten_middle(path, room)).rstrip())
+            if room is None or len(path) <= room:
+                out.append(line(r, path).rstrip())
+            else:
+                out += [line(r, "").rstrip(), "    " + path]
             under = f"mirrors {c.url}" if c.url else c.problem
             if under:
                 under = printable(under) if width is None else fill(printable(under), max(20, width - 4))

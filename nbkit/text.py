@@ -32,7 +32,7 @@ import unicodedata
 from typing import Sequence
 
 __all__ = ["printable", "format_bytes", "format_count", "format_amount", "format_rate", "format_seconds", "format_percent",
-           "format_list", "fill", "say", "in_kernel", "html_words", "NARROW_COLUMNS", "Table", "plural", "format_age", "shorten_middle",
+           "format_list", "fill", "say", "in_kernel", "html_words", "NARROW_COLUMNS", "Table", "plural", "format_age",
            "FRONT_ENDS", "FIXES", "front_end", "speaking_to", "fix", "quiet_loggers"]
 
 #: The characters of monospaced output that fit a 400-pixel notebook (a phone, Colab's side panel).
@@ -331,22 +331,6 @@ def format_age(seconds: float) -> str:
     unit, size = next((u, s) for u, s in (("day", 86400), ("hour", 3600), ("minute", 60))
                       if seconds >= 2 * s or u == "minute")  # "90 minutes", "36 hours": two of a unit at least
     return plural(int(round(seconds / size)), unit) + " ago"
-
-
-def shorten_middle(text: str, width: int) -> str:
-    """``text`` cut to ``width`` characters by replacing its middle with ``…``: both ends of a path stay,
-    more of its end (the name) than of its start.
-
-    Example:
-        >>> shorten_middle("/home/me/data/caches/mnist-train", 24)
-        '/home/m…ches/mnist-train'
-    """
-    if len(text) <= width:
-        return text
-    if width <= 1:
-        return text[:width]
-    head = (width - 1) // 3
-    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
 
 # -- fixes worded for where the user is -------------------------------------------------------------

@@ -573,3 +573,19 @@ def test_remote_parts_are_listed_and_removed_and_nothing_else_is(cache_dir):
             nbkit.remove(f"{base}/c.parts")
     finally:
         fs.rm("/nbkit-test-parts", recursive=True)
+
+
+def test_a_cache_list_printed_in_a_narrow_notebook_never_cuts_a_path(tmp_path):
+    import torch
+
+    import nbkit
+    from nbkit.disk import CacheList
+
+    root = tmp_path / ("a-folder-with-a-rather-long-name-" * 3) / "mnist"
+    ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), str(root))
+    ds.close()
+    listed = nbkit.caches(str(tmp_path))
+    assert isinstance(listed, CacheList)
+    text = listed.text(60)
+    assert f"    {root}" in text.splitlines() and "…" not in text  # whole, on its own line: copy-pasteable
+    assert all(len(line) <= 60 for line in text.splitlines() if str(root) not in line)
