@@ -46,7 +46,10 @@ __all__ = ["CacheFiles", "cache_root", "data_files", "stored_count", "verify", "
 
 #: A cache's parts live beside it, in ``<cache>.parts`` (``nbkit.cluster.part.parts_dir``).
 PARTS_SUFFIX = ".parts"
-_PART_NAME = re.compile(r"part-[0-9]{13}-[0-9]{13}\Z")
+#: Digits of each bound in a part's name: enough for the largest cache (``format.MAX_LENGTH``, 2**40).
+PART_DIGITS = 13
+#: A part's directory name, ``part-<start>-<stop>`` (``nbkit.cluster.part.part_name``).
+PART_NAME = re.compile(r"part-(?P<start>[0-9]{%d})-(?P<stop>[0-9]{%d})\Z" % (PART_DIGITS, PART_DIGITS))
 
 
 def is_part_name(name: str) -> bool:
@@ -56,7 +59,7 @@ def is_part_name(name: str) -> bool:
         >>> is_part_name("part-0000000000000-0000000004096"), is_part_name("col-0.bin")
         (True, False)
     """
-    return _PART_NAME.match(name) is not None
+    return PART_NAME.match(name) is not None
 
 
 @dataclass(frozen=True)

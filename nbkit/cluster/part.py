@@ -53,7 +53,7 @@ import numpy as np
 
 from .. import format as fmt
 from .. import trust
-from ..cachedir import CacheFiles
+from ..cachedir import PART_DIGITS, PART_NAME, CacheFiles
 from ..commit import (CHUNK, LOCK_SECONDS, Dir, claim, flock_within, is_claimed, leftover_of, makedirs, release,
                       staging_name, write_all)
 from ..errors import CorruptCacheError
@@ -68,9 +68,7 @@ __all__ = ["LOCK_SECONDS", "PART_SPEC", "PartRefused", "PartStore", "PlacedStore
            "open_parts_dir", "open_target", "part_generation", "part_name", "parse_part_name", "parts_dir", "part_lock",
            "placed_identity", "read_part", "remote_parts", "remove_part", "sweep_builds"]
 
-#: Digits of each bound in a part's name: enough for the largest cache (``format.MAX_LENGTH``, 2**40).
-DIGITS = 13
-_NAME = re.compile(r"part-(?P<start>[0-9]{%d})-(?P<stop>[0-9]{%d})\Z" % (DIGITS, DIGITS))
+DIGITS, _NAME = PART_DIGITS, PART_NAME  # the one pattern, nbkit.cachedir's (nbkit ls lists parts by it)
 #: Where a local cache's parts live: beside it, ``<cache>.parts`` (see :func:`parts_dir`).
 PARTS_SUFFIX = ".parts"
 #: Samples a worker computes and stores at a time inside one part.
