@@ -157,14 +157,15 @@ def parse_meta(raw: bytes, where: str, fix: str) -> dict:
 
 
 
-def publish_meta(root: str, meta: dict) -> dict:
+def publish_meta(root: str, meta: dict, *, sync: bool = True) -> dict:
     """Create ``root/nbkit.json`` if absent (atomically); return whichever metadata won.
 
     Several processes may race to create the same cache: each writes a private temporary file and
     hard-links it into place, which fails if another got there first; the loser adopts the
-    winner's metadata (the caller then compares fingerprints).
+    winner's metadata (the caller then compares fingerprints). ``sync=False`` (atomic, not durable)
+    only for what is checked on use and made again when a power cut lost it (a local build's part).
     """
-    atomic_write(os.path.join(root, META), json.dumps(meta, indent=1, sort_keys=True).encode(), exclusive=True, sync=True)
+    atomic_write(os.path.join(root, META), json.dumps(meta, indent=1, sort_keys=True).encode(), exclusive=True, sync=sync)
     return read_meta(root)
 
 

@@ -203,3 +203,22 @@ def test_parts_a_parallel_warmup_left_are_merged_by_the_next_warmup_in_process(t
     assert report.skipped >= stored and report.computed + report.skipped == n
     assert not os.path.exists(parts_dir(str(tmp_path / "c")))  # whatever was left is merged, nothing stays
     check_complete_and_equal(tmp_path / "c", n)
+
+
+@pytest.mark.parametrize("n,workers,size,count", [(6000, 2, 375, 16), (60000, 2, 1000, 60), (5000, 3, 256, 20)])
+def test_a_parallel_warmup_cuts_as_many_parts_of_one_size_for_every_worker(tmp_path, monkeypatch, n, workers, size, count):
+    import nbkit.cluster.driver as driver
+
+    seen = {}
+    real = driver.run
+
+    def run(cached, engine, *, part_size, **kw):
+        seen["size"] = part_size
+        return real(cached, engine, part_size=part_size, **kw)
+
+    monkeypatch.setattr(driver, "run", run)
+    ds = nbkit.CachedDataset(TupleSource(n, shape=(1, 2, 2)), str(tmp_path / "cache"))
+    ds.warmup(num_workers=workers)
+    assert seen["size"] == size and -(-n // size) == count  # (5,000 on 3: chunk_size 256 is the floor)
+    assert len(ds.missing()) == 0
+    ds.close()

@@ -707,7 +707,8 @@ def _write_placed(p: Dir, stage: str, name: str, cached, cache_root: str, cache_
         fd = d.open(fmt.INDEX, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             write_all(fd, records.view(np.uint8), 0, path=os.path.join(root, fmt.INDEX))
-            os.fsync(fd)
+            if sync_rows:
+                os.fsync(fd)
             files = {fmt.INDEX: _digest(fd) if hashes else {"size": os.fstat(fd).st_size}}
         finally:
             os.close(fd)
@@ -715,21 +716,27 @@ def _write_placed(p: Dir, stage: str, name: str, cached, cache_root: str, cache_
     meta["part"] = {"cache_generation": cache_meta["generation"], "cache_length": int(cache_meta["length"]),
                     "start": start, "stop": stop, "files": files, "placed": identity,
                     "rows_synced": bool(sync_rows)}
-    _publish(root, meta)
-    return _rename_in(p, stage, name)
+    # Rows left unsynced make the part worth no more than they are: it is committed atomically (a
+    # process sees it whole or not at all) but not made durable. A power cut loses it, or leaves it
+    # torn (refused and removed by the merge, or its rows checked: merge.link_records), and it is
+    # built again; the driver makes the rows durable before it links any record.
+    _publish(root, meta, sync=sync_rows)
+    return _rename_in(p, stage, name, sync=sync_rows)
 
 
-def _publish(root: str, meta: dict) -> None:
-    """The part's ``nbkit.json``, last and durably: a directory without it is no part. The staging
-    directory is synced once more: the commit's temporary name, unlinked after the link, must not
-    come back after a power cut (a part holding anything but its files is refused)."""
-    fmt.publish_meta(root, meta)
-    with Dir(root) as d:
-        d.sync()
+def _publish(root: str, meta: dict, *, sync: bool = True) -> None:
+    """The part's ``nbkit.json``, last and durably (``sync``): a directory without it is no part. The
+    staging directory is synced once more: the commit's temporary name, unlinked after the link, must
+    not come back after a power cut (a part holding anything but its files is refused)."""
+    fmt.publish_meta(root, meta, sync=sync)
+    if sync:
+        with Dir(root) as d:
+            d.sync()
 
 
-def _rename_in(p: Dir, stage: str, name: str) -> bool:
-    """Rename the staged part into place; ``False`` when another whole copy was there first."""
+def _rename_in(p: Dir, stage: str, name: str, *, sync: bool = True) -> bool:
+    """Rename the staged part into place (durably with ``sync``); ``False`` when another whole copy
+    was there first."""
     try:
         os.rename(stage, name, src_dir_fd=p.fd, dst_dir_fd=p.fd)
     except OSError as e:
@@ -738,7 +745,8 @@ def _rename_in(p: Dir, stage: str, name: str) -> bool:
         if e.errno == errno.ENOTDIR:
             return False  # a link or a file put under its name meanwhile: the merge refuses and removes it
         raise
-    p.sync()
+    if sync:
+        p.sync()
     return True
 
 

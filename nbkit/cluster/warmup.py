@@ -128,7 +128,8 @@ PARTS_PER_WORKER = 8
 
 def _with_workers(cached, num_workers: int, callback, shard, chunk_size: int, multiprocessing_context) -> WarmupReport:
     """The build protocol on local worker processes: parts of ``chunk_size`` samples or more (up to
-    :data:`MAX_PART`, while each worker still gets :data:`PARTS_PER_WORKER`), merged in place.
+    :data:`MAX_PART`, while each worker still gets :data:`PARTS_PER_WORKER`; as many parts for every
+    worker, of one size), merged in place.
     A ``shard=(rank, world)`` takes the parts ``k`` with ``k % world == rank`` (whole parts, so that
     no two hosts build one part)."""
     from .driver import run
@@ -139,8 +140,11 @@ def _with_workers(cached, num_workers: int, callback, shard, chunk_size: int, mu
     part_size = chunk_size
     if shard is None:  # (hosts sharing a warmup cut the same parts: chunk_size alone, on every host)
         # Fewer, larger parts: each costs a few fsyncs, a rename and a merge, what the protocol adds
-        # to the compute; at least PARTS_PER_WORKER a worker (balance, and what a Stop discards).
-        part_size = max(chunk_size, min(MAX_PART, missing // (PARTS_PER_WORKER * num_workers)))
+        # to the compute; at least PARTS_PER_WORKER a worker (balance, and what a Stop discards), at
+        # most MAX_PART samples, and as many for every worker, of one size: no short part at the end
+        # for one worker to finish alone (60,000 samples on 2 workers: 60 parts of 1,000).
+        count = num_workers * max(PARTS_PER_WORKER, -(-missing // (num_workers * MAX_PART)))
+        part_size = max(chunk_size, -(-missing // count))
     parts = -(-missing // part_size)
     engine = LocalEngine(max(1, min(num_workers, parts)), multiprocessing_context=multiprocessing_context)
     try:

@@ -233,3 +233,16 @@ def test_a_part_left_unsynced_whose_rows_survived_merges_after_one_check(cache, 
     real = merge_mod.PlacedStore.verify
     monkeypatch.setattr(merge_mod.PlacedStore, "verify", lambda self: checked.append(1) or real(self))
     assert merge(cache.store, path, hashes=False).merged == 8 and checked == [1]
+
+
+def test_a_worker_of_this_machine_never_waits_for_the_disk(cache, monkeypatch):
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    path = unsynced(cache, 0, 8)  # rows, records and manifest: committed atomically, none of them synced
+    assert synced == []
+    assert merge(cache.store, path, hashes=False, fresh=True).merged == 8
+    assert synced  # the merge made the rows durable, then the index
+    synced.clear()
+    placed(cache, 8, 16)  # a remote worker's part: its rows and its part durable before it is published
+    assert synced
