@@ -73,7 +73,7 @@ def merge(cache, path: str, *, hashes: bool = True, fresh: bool = False) -> Merg
     wait is bounded). ``hashes=False``: the part's files are checked by size and every sample's CRC,
     not SHA-256 (parts of this machine's own workers: see :func:`read_part`). ``fresh``: the part was
     written by a worker of this process's build, since it started (its result just came back): a
-    placed part's rows then need no CRC pass here even if its worker left them unchecked (no power
+    placed part's rows then need no second CRC pass here even if its worker left them unsynced (no power
     cut can have come between; the rows are made durable before any record); any other part's are
     checked (:func:`link_records`)."""
     try:
