@@ -301,8 +301,8 @@ def _rss() -> int:
 def _quiet():
     """nbkit's calls into Dask without Dask's chatter on stderr: its loggers' warnings (nannies
     restarting or killing the workers a Stop or a close asked them to) and the warning that a call's
-    arguments are large (every part carries the pickled source: expected, and said by nbkit where it
-    matters). Only for the block; Dask's errors still show."""
+    arguments are large (the source goes to each worker once, in the plugin of :meth:`DaskEngine.share`;
+    where that failed, every part carries it: expected). Only for the block; Dask's errors still show."""
     import dask
 
     with quiet_loggers("distributed"), dask.config.set({"distributed.admin.large-graph-warning-threshold": "100 GiB"}):
