@@ -51,10 +51,10 @@ class Engine:
 
     def share(self, source: tuple) -> bool:
         """Give every worker process ``source`` (the build's ``(kind, token, payload)``, what
-        :func:`nbkit.cluster.part.build_part` reads from a part's spec) once, at its start, instead of
-        with every part; return whether it will (then the parts carry only the token). Default:
-        ``False``, every part carries the source (a cluster's workers are reached only by calls).
-        An engine whose processes are already running returns ``False`` too.
+        :func:`nbkit.cluster.part.build_part` reads from a part's spec) once, at its start or its
+        first call, instead of with every part; return whether it will (then the parts carry only
+        the token). Default: ``False``, every part carries the source. A local engine whose
+        processes are already running returns ``False`` too.
 
         Example:
             >>> from nbkit.cluster.local import LocalEngine

@@ -273,6 +273,16 @@ def preload_source(source: tuple) -> None:
     _dataset({"source": source, "cache": None, "meta": {}})
 
 
+def has_source(token: str) -> bool:
+    """Whether this worker process has loaded the source of ``token`` (:func:`preload_source`).
+
+    Example:
+        >>> preload_source(("pickled", "here-token", pickle.dumps([1]))); has_source("here-token")
+        True
+    """
+    return token in _SOURCES
+
+
 def forget_source(token: str) -> None:
     """Drop the source loaded under ``token`` from this worker process (an engine's cleanup).
 
