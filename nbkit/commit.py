@@ -44,7 +44,6 @@ import os
 import re
 import stat
 import threading
-import time
 import uuid
 
 from .errors import DiskFullError, LockHeldError, UnsafeArchiveError
@@ -694,6 +693,12 @@ def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None)
     """``flock`` ``fd``, waiting at most ``seconds`` (default :data:`LOCK_SECONDS`); whether it got
     it. ``True`` where there are no locks (no ``fcntl``, a filesystem without them).
 
+    A lock that is free is taken at once. Otherwise a helper thread waits in a blocking ``flock`` on
+    a duplicate of ``fd`` (the same open file description, so the lock it gets is ``fd``'s): the
+    kernel wakes it at the release, as a plain ``flock`` would be, and ``/proc/locks`` shows this
+    process waiting. Past ``seconds`` the caller gives up; the helper, once it gets the lock, only
+    closes its duplicate (the lock then goes with ``fd``'s last descriptor, or at its next unlock).
+
     Example:
         >>> import tempfile
         >>> fd = os.open(tempfile.mkdtemp(), os.O_RDONLY)
@@ -703,21 +708,45 @@ def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None)
     """
     if fcntl is None:
         return True
-    deadline = time.monotonic() + (LOCK_SECONDS if seconds is None else seconds)
-    pause = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        pass
+    except OSError as e:
+        if e.errno in _NO_LOCKS:
             return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)  # a short wait (a heap append) ends within ~20 ms of its release
-        except OSError as e:
-            if e.errno in _NO_LOCKS:
-                return True
-            raise
+        raise
+    with _open_locks_guard:  # a child forked meanwhile closes its copy at once (it would keep the lock)
+        waiter = os.dup(fd)
+        _open_locks.add(waiter)
+    got, guard, state = threading.Event(), threading.Lock(), {"abandoned": False, "error": None}
+
+    def wait() -> None:
+        try:
+            fcntl.flock(waiter, op)
+        except OSError as e:  # handed to the caller
+            state["error"] = e
+        with guard:
+            if state["abandoned"]:
+                _close_lock(waiter)
+                return
+            got.set()
+
+    threading.Thread(target=wait, name="nbkit-flock-wait", daemon=True).start()
+    got.wait(LOCK_SECONDS if seconds is None else seconds)
+    with guard:
+        if not got.is_set():
+            state["abandoned"] = True
+            return False
+    _close_lock(waiter)  # the lock stays: fd's open file description holds it
+    error = state["error"]
+    if error is not None:
+        if error.errno in _NO_LOCKS:
+            return True
+        raise error
+    return True
 
 
 def lock_or_raise(fd: int, path: str, *, shared: bool = False, why: str = "") -> None:
