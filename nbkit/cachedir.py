@@ -27,7 +27,7 @@ import numpy as np
 from . import format as fmt
 from . import trust
 from .errors import CorruptCacheError, LockHeldError, UnsafeArchiveError
-from .commit import (Dir, claim, disk_full, file_lock, is_claimed, leftover_of, lock_or_raise, makedirs, recover, release, remove_tree, staging_name, swap_in,
+from .commit import (NO_LOCKS, Dir, claim, disk_full, file_lock, is_claimed, leftover_of, lock_or_raise, makedirs, recover, release, remove_tree, staging_name, swap_in,
                      sync_tree, write_all)
 from .gather import gather_rows, physical_memory, read_mode, resident, will_need
 from .stores.base import Store
@@ -364,10 +364,6 @@ def create_cache(root: str, meta: dict) -> dict:
         return published
 
 
-#: ``flock`` errors that mean the filesystem has no locks (some FUSE mounts): use cannot be tracked there.
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
-
-
 def _lock_meta(root: str, exclusive: bool) -> tuple[int | None, bool | None]:
     """``(fd, locked)``: ``root/nbkit.json`` opened and ``flock``-ed, shared (waiting while an
     exclusive holder has it) or exclusive without waiting. ``locked`` is ``False`` when the exclusive
@@ -391,7 +387,7 @@ def _lock_meta(root: str, exclusive: bool) -> tuple[int | None, bool | None]:
         os.close(fd)
         raise
     except OSError as e:
-        if e.errno in _NO_LOCKS:
+        if e.errno in NO_LOCKS:
             return fd, None
         os.close(fd)
         raise

@@ -685,8 +685,8 @@ if hasattr(os, "register_at_fork"):
 #: a stuck process, or anyone able to read the file holding it, never makes nbkit wait without end.
 LOCK_SECONDS = 30.0
 
-#: ``errno``s of a filesystem without ``flock`` (some network mounts): nothing is locked there.
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+#: ``errno``s of a filesystem without ``flock`` (some network and FUSE mounts): nothing is locked there.
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
 
 
 def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None) -> bool:
@@ -715,7 +715,7 @@ def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None)
     except BlockingIOError:
         pass
     except OSError as e:
-        if e.errno in _NO_LOCKS:
+        if e.errno in NO_LOCKS:
             return True
         raise
     with _open_locks_guard:  # a child forked meanwhile closes its copy at once (it would keep the lock)
@@ -743,7 +743,7 @@ def flock_within(fd: int, *, shared: bool = False, seconds: float | None = None)
     _close_lock(waiter)  # the lock stays: fd's open file description holds it
     error = state["error"]
     if error is not None:
-        if error.errno in _NO_LOCKS:
+        if error.errno in NO_LOCKS:
             return True
         raise error
     return True

@@ -68,7 +68,6 @@ __all__ = ["LOCK_SECONDS", "PART_SPEC", "PartRefused", "PartStore", "PlacedStore
            "open_parts_dir", "open_target", "part_generation", "part_name", "parse_part_name", "parts_dir", "part_lock",
            "placed_identity", "read_part", "remote_parts", "remove_part", "sweep_builds"]
 
-DIGITS, _NAME = PART_DIGITS, PART_NAME  # the one pattern, nbkit.cachedir's (nbkit ls lists parts by it)
 #: Where a local cache's parts live: beside it, ``<cache>.parts`` (see :func:`parts_dir`).
 PARTS_SUFFIX = ".parts"
 #: Samples a worker computes and stores at a time inside one part.
@@ -115,12 +114,12 @@ class PartRefused(CorruptCacheError):
 
 def part_name(start: int, stop: int) -> str:
     """The directory name of the part ``[start, stop)``."""
-    return f"part-{int(start):0{DIGITS}d}-{int(stop):0{DIGITS}d}"
+    return f"part-{int(start):0{PART_DIGITS}d}-{int(stop):0{PART_DIGITS}d}"
 
 
 def parse_part_name(name: str) -> tuple[int, int] | None:
     """``(start, stop)`` of a part's directory name, or ``None`` for any other name (or an empty range)."""
-    m = _NAME.match(name)
+    m = PART_NAME.match(name)  # the one pattern, nbkit.cachedir's (nbkit ls lists parts by it)
     if m is None:
         return None
     start, stop = int(m["start"]), int(m["stop"])
@@ -838,7 +837,7 @@ def read_part(path: str, cache_meta: dict, *, hashes: bool = True) -> VerifiedPa
     fix = "It is removed and its samples computed again."
     bounds = parse_part_name(os.path.basename(path))
     if bounds is None:
-        raise PartRefused(f"{path} is not named like a part (part-<start>-<stop>, {DIGITS} digits each). {fix}")
+        raise PartRefused(f"{path} is not named like a part (part-<start>-<stop>, {PART_DIGITS} digits each). {fix}")
 
     def refuse(what):
         raise PartRefused(f"the part {path} is refused: {what}. {fix}", bounds=bounds)

@@ -58,3 +58,32 @@ def unpicklable_call_names_the_factory_form(engine):
     text = str(info.value)
     assert "does not pickle" in text and "lock" in text
     assert "factory" in text and "module-level function" in text
+
+
+def the_source_goes_to_each_worker_once(engine, tmp_path):
+    """Engine.share: the parts of a build carry only the source's token, and the cache is exact; a
+    second build on the same engine gets its own source."""
+    import nbkit
+    from buildsources import Named, check_cache
+
+    ds = nbkit.CachedDataset(Named(64), str(tmp_path / "cache"))
+    sent = []
+    submit = engine.submit
+
+    def recording(fn, spec):
+        sent.append(spec["source"])
+        return submit(fn, spec)
+
+    engine.submit = recording
+    try:
+        report = nbkit.cluster.run(ds, engine, part_size=8)
+    finally:
+        del engine.submit
+    assert report.computed == 64 and len(sent) == 8
+    assert all(kind == "shared" and payload is None for kind, _, payload in sent)  # no part carries the pickled source
+    ds.close()
+    check_cache(ds.root, Named(64))
+    other = nbkit.CachedDataset(Named(32), str(tmp_path / "other"))
+    assert nbkit.cluster.run(other, engine, part_size=8).computed == 32
+    other.close()
+    check_cache(other.root, Named(32))

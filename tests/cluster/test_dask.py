@@ -132,46 +132,25 @@ def test_the_dashboard_of_a_local_cluster_listens_on_loopback_only(dask_engine):
 
 
 def test_every_worker_gets_the_source_once_and_the_parts_only_its_token(dask_engine, tmp_path):
-    import nbkit
-    from buildsources import Named, check_cache
-
-    ds = nbkit.CachedDataset(Named(64), str(tmp_path / "cache"))
-    sent = []
-    submit = dask_engine.submit
-
-    def recording(fn, spec):
-        sent.append(spec["source"])
-        return submit(fn, spec)
-
-    dask_engine.submit = recording
-    try:
-        report = nbkit.cluster.run(ds, dask_engine, part_size=8)
-    finally:
-        del dask_engine.submit
-    assert report.computed == 64 and len(sent) == 8
-    assert all(kind == "shared" and payload is None for kind, _, payload in sent)  # no part carries the pickled source
-    ds.close()
-    check_cache(ds.root, Named(64))
-    # A second build on the same engine: the workers drop the first source for the second one's.
-    other = nbkit.CachedDataset(Named(32), str(tmp_path / "other"))
-    assert nbkit.cluster.run(other, dask_engine, part_size=8).computed == 32
-    other.close()
-    check_cache(other.root, Named(32))
+    engine_checks.the_source_goes_to_each_worker_once(dask_engine, tmp_path)
 
 
 def test_a_worker_restarted_after_a_share_loads_the_source_again(dask_engine, tmp_path):
+    import pickle
+
+    import numpy as np
+
     import nbkit
     from buildsources import Named, check_cache
-
-    ds = nbkit.CachedDataset(Named(48), str(tmp_path / "cache"))
-    assert dask_engine.share(("pickled", "restart-token", __import__("pickle").dumps(ds)))
-    dask_engine.client.restart_workers(list(dask_engine.client.nthreads()), timeout=60)  # fresh processes
+    from nbkit.cluster.merge import merge
     from nbkit.cluster.part import build_part, parts_dir
 
-    spec = dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=48, todo=__import__("numpy").arange(48),
+    ds = nbkit.CachedDataset(Named(48), str(tmp_path / "cache"))
+    assert dask_engine.share(("pickled", "restart-token", pickle.dumps(ds)))
+    dask_engine.client.restart_workers(list(dask_engine.client.nthreads()), timeout=60)  # fresh processes
+    spec = dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=48, todo=np.arange(48),
                 meta=ds.store.meta, source=("shared", "restart-token", None))
     assert dask_engine.submit(build_part, spec).result(timeout=120)["kept"]
-    from nbkit.cluster.merge import merge
     assert merge(ds.store, os.path.join(parts_dir(ds.root), "part-0000000000000-0000000000048")).merged == 48
     ds.close()
     check_cache(ds.root, Named(48))

@@ -75,27 +75,4 @@ def test_a_dashboard_asked_of_a_local_instance_listens_on_loopback_only(monkeypa
 
 
 def test_the_source_goes_into_the_object_store_once_and_the_parts_carry_only_its_token(ray_engine, tmp_path):
-    import nbkit
-    from buildsources import Named, check_cache
-
-    ds = nbkit.CachedDataset(Named(64), str(tmp_path / "cache"))
-    sent = []
-    submit = ray_engine.submit
-
-    def recording(fn, spec):
-        sent.append(spec["source"])
-        return submit(fn, spec)
-
-    ray_engine.submit = recording
-    try:
-        report = nbkit.cluster.run(ds, ray_engine, part_size=8)
-    finally:
-        del ray_engine.submit
-    assert report.computed == 64 and len(sent) == 8
-    assert all(kind == "shared" and payload is None for kind, _, payload in sent)  # no part carries the pickled source
-    ds.close()
-    check_cache(ds.root, Named(64))
-    other = nbkit.CachedDataset(Named(32), str(tmp_path / "other"))  # the next build's source replaces it
-    assert nbkit.cluster.run(other, ray_engine, part_size=8).computed == 32
-    other.close()
-    check_cache(other.root, Named(32))
+    engine_checks.the_source_goes_to_each_worker_once(ray_engine, tmp_path)
