@@ -1,6 +1,7 @@
 """Placed parts: a local build writes each sample once, into the cache's own files; the merge links
 index records only, and nothing placed is served before its record is in the cache's index."""
 
+import json
 import os
 import pickle
 import shutil
@@ -246,3 +247,39 @@ def test_a_worker_of_this_machine_never_waits_for_the_disk(cache, monkeypatch):
     synced.clear()
     placed(cache, 8, 16)  # a remote worker's part: its rows and its part durable before it is published
     assert synced
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+@pytest.mark.fuzz
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(edits=st.dictionaries(st.sampled_from(["placed", "rows_synced"]),
+                             st.one_of(st.booleans(), st.integers(-2, 2), st.text(max_size=40), st.none(),
+                                       st.lists(st.booleans(), max_size=2), st.just("0" * 32)), min_size=1))
+def test_fuzz_a_placed_part_s_own_fields(cache, edits):
+    """A placed part's ``placed`` and ``rows_synced`` fields are read at the trust boundary: a value of
+    another type or shape is refused, never taken for true."""
+    path = placed(cache, 0, 8) if not os.path.exists(os.path.join(parts_dir(cache.root), "part-0000000000000-0000000000008")) \
+        else os.path.join(parts_dir(cache.root), "part-0000000000000-0000000000008")
+    meta_path = os.path.join(path, "nbkit.json")
+    raw = open(meta_path, "rb").read()
+    meta = json.loads(raw)
+    meta["part"].update(edits)
+    os.chmod(meta_path, 0o644)
+    with open(meta_path, "w") as out:
+        json.dump(meta, out)
+    try:
+        part = read_part(path, cache.store.meta, hashes=False)
+    except PartRefused as e:
+        assert path in str(e)
+        assert any(not isinstance(v, bool) for k, v in edits.items() if k == "rows_synced") or \
+            any(not (isinstance(v, str) and len(v) == 32) for k, v in edits.items() if k == "placed")
+    else:
+        assert part.rows_synced is meta["part"]["rows_synced"] and part.placed == meta["part"]["placed"]
+        part.close()
+    finally:
+        with open(meta_path, "wb") as out:
+            out.write(raw)
