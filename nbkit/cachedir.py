@@ -850,7 +850,13 @@ class CacheFiles(Store):
     def sync_data(self) -> None:
         """Make the data files durable (the column files and ``heap.bin``, whoever wrote into them:
         an ``fsync`` flushes a file, not a descriptor), not the index: what must precede any record
-        of rows that other processes placed (:func:`nbkit.cluster.merge.link_records`)."""
+        of rows that other processes placed (:func:`nbkit.cluster.merge.link_records`).
+
+        Example:
+            >>> import tempfile, torch, nbkit
+            >>> ds = nbkit.CachedDataset(torch.utils.data.TensorDataset(torch.arange(4)), tempfile.mkdtemp())
+            >>> _ = ds[0]; ds.store.sync_data()    # rows durable; the index is synced by sync()
+        """
         for fd in self.column_fds + ([self._heap_fd] if self._heap_fd is not None else []):
             os.fsync(fd)
         if self._heap_fd is not None:
