@@ -624,6 +624,7 @@ class CacheFiles(Store):
         return int(np.count_nonzero(self.state != fmt.EMPTY))
 
     memory_mapped = True  # gather reads this host's page cache: batches can be gathered anywhere on it
+    takes_rows = True  # write_rows writes a Rows column row by row, from the samples' own memory
 
     def row(self, i: int) -> list | None:
         """Stored sample ``i``'s row of each column, as views of the maps (the caller copies them),
@@ -790,10 +791,21 @@ class CacheFiles(Store):
 
         Uses ``pwrite`` on runs of consecutive indices rather than stores through the mapping:
         the kernel copies into the page cache without a page fault per 4 KiB, about 5× faster,
-        and readers' mappings see the same pages.
+        and readers' mappings see the same pages. :class:`nbkit.format.Rows` (large rows, not
+        stacked) are written one ``pwrite`` a row, from each sample's own memory.
         """
-        rows = np.ascontiguousarray(rows)
         fd = self.column_fds[k]
+        if isinstance(rows, fmt.Rows):
+            col = self.columns[k]
+            row_bytes = int(np.prod(col.shape[1:], dtype=np.int64)) * col.itemsize
+            if len(rows) != len(indices):
+                raise ValueError(f"{len(rows)} rows for {len(indices)} indices of column {k} of {self.root}")
+            for slot, row in zip(np.asarray(indices).tolist(), rows.flat()):
+                if row.nbytes != row_bytes:
+                    raise ValueError(f"a row of {row.nbytes} bytes for column {k} of {self.root}, whose rows are {row_bytes}")
+                write_all(fd, memoryview(row), slot * row_bytes, path=self._column_files[k][1])
+            return
+        rows = np.ascontiguousarray(rows)
         if rows.nbytes == 0:
             return
         flat = rows.reshape(len(indices), -1).view(np.uint8)

@@ -761,7 +761,7 @@ class CachedDataset(Dataset):
         cpos = np.asarray(conforming_pos, dtype=np.int64)
         stacked = []
         if conforming_pos:
-            stacked = [schema.stack(k, rows) for k, rows in enumerate(col_rows)]
+            stacked = [self._column(k, rows) for k, rows in enumerate(col_rows)]
             var_blobs = {m: blob_of[j] for m, j in enumerate(conforming_pos) if j in blob_of}
             crc[cpos] = fmt.batch_crc(stacked, len(cpos), var_blobs)
         for j in blobs_pos:
@@ -772,6 +772,19 @@ class CachedDataset(Dataset):
         self._verified[idx[kept]] = True
         self._counters.add(stored=int(kept.sum()), refused=n - int(kept.sum()))
         return kept
+
+    def _column(self, k: int, values: list):
+        """Column ``k``'s rows of a batch for the store: stacked, or as :class:`nbkit.format.Rows`
+        (each sample's own array) when its rows are large and the store writes them row by row."""
+        f = self.store
+        schema = f.schema
+        if f.takes_rows:
+            leaf = schema.columns[k]
+            if schema.row_bytes(leaf) >= fmt.ROWS_MIN_BYTES:
+                dtype, shape = schema.column_dtype(leaf), tuple(leaf.shape)
+                if all(type(v) is np.ndarray and v.dtype == dtype and v.shape == shape for v in values):
+                    return fmt.Rows(values)
+        return schema.stack(k, values)
 
     def _publish_if_complete(self) -> None:
         """Publish a remote cache (``gs://…``) as soon as reads have stored its last sample, so that

@@ -31,7 +31,7 @@ from .text import fix, format_list
 
 __all__ = ["META", "INDEX", "HEAP", "LOCK", "RECORD", "VERSION", "list_cache_files", "read_meta",
            "parse_meta", "publish_meta", "row_crc", "batch_crc", "sample_crcs", "verify", "verify_store", "read_blob_or_none",
-           "META_SPEC", "consistent_flags"]
+           "META_SPEC", "consistent_flags", "Rows", "ROWS_MIN_BYTES"]
 
 FORMAT_NAME = "nbkit-cache"
 VERSION = 1
@@ -265,6 +265,67 @@ def admission_slots(length: int, capacity: int, seed: int) -> np.ndarray:
     return slots
 
 
+#: A column whose rows are at least this many bytes reaches a store that takes them
+#: (:attr:`nbkit.stores.base.Store.takes_rows`) as :class:`Rows`, not stacked.
+ROWS_MIN_BYTES = 64 << 10
+
+
+class Rows:
+    """The rows of one column as the samples' own arrays, not stacked into one batch array: what
+    :meth:`~nbkit.stores.base.Store.put` gets for a column of large rows (at least
+    :data:`ROWS_MIN_BYTES`) when the store takes them (``takes_rows``). The store writes each row
+    from the sample's own memory; a stacked copy first costs a fresh batch-sized buffer (154 MB for
+    256 decoded 224-px images), whose page faults cost a worker about as much as writing the rows
+    into the page cache. Anything else (``np.asarray``) gets them stacked.
+
+    Example:
+        >>> rows = Rows([np.zeros(3, np.uint8), np.ones(3, np.uint8)])
+        >>> len(rows), rows.nbytes, np.asarray(rows[np.array([1])]).tolist()
+        (2, 6, [[1, 1, 1]])
+        >>> batch_crc([rows], 2).tolist() == batch_crc([np.asarray(rows)], 2).tolist()
+        True
+    """
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays):
+        self.arrays = [np.ascontiguousarray(a) for a in arrays]
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __getitem__(self, which) -> Rows:
+        """The rows at ``which`` (indices, or a bool mask), as ``Rows``."""
+        if isinstance(which, (int, np.integer)):
+            return self.arrays[which]
+        if isinstance(which, slice):
+            return Rows(self.arrays[which])
+        which = np.asarray(which)
+        if which.dtype == bool:
+            which = np.flatnonzero(which)
+        arrays = self.arrays
+        return Rows([arrays[int(i)] for i in which])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.stack(self.arrays)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def crcs(self, start: np.ndarray | None = None) -> np.ndarray:
+        """Each row's CRC-32, continued from ``start`` (one value per row)."""
+        out = np.zeros(len(self.arrays), np.uint32) if start is None else np.array(start, dtype=np.uint32)
+        for j, a in enumerate(self.arrays):
+            out[j] = crc_rows(a.reshape(1, -1).view(np.uint8), out[j:j + 1])[0]
+        return out
+
+    def flat(self) -> list:
+        """Each row as a 1-D ``uint8`` array on the sample's own memory (what a store writes)."""
+        return [a.reshape(-1).view(np.uint8) for a in self.arrays]
+
+
 def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1) -> np.ndarray:
     """Per-sample CRC-32s of ``n`` samples given their gathered column rows (equal to ``row_crc``).
 
@@ -279,7 +340,12 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1
         for j, blob in (blobs or {}).items():
             out[j] = zlib.crc32(blob, int(out[j]))
         return out.astype(np.uint32, copy=False)
-    if columns:
+    if any(isinstance(c, Rows) for c in columns):
+        out = np.zeros(n, np.uint32)
+        for c in columns:
+            out = c.crcs(out) if isinstance(c, Rows) else crc_rows(
+                np.ascontiguousarray(c).reshape(n, c.size // n if n else 0).view(np.uint8), out)
+    elif columns:
         parts = [np.ascontiguousarray(c).reshape(n, c.size // n if n else 0).view(np.uint8) for c in columns]
         if len(parts) > 1 and sum(p.shape[1] for p in parts) <= 16384:
             # Small rows: lay them side by side, one call per sample. (Large rows: chain per column

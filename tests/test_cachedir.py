@@ -55,3 +55,65 @@ def test_replace_and_remove(cache, tmp_path):
     assert os.listdir(cache) == ["f"]
     remove_cache(cache)
     assert os.listdir(cache) == ["f"] and not os.path.exists(os.path.join(cache, fmt.META))
+
+
+# -- large rows: written from the samples' own arrays (format.Rows), never stacked first -------------
+
+
+@pytest.fixture
+def puts(monkeypatch):
+    """What each ``CacheFiles.put`` got for its columns: ``"rows"`` or ``"stacked"``."""
+    seen, real = [], CacheFiles.put
+
+    def spy(self, idx, flags, crc, cpos, stacked, bpos, blobs):
+        seen.append(["rows" if isinstance(c, fmt.Rows) else "stacked" for c in stacked])
+        return real(self, idx, flags, crc, cpos, stacked, bpos, blobs)
+
+    monkeypatch.setattr(CacheFiles, "put", spy)
+    return seen
+
+
+@pytest.mark.parametrize("how", ["warmup", "reads", "budget"])
+def test_large_rows_are_written_from_the_samples_own_arrays_and_read_back_equal(tmp_path, puts, how):
+    from sources import LargeRowSource, assert_equal
+
+    src = LargeRowSource(24)
+    budget = {"max_bytes": 12 * (3 * 80 * 80 * 4 + 8) + 4096} if how == "budget" else {}
+    ds = nbkit.CachedDataset(src, tmp_path / "c", **budget)
+    if how == "reads":
+        order = np.random.default_rng(0).permutation(24)
+        ds.__getitems__([int(i) for i in order[:10]])  # a batch out of order: rows sorted into runs
+        for i in order[10:]:
+            ds[int(i)]
+    else:
+        ds.warmup()
+    assert puts and all(kinds[0] == "rows" and kinds[1:] == ["stacked"] for kinds in puts if kinds)
+    ds.close()
+    with nbkit.CachedDataset.open(tmp_path / "c") as reader:
+        stored = np.flatnonzero(reader.store.is_stored(np.arange(24)))
+        assert reader.verify() == len(stored) and (len(stored) == 24) == (how != "budget") and len(stored) >= 6
+        for i in stored:
+            assert_equal(reader[int(i)], src[int(i)])
+
+
+def test_a_store_that_does_not_take_rows_gets_every_column_stacked(tmp_path, puts, monkeypatch):
+    from sources import LargeRowSource, assert_equal
+
+    monkeypatch.setattr(CacheFiles, "takes_rows", False)
+    ds = nbkit.CachedDataset(LargeRowSource(8), tmp_path / "c")
+    ds.warmup()
+    assert puts and all(kinds == ["stacked", "stacked"] for kinds in puts)
+    assert ds.verify() == 8
+    assert_equal(ds[3], LargeRowSource(8)[3])
+
+
+def test_rows_of_the_wrong_size_are_refused_before_a_byte_is_written(tmp_path):
+    from sources import LargeRowSource
+
+    ds = nbkit.CachedDataset(LargeRowSource(4), tmp_path / "c")
+    before = ds.store.columns[0][1].copy()
+    with pytest.raises(ValueError, match="rows for 1 indices"):
+        ds.store.write_rows(0, np.array([1]), fmt.Rows([]))
+    with pytest.raises(ValueError, match="a row of 12 bytes for column 0"):
+        ds.store.write_rows(0, np.array([1]), fmt.Rows([np.zeros(3, np.float32)]))
+    assert np.array_equal(ds.store.columns[0][1], before)

@@ -466,3 +466,19 @@ def test_fuzz_schema_from_json(schema):
         Schema.from_json(schema, "nbkit.json")
     except CorruptCacheError as e:
         assert "nbkit.json" in str(e) or "cache metadata" in str(e), e
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_crc_of_rows_equals_the_crc_of_the_same_rows_stacked(threads):
+    rng = np.random.default_rng(0)
+    big = [rng.standard_normal((3, 40, 50)).astype(np.float32) for _ in range(7)]
+    big[2] = np.asfortranarray(big[2])  # not C-contiguous: taken as its values
+    small = rng.integers(0, 9, (7, 2))
+    blobs = {1: b"abc", 6: b"x" * 100}
+    rows = fmt.Rows(big)
+    want = fmt.batch_crc([np.stack(big), small], 7, blobs, threads=threads)
+    assert fmt.batch_crc([rows, small], 7, blobs, threads=threads).tolist() == want.tolist()
+    assert [fmt.row_crc([np.ascontiguousarray(b), s], blobs.get(j, b"")) for j, (b, s) in enumerate(zip(big, small))] == want.tolist()
+    keep = np.array([True, False, True, True, False, False, True])
+    assert np.array_equal(np.asarray(rows[keep]), np.stack(big)[keep])
+    assert np.array_equal(rows[3], big[3]) and np.array_equal(np.asarray(rows[1:3]), np.stack(big[1:3]))

@@ -505,6 +505,7 @@ class PlacedStore(Store):
     """
 
     memory_mapped = True
+    takes_rows = True  # written by the cache's own write_rows
 
     def __init__(self, target: CacheFiles, start: int, stop: int):
         super().__init__(target.meta, writable=True)

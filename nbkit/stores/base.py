@@ -69,6 +69,10 @@ class Store:
     #: gathers with :meth:`gather_checked`, reads batches from several threads and serves column
     #: batches anywhere on the host. ``False`` (a server, a bucket read through): one thread reads.
     memory_mapped = False
+    #: Whether :meth:`put` takes a column of large rows as :class:`nbkit.format.Rows` (the samples'
+    #: own arrays, written one by one) rather than stacked into one array: a store that writes rows
+    #: into files sets it, and is spared a batch-sized copy. ``False``: every column comes stacked.
+    takes_rows = False
     #: The column arrays themselves (one per column, rows by slot) where :attr:`memory_mapped`, so a
     #: run of consecutive rows is read in place; ``None`` for a store without them.
     columns: list | None = None
@@ -123,7 +127,8 @@ class Store:
     def put(self, idx: np.ndarray, flags: np.ndarray, crc: np.ndarray, cpos: np.ndarray, stacked: list,
             bpos: np.ndarray, blobs: list):
         """Required: store samples ``idx`` with their record ``flags`` and ``crc``; ``stacked`` holds
-        one array per column with the rows of the conforming samples (positions ``cpos`` of ``idx``),
+        one array per column with the rows of the conforming samples (positions ``cpos`` of ``idx``; a
+        :class:`nbkit.format.Rows` for a column of large rows where :attr:`takes_rows`),
         ``blobs`` the heap blobs of positions ``bpos``. A sample is visible only once whole.
 
         Returns ``None`` (every sample kept) or a bool mask of the samples kept (a full server refuses

@@ -87,7 +87,8 @@ class Costly(Dataset):
 
 def part_spec(ds, start, stop, todo=None, **extra) -> dict:
     """What the driver hands :func:`nbkit.cluster.part.build_part` for the part ``[start, stop)`` of the
-    cache ``ds`` (its source pickled into the spec); ``extra`` adds or replaces fields."""
+    cache ``ds`` (its source pickled into the spec, under a token of its own: a process keeps the
+    source it unpickled per token, and another test's cache may be gone); ``extra`` adds or replaces fields."""
     import pickle
 
     import numpy as np
@@ -96,7 +97,7 @@ def part_spec(ds, start, stop, todo=None, **extra) -> dict:
 
     return dict(cache=ds.root, parts=parts_dir(ds.root), start=start, stop=stop,
                 todo=np.arange(start, stop) if todo is None else np.asarray(todo), meta=ds.store.meta,
-                source=("pickled", "tok", pickle.dumps(ds)), **extra)
+                source=("pickled", f"tok:{ds.root}", pickle.dumps(ds)), **extra)
 
 
 #: The samples of the shared ``cache`` fixture (tests/cluster/conftest.py).

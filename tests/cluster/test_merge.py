@@ -15,11 +15,12 @@ from buildsources import PART_N, Named, check_cache, same
 N = PART_N  # the shared cache fixture's (conftest.py)
 
 
-def built(ds, start, stop, todo=None, token="tok"):
-    """A part of ``ds`` built; ``token`` names its source (a process keeps the source it unpickled per token)."""
+def built(ds, start, stop, todo=None, token=None):
+    """A part of ``ds`` built; ``token`` names its source (a process keeps the source it unpickled per
+    token: by default one per cache, as another test's cache may be gone)."""
     out = build_part(dict(cache=ds.root, parts=parts_dir(ds.root), start=start, stop=stop,
                           todo=np.arange(start, stop) if todo is None else np.asarray(todo), meta=ds.store.meta,
-                          source=("pickled", token, pickle.dumps(ds))))
+                          source=("pickled", token or f"tok:{ds.root}", pickle.dumps(ds))))
     return os.path.join(parts_dir(ds.root), out["name"])
 
 
@@ -69,7 +70,7 @@ def test_merge_into_a_budgeted_cache_writes_slots(tmp_path):
     ds = nbkit.CachedDataset(src, str(tmp_path / "b"), max_bytes=32 * 32)
     admitted = np.flatnonzero(ds.store.admitted(np.arange(64)))
     out = build_part(dict(cache=ds.root, parts=parts_dir(ds.root), start=0, stop=64, todo=admitted, meta=ds.store.meta,
-                          source=("pickled", "tok", pickle.dumps(ds))))
+                          source=("pickled", f"tok:{ds.root}", pickle.dumps(ds))))
     assert merge(ds.store, os.path.join(parts_dir(ds.root), out["name"])).merged == len(admitted)
     assert len(ds.missing()) == 0 and ds.verify() == len(admitted)
     assert all(torch.equal(ds[int(i)][0], src[int(i)][0]) for i in range(64))

@@ -153,6 +153,31 @@ def test_a_budgeted_cache_is_placed_at_its_slots(tmp_path):
     ds.close()
 
 
+def test_large_rows_are_placed_from_the_samples_own_arrays(tmp_path, monkeypatch):
+    from nbkit.cluster.part import PlacedStore
+    from sources import LargeRowSource, assert_equal
+
+    got, real = [], PlacedStore.put
+    monkeypatch.setattr(PlacedStore, "put", lambda self, idx, fl, crc, cpos, stacked, bp, bl: got.append(
+        type(stacked[0])) or real(self, idx, fl, crc, cpos, stacked, bp, bl))
+    src = LargeRowSource(24)
+    ds = nbkit.CachedDataset(src, str(tmp_path / "c"), max_bytes=18 * (3 * 80 * 80 * 4 + 8) + 4096)
+    admitted = np.flatnonzero(ds.store.admitted(np.arange(24)))
+    first = int(admitted[admitted >= 8][0])
+    _ = ds[first]  # stored meanwhile by a reader: the part's row for it is dropped, never written over
+    before = [c[ds.store.slot_of[first]].copy() for c in ds.store.columns]
+    path = placed(ds, 8, 24)
+    assert got == [fmt.Rows]
+    assert all(np.array_equal(b, c[ds.store.slot_of[first]]) for b, c in zip(before, ds.store.columns))
+    assert merge(ds.store, path, hashes=False).merged == int((admitted >= 8).sum()) - 1
+    ds.close()
+    with nbkit.CachedDataset.open(str(tmp_path / "c")) as reader:
+        stored = np.flatnonzero(reader.store.is_stored(np.arange(24)))
+        assert stored.tolist() == admitted[admitted >= 8].tolist() and reader.verify() == len(stored)
+        for i in stored:
+            assert_equal(reader[int(i)], src[int(i)])
+
+
 def test_a_local_build_places_its_parts(cache, monkeypatch):
     calls = []
     real = merge_mod.link_records
