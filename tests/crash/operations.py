@@ -155,6 +155,20 @@ def _warmup(seed: int, overwrite: bool = False):
     return run
 
 
+def _run_warmup_rows(work):
+    import nbkit
+    from nbkit import format as fmt
+    from nbkit.cachedir import CacheFiles
+
+    # Every array column goes to the files as format.Rows, one pwrite a row (the path of large rows:
+    # decoded images), so that each row's write is a crash point of its own.
+    fmt.ROWS_MIN_BYTES = 0
+    real, seen = CacheFiles.write_rows, []
+    CacheFiles.write_rows = lambda self, k, idx, rows: seen.append((k, type(rows))) or real(self, k, idx, rows)
+    _warmup(1)(work)
+    assert all(kind is fmt.Rows for k, kind in seen if k == 0), "the tensor column went to the files stacked"
+
+
 # -- the operations -------------------------------------------------------------------------------
 
 
@@ -434,6 +448,8 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in [
     Operation("warmup_new", _setup_warmup_new, _warmup(1), "parent/cache", "cache", None, Expect(1, whole=False),
               absent_ok=True, inputs=_BY, power_loss=True),
     Operation("warmup_resume", _setup_warmup_resume, _warmup(1), "parent/cache", "cache", Expect(1, whole=False),
+              Expect(1, whole=False), inputs=_BY, power_loss=True),
+    Operation("warmup_rows", _setup_warmup_resume, _run_warmup_rows, "parent/cache", "cache", Expect(1, whole=False),
               Expect(1, whole=False), inputs=_BY, power_loss=True),
     Operation("overwrite", _setup_whole_cache, _warmup(2, overwrite=True), "parent/cache", "cache", Expect(1),
               Expect(2, whole=False), absent_ok=True, inputs=_BY, power_loss=True),
