@@ -4,8 +4,8 @@ today's ``warmup(num_workers=N)`` on the same source in the same run.
 Five tables, written to ``results/build.md``:
 
 0. **warmup(num_workers=2) against a raw epoch** (issue 40) on the MNIST and JPEG workloads of
-   ``bench_engine.py``: parts placed in the cache's files (now) and copied in by the merge (before,
-   ``driver.PLACED = False``), interleaved; targets ≤ 0.6× (MNIST) and ≤ 0.65× (JPEG). Alone:
+   ``bench_engine.py``: parts placed in the cache's files (now), placed with large rows stacked first
+   (before ``format.Rows``) and copied in by the merge (before, ``driver.PLACED = False``), interleaved; targets ≤ 0.6× (MNIST) and ≤ 0.65× (JPEG). Alone:
    ``--epochs-only`` (``--results DIR``: ``DIR/build-epochs.md``).
 
 1. **Throughput**: an MNIST-shaped source (1x28x28 float32 and a label) with ``--cost`` µs of
@@ -179,6 +179,8 @@ def warmup_vs_raw(data_dir, names, rounds: int, quick: bool) -> tuple[list[str],
     import nbkit
     import nbkit.cluster.driver as driver
     import workloads
+    from nbkit.cachedir import CacheFiles
+    from nbkit.cluster.part import PlacedStore
 
     torch.set_num_threads(1)  # as bench_engine's measuring processes (and every DataLoader or warmup worker)
     rows, ratios = [], {}
@@ -186,11 +188,11 @@ def warmup_vs_raw(data_dir, names, rounds: int, quick: bool) -> tuple[list[str],
         spec = workloads.build(name, data_dir, quick=quick)
         src = workloads.source(spec)
         times: dict = {}
-        runs = [("raw", None), ("placed", True), ("copied", False)]
+        runs = [("raw", None), ("placed", True), ("stacked", True), ("copied", False)]
         for r in range(rounds):
             # Each round in another order: on a VM the first run after a large free pays for the memory
             # the host reclaimed meanwhile (a 2.4 GB JPEG cache's page cache: up to 1.5x its time).
-            for label, placed in runs[r % 3:] + runs[:r % 3]:
+            for label, placed in runs[r % len(runs):] + runs[:r % len(runs)]:
                 if placed is None:
                     t0 = time.perf_counter()
                     for _ in torch.utils.data.DataLoader(src, batch_size=256, shuffle=True, num_workers=0):
@@ -199,6 +201,9 @@ def warmup_vs_raw(data_dir, names, rounds: int, quick: bool) -> tuple[list[str],
                     continue
                 path = tempfile.mkdtemp(prefix=f"nbkit-bench-epoch-{name}-")
                 driver.PLACED = placed
+                # "stacked": placed, but a column of large rows stacked into one batch array before
+                # its write (the code before format.Rows); "copied" stacks too, as it did.
+                CacheFiles.takes_rows = PlacedStore.takes_rows = label == "placed"
                 try:
                     t0 = time.perf_counter()
                     ds = nbkit.CachedDataset(src, path)
@@ -208,11 +213,14 @@ def warmup_vs_raw(data_dir, names, rounds: int, quick: bool) -> tuple[list[str],
                     ds.close()
                 finally:
                     driver.PLACED = True
+                    CacheFiles.takes_rows = PlacedStore.takes_rows = True
                     shutil.rmtree(path, ignore_errors=True)
             print(f"  {name} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
         raw = min(times["raw"])
         target = EPOCH_TARGETS[name]
-        for label, what in (("placed", "placed in the cache's files (now)"), ("copied", "copied in by the merge (before)")):
+        for label, what in (("placed", "placed in the cache's files, large rows written from the samples' own arrays (now)"),
+                            ("stacked", "placed, large rows stacked into a batch array first (before `format.Rows`)"),
+                            ("copied", "copied in by the merge (before parts were placed)")):
             ratio = min(times[label]) / raw
             ratios[f"{name} {label}"] = ratio
             verdict = ("PASS" if ratio <= target else "MISS") if label == "placed" else "–"
@@ -429,8 +437,11 @@ def main(argv=None) -> int:
         "The benchmark workloads (`benchmarks/workloads.py`, as `bench_engine.py` measures them): one raw epoch is "
         "`DataLoader(source, batch_size=256, shuffle=True, num_workers=0)`; a warmup is a fresh cache built by "
         "`warmup(num_workers=2)` (fork), construction included; one thread per process; best of "
-        f"{1 if args.quick else 3} interleaved round(s), each in another order (raw, placed, copied; then rotated). Parts placed in the cache's files (a worker writes each sample "
-        "once; the merge links records) against parts copied in by the merge (the code before, `driver.PLACED = False`).",
+        f"{1 if args.quick else 3} interleaved round(s), each in another order (raw, placed, stacked, copied; then rotated). "
+        "Parts placed in the cache's files (a worker writes each sample once, a column of rows of 64 KiB or more "
+        "from the samples' own arrays; the merge links records) against the same with every column stacked into one "
+        "batch array first (the code before `format.Rows`: `CacheFiles.takes_rows = False`) and parts copied in by the "
+        "merge (the code before parts were placed, `driver.PLACED = False`).",
         "",
         "| workload | warmup(num_workers=2) | time | raw epoch | × raw epoch | target | |",
         "|---|---|---|---|---|---|---|",

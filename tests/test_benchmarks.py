@@ -246,7 +246,10 @@ def test_bench_build_quick_writes_its_tables(tmp_path):
     table = (results / "build.md").read_text()
     assert table.strip() in proc.stdout and "Quick mode" in table
     for row in ("| `warmup(num_workers=1)` | 1 |", "| `LocalEngine(2)` | 2 |", "### Per-part costs",
-                "| 256 |", "### Merge against cache size", "| 4 MiB (1,024 samples) | 8 |"):
+                "| 256 |", "### Merge against cache size", "| 4 MiB (1,024 samples) | 8 |",
+                "| parts placed in the cache's files, large rows written from the samples' own arrays (now) |",
+                "| parts placed, large rows stacked into a batch array first (before `format.Rows`) |",
+                "| parts copied in by the merge (before parts were placed) |"):
         assert row in table, row
     # Every build row is judged against warmup with as many workers; the references are not.
     builds = [ln for ln in table.splitlines() if ln.startswith("| `LocalEngine") or ln.startswith("| Dask")]
