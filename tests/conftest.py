@@ -4,6 +4,7 @@ test modules that use them."""
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -43,6 +44,17 @@ try:
     settings.load_profile("long" if os.environ.get("NBKIT_FUZZ") == "long" else "ci")
 except ImportError:  # hypothesis is in the dev extra; the fuzz tests import it themselves
     pass
+
+
+@pytest.fixture(autouse=True)
+def _no_part_source_outlives_its_test():
+    """A part build keeps the source it unpickled per token (``nbkit.cluster.part._SOURCES``), and
+    tests reuse tokens: a later test would build from an earlier test's dataset, whose cache (in its
+    ``tmp_path``, removed when it passed) is gone. Each test starts without one."""
+    yield
+    part = sys.modules.get("nbkit.cluster.part")
+    if part is not None:
+        part._SOURCES.clear()
 
 
 @pytest.fixture(scope="session")
