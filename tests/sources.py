@@ -213,24 +213,19 @@ class NamedSource(Dataset):
         return Point(image(i, (2, 3)), i % 10)
 
 
-class LargeRowSource(Dataset):
+class LargeRowSource(TupleSource):
     """``(image 3x80x80 float32, label, name)``: a column of 76,800-byte rows (past
     ``nbkit.format.ROWS_MIN_BYTES``: stores that take them get them as ``Rows``, not stacked), every
     third image a non-contiguous view, a small column and a heap blob."""
 
     def __init__(self, n=24):
-        self.n = n
-
-    def __len__(self):
-        return self.n
+        super().__init__(n, (3, 80, 80))
 
     def __getitem__(self, i):
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        x = image(i, (3, 80, 80))
+        x, label = super().__getitem__(i)
         if i % 3 == 0:
-            x = image(i, (3, 80, 80)).transpose(1, 2).contiguous().transpose(1, 2)  # same values, strided
-        return x, i % 10, "n" * (i % 4)
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, strided
+        return x, label, "n" * (i % 4)
 
 
 class PilSource(Dataset):
