@@ -340,13 +340,15 @@ def batch_crc(columns: list, n: int, blobs: dict | None = None, threads: int = 1
         for j, blob in (blobs or {}).items():
             out[j] = zlib.crc32(blob, int(out[j]))
         return out.astype(np.uint32, copy=False)
+    def flat(c):  # one row of bytes per sample
+        return np.ascontiguousarray(c).reshape(n, c.size // n if n else 0).view(np.uint8)
+
     if any(isinstance(c, Rows) for c in columns):
         out = np.zeros(n, np.uint32)
         for c in columns:
-            out = c.crcs(out) if isinstance(c, Rows) else crc_rows(
-                np.ascontiguousarray(c).reshape(n, c.size // n if n else 0).view(np.uint8), out)
+            out = c.crcs(out) if isinstance(c, Rows) else crc_rows(flat(c), out)
     elif columns:
-        parts = [np.ascontiguousarray(c).reshape(n, c.size // n if n else 0).view(np.uint8) for c in columns]
+        parts = [flat(c) for c in columns]
         if len(parts) > 1 and sum(p.shape[1] for p in parts) <= 16384:
             # Small rows: lay them side by side, one call per sample. (Large rows: chain per column
             # rather than copy them.)
