@@ -89,3 +89,21 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_large_rows_stored_by_workers_under_each_start_method(tmp_path, method):
+    """Rows of 64 KiB or more go to the files as the samples' own arrays (format.Rows): stored by a
+    warmup's workers and by DataLoader workers reading a cold cache, every sample equal to the source."""
+    from sources import LargeRowSource, assert_equal
+
+    src = LargeRowSource(16)
+    warm = nbkit.CachedDataset(src, tmp_path / "warm")
+    assert warm.warmup(num_workers=2, chunk_size=4, multiprocessing_context=method).computed == 16
+    cold = nbkit.CachedDataset(src, tmp_path / "cold")
+    loader = DataLoader(cold, batch_size=4, num_workers=2, multiprocessing_context=method, collate_fn=nbkit.collate)
+    assert sum(len(batch[1]) for batch in loader) == 16
+    for ds in (warm, cold):
+        assert len(ds.missing()) == 0 and ds.verify() == 16
+        for i in range(16):
+            assert_equal(ds[i], src[i])
