@@ -347,7 +347,8 @@ def fast_crc():
     (looked up on first use, not at import), else ``None``.
 
     Example:
-        >>> fast_crc() is None or fast_crc()(0, ctypes.addressof(ctypes.create_string_buffer(b"ab", 2)), 2) == zlib.crc32(b"ab")
+        >>> buf = ctypes.create_string_buffer(b"ab", 2)  # kept alive: the call reads its memory
+        >>> fast_crc() is None or fast_crc()(0, ctypes.addressof(buf), 2) == zlib.crc32(b"ab")
         True
     """
     if os.environ.get("NBKIT_CRC") == "zlib":
