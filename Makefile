@@ -76,8 +76,11 @@ $(VENV_NEWEST)/.installed: pyproject.toml scripts/install-system-deps.sh $(call 
 lint: setup
 	$(BIN)/ruff check .
 
+# TEST_MARKS / NEWEST_MARKS: a pytest -m expression. Empty, make test runs everything; .ci/run uses
+# them only to run the torch-independent crash and benchmark tests in the shorter suite.
+TEST_MARKS ?=
 test: setup lint
-	$(OFFLINE) $(BIN)/python -m pytest
+	$(OFFLINE) $(BIN)/python -m pytest $(if $(TEST_MARKS),-m "$(TEST_MARKS)")
 
 # Every crash point of every operation (docs/CRASH.md); make test runs a fixed budget of them.
 # The summary table also goes to out/crash-report.json.
@@ -86,9 +89,10 @@ crash: setup
 
 # The same suite on the newest torch, without torch_xla: what needs torch_xla skips and says why.
 # Tests marked one_stack check nothing the torch stack changes (pyproject's markers): make test runs them.
+NEWEST_MARKS ?= not one_stack
 test-newest: setup-newest
 	$(VENV_NEWEST)/bin/ruff check .
-	$(OFFLINE) $(VENV_NEWEST)/bin/python -m pytest -m "not one_stack"
+	$(OFFLINE) $(VENV_NEWEST)/bin/python -m pytest -m "$(NEWEST_MARKS)"
 
 demo: setup
 	$(BIN)/python -m nbkit.demo

@@ -20,7 +20,7 @@ import run as bench_run
 import workloads
 
 # The benchmark scripts run end to end on one stack (make test); their figures come from make bench.
-pytestmark = [pytest.mark.one_stack]
+pytestmark = [pytest.mark.one_stack, pytest.mark.bench]
 
 
 def _env():

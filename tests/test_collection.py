@@ -51,8 +51,14 @@ def collected_by_a_fresh_run() -> set[str]:
 
 def full_run(config) -> bool:
     """Whether this session was started like ``make test``: no paths, no ``-k``, the configured testpaths."""
-    return not config.invocation_params.args or all(a.startswith("-m") or a in ("not one_stack",)
-                                                    for a in config.invocation_params.args)
+    args = list(config.invocation_params.args)
+    while args:  # only marker expressions: "-m EXPR" or "-mEXPR" (make test's TEST_MARKS, make test-newest's)
+        a = args.pop(0)
+        if a == "-m" and args:
+            args.pop(0)
+        elif not a.startswith("-m"):
+            return False
+    return True
 
 
 def test_no_test_file_sits_in_a_folder_of_scripts():
