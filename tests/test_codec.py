@@ -383,3 +383,33 @@ def test_fuzz_var_blobs(edits, cut, which):
         schema.var_values(bytes(blob), "sample 4 of /c", False)
     except CorruptCacheError as e:
         assert "sample 4 of /c" in str(e), e
+
+
+def _odd_tensors():
+    """Tensors that are not plain contiguous CPU tensors, each with its plain twin."""
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    z = torch.complex(torch.arange(6.0).reshape(2, 3), torch.ones(2, 3))
+    return {
+        "requires_grad": (base.clone().requires_grad_(True), base),
+        "transposed": (base.t(), base.t().contiguous()),
+        "offset_view": (torch.arange(20.0)[8:20].reshape(3, 4), torch.arange(8.0, 20.0).reshape(3, 4)),
+        "conj_bit": (z.conj(), z.conj().resolve_conj()),
+        "neg_bit": (z.conj().imag, z.conj().imag.resolve_neg()),
+    }
+
+
+@pytest.mark.parametrize("name", list(_odd_tensors()))
+def test_a_column_takes_tensors_numpy_cannot_view_as_they_are(name):
+    odd, plain = _odd_tensors()[name]
+    schema = infer_schema([(plain, 0)], allow_pickle=False)
+    cols, blob = schema.split((odd, 1), "s", False)
+    assert blob == b"" and cols[0].flags["C_CONTIGUOUS"]
+    assert np.array_equal(cols[0], plain.detach().numpy()) and cols[0].dtype == plain.detach().numpy().dtype
+    stacked = schema.stack(0, [cols[0], schema.split((plain, 1), "s", False)[0][0]])
+    assert np.array_equal(stacked[0], stacked[1])
+
+
+def test_a_sparse_tensor_in_a_column_is_refused_with_the_fix():
+    schema = infer_schema([(torch.zeros(2, 2), 0)], allow_pickle=False)
+    with pytest.raises(TypeError, match="to_dense"):
+        schema.split((torch.eye(2).to_sparse(), 1), "s", False)

@@ -148,9 +148,15 @@ class TensorKind(Kind):
         def tensor(v):
             if not isinstance(v, torch.Tensor) or v.dtype != tdtype or v.shape != shape:
                 return None
-            if plain and not v.requires_grad and v.device.type == "cpu" and v.layout == torch.strided \
-                    and v.is_contiguous() and not v.is_conj() and not v.is_neg():
-                return v.numpy()
+            if plain:
+                # The common case in one call: numpy() itself refuses what needs to_array (a tensor that
+                # requires grad, lies off the CPU, is sparse, or has its conj or neg bit set); a
+                # non-contiguous one would give a strided view, which a row write cannot take.
+                try:
+                    if v.is_contiguous():
+                        return v.numpy()
+                except (RuntimeError, TypeError, NotImplementedError):
+                    pass
             return to_array(v)
         return tensor
 
