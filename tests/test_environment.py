@@ -24,7 +24,7 @@ MAKEFILE = (REPO / "Makefile").read_text()
 
 def make_variable(name: str) -> str:
     """The value of ``NAME := ...`` (or ``=``, ``?=``) in the Makefile."""
-    m = re.search(rf"^(?:export\s+)?{name}\s*[:?]?=\s*(.*)$", MAKEFILE, re.M)
+    m = re.search(rf"^(?:export[ \t]+)?{name}[ \t]*[:?]?=[ \t]*(.*)$", MAKEFILE, re.M)
     assert m, f"the Makefile sets no {name}"
     return m.group(1).strip()
 
@@ -70,7 +70,10 @@ def test_make_runs_pytest_with_the_package_index_unreachable():
     # make setup and make setup-newest build the test environments (with the index reachable).
     assert recipe("setup") == ["$(BIN)/python tests/testenvs.py build"]
     assert recipe("setup-newest") == ["$(VENV_NEWEST)/bin/python tests/testenvs.py build"]
-    assert recipe("test")[0].endswith("$(BIN)/python -m pytest") and "setup" in re.search(r"^test:(.*)$", MAKEFILE, re.M).group(1)
+    assert recipe("test")[0].startswith("$(OFFLINE) $(BIN)/python -m pytest") and "setup" in re.search(r"^test:(.*)$", MAKEFILE, re.M).group(1)
+    # make test alone runs every test: its marker expression (TEST_MARKS, which .ci/run sets to share
+    # the suites out) is empty unless given, and only then is -m passed.
+    assert make_variable("TEST_MARKS") == "" and '$(if $(TEST_MARKS),-m "$(TEST_MARKS)")' in recipe("test")[0]
 
 
 @pytest.mark.skipif("MAKELEVEL" not in os.environ, reason="checks the environment make test gives pytest (run by make)")

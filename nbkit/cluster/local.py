@@ -22,12 +22,17 @@ import multiprocessing
 import os
 import random
 import signal
+import time
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
 from ..trust import MAX_WORKERS, check_int
 from .engine import Engine, watch_driver
+
+#: How long :meth:`LocalEngine.worker_lost` waits, in all, for a broken pool's workers to be gone
+#: (a dead worker's pipe closes a moment before its exit status can be read).
+LOST_WAIT_SECONDS = 5.0
 
 __all__ = ["LocalEngine", "processes"]
 
@@ -112,6 +117,7 @@ class LocalEngine(Engine):
         try:
             return self._executor().submit(fn, *args)
         except BrokenProcessPool:  # a worker died since the last submit: a fresh pool
+            self._record_lost()  # before the pool and its processes' exit codes are gone
             self._drop(kill=True)
             return self._executor().submit(fn, *args)
 
@@ -128,9 +134,22 @@ class LocalEngine(Engine):
         return isinstance(error, (BrokenProcessPool, concurrent.futures.CancelledError))
 
     def _record_lost(self) -> None:
-        procs = getattr(self._pool, "_processes", None) or {}
+        """Note the workers of the broken pool that died on their own: ``(pid, exit code)`` in :attr:`lost`."""
+        pool = self._pool
+        if pool is None or not getattr(pool, "_broken", True):  # the failure was an earlier pool's: this one is sound
+            return
+        procs = getattr(pool, "_processes", None) or {}
+        deadline = time.monotonic() + LOST_WAIT_SECONDS
         for p in list(procs.values()):
+            # The pool broke because a worker's pipe closed, which happens a moment before the kernel
+            # gives its exit status (and the pool ends the others): wait for each, briefly, to read it.
+            # The pool's own thread reaps them too; between its waitpid and its note of the status, ours
+            # finds nothing to reap (exitcode None): look again until that note is there.
+            p.join(max(0.0, deadline - time.monotonic()))
             code = p.exitcode
+            while code is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+                code = p.exitcode
             # The pool ends the other workers with SIGTERM once one died: those are not the news.
             if code not in (None, 0, -signal.SIGTERM) and (p.pid, code) not in self.lost:
                 self.lost.append((p.pid, code))
