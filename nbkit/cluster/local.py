@@ -58,6 +58,9 @@ def _alive(pool) -> list:
 
 
 def _init_worker(seed: int, source: tuple | None = None, driver: int | None = None) -> None:
+    # SIGTERM ends a worker (the pool ends the rest so once one died): never a handler inherited through
+    # a fork from the driver (ray.init installs one that exits with status 15, which reads as a crash).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import torch
 
     if driver is not None:  # first: a driver killed while this worker loads the source ends it too

@@ -47,6 +47,24 @@ def test_a_worker_that_exits_is_named_with_its_exit_code_every_time():
             assert [code for _, code in engine.lost] == [9]
 
 
+def test_a_sigterm_handler_of_the_driver_does_not_make_the_ended_workers_look_crashed(monkeypatch):
+    """ray.init installs ``sys.exit(signum)`` for SIGTERM in the driver; forked workers inherit it, and
+    the workers the broken pool ends then exit with status 15, which was reported as the crash."""
+    def exit_with_the_signal(signum, frame):
+        raise SystemExit(signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_with_the_signal)
+    try:
+        for _ in range(5):
+            with LocalEngine(3, multiprocessing_context="fork") as engine:
+                futures = [engine.submit(time.sleep, 0.5) for _ in range(2)] + [engine.submit(_exit_9, 0)]
+                error = futures[-1].exception(timeout=60)
+                assert engine.worker_lost(error)
+                assert [code for _, code in engine.lost] == [9]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_later_report_of_an_earlier_pool_does_not_wait_on_the_sound_one():
     with LocalEngine(1, multiprocessing_context="fork") as engine:
         error = engine.submit(_exit_9, 0).exception(timeout=60)
