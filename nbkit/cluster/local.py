@@ -144,15 +144,11 @@ class LocalEngine(Engine):
         procs = getattr(pool, "_processes", None) or {}
         deadline = time.monotonic() + LOST_WAIT_SECONDS
         for p in list(procs.values()):
-            # The pool broke because a worker's pipe closed, which happens a moment before the kernel
-            # gives its exit status (and the pool ends the others): wait for each, briefly, to read it.
-            # The pool's own thread reaps them too; between its waitpid and its note of the status, ours
-            # finds nothing to reap (exitcode None): look again until that note is there.
-            p.join(max(0.0, deadline - time.monotonic()))
-            code = p.exitcode
-            while code is None and time.monotonic() < deadline:
+            # The pool broke because a worker's pipe closed, a moment before the kernel gives its exit
+            # status (and the pool ends the others); the pool's own thread reaps them too, and between
+            # its waitpid and its note of the status ours finds nothing. Look until the status is there.
+            while (code := p.exitcode) is None and time.monotonic() < deadline:
                 time.sleep(0.005)
-                code = p.exitcode
             # The pool ends the other workers with SIGTERM once one died: those are not the news.
             if code not in (None, 0, -signal.SIGTERM) and (p.pid, code) not in self.lost:
                 self.lost.append((p.pid, code))
